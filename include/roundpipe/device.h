@@ -1,0 +1,124 @@
+// Devices: the stateless compute pool RoundPipe dispatches stages to.
+//
+// A Device has four ordered queues. Work enqueued on one queue runs in
+// order; queues run concurrently with each other. Events recorded on a queue
+// complete when everything enqueued before them has run; another queue (or
+// the host) can wait for them. Backends:
+//   cuda: one CUDA stream per queue, c10 CUDA events (cross-device waits).
+//   sim:  a simulated accelerator on the CPU: each copy queue is a real
+//         thread, so copies really run asynchronously and the scheduler's
+//         races are exercised in CI; "device memory" is a budgeted CPU arena.
+#pragma once
+
+#include <ATen/core/Generator.h>
+#include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+namespace roundpipe {
+
+enum class Queue : int { kParamUpload = 0, kActUpload = 1, kCompute = 2, kDownload = 3 };
+const char* queue_name(Queue q);
+
+// A point in one queue's order. Always recorded before it is shared.
+class Event {
+ public:
+  virtual ~Event() = default;
+  // Blocks the calling host thread until the event has completed.
+  virtual void synchronize() = 0;
+  virtual bool query() = 0;
+};
+using EventPtr = std::shared_ptr<Event>;
+
+struct DeviceMemoryStats {
+  int64_t budget_bytes = 0;  // what the device may hold (0: unlimited)
+  int64_t in_use_bytes = 0;  // tracked device tensors alive now
+  int64_t peak_bytes = 0;
+};
+
+class Device {
+ public:
+  virtual ~Device() = default;
+
+  virtual std::string name() const = 0;           // "sim:1", "cuda:0"
+  virtual c10::Device torch_device() const = 0;   // where its tensors live
+  virtual bool is_simulated() const = 0;
+
+  // Runs `work` in the order of `queue`. cuda: now, on the calling thread,
+  // with the queue's stream current (work must only enqueue async ops).
+  // sim: copy queues run it on the queue's thread; kCompute runs it inline.
+  virtual void enqueue(Queue queue, std::function<void()> work) = 0;
+  // Records an event after all work enqueued so far on `queue`.
+  virtual EventPtr record(Queue queue) = 0;
+  // Makes `queue` wait (device side) for `event`. A null event is a no-op.
+  virtual void wait(Queue queue, const EventPtr& event) = 0;
+
+  // Copies host tensors to new device tensors on `queue` (kParamUpload or
+  // kActUpload). The copies are ordered after `after` (may be null). Returns
+  // the device tensors and the event that completes when they are written.
+  virtual std::pair<std::vector<at::Tensor>, EventPtr> upload(
+      Queue queue, const std::vector<at::Tensor>& host, const EventPtr& after) = 0;
+  // Copies device tensors produced by the compute queue so far into new host
+  // tensors (pinned where the backend supports it) on kDownload.
+  virtual std::pair<std::vector<at::Tensor>, EventPtr> download(
+      const std::vector<at::Tensor>& device_tensors) = 0;
+
+  // The random generator that ops on this device draw from.
+  virtual at::Generator generator() = 0;
+  // Held around compute that touches generator(): sim devices share the CPU
+  // generator, so their compute sections take one process-wide lock.
+  virtual std::unique_lock<std::mutex> compute_lock() = 0;
+
+  virtual DeviceMemoryStats memory_stats() const = 0;
+  // Whether host tensors may be pinned for this backend.
+  virtual bool supports_pinned_memory() const = 0;
+};
+using DevicePtr = std::shared_ptr<Device>;
+
+struct SimDeviceOptions {
+  int64_t memory_budget_bytes = 0;  // 0 = unlimited
+  // Upper bound of a random delay before each sim copy, to shake out missing
+  // waits in tests (0 = none).
+  int64_t copy_jitter_us = 0;
+  // Simulated link bandwidth for copies in GB/s (0 = as fast as memcpy).
+  double bandwidth_gbps = 0;
+};
+
+// Makes `count` simulated devices named sim:0..sim:count-1.
+std::vector<DevicePtr> make_sim_devices(int count, const SimDeviceOptions& options = {});
+// Makes the CUDA devices with the given indices (all visible ones if empty).
+// Throws when the build has no CUDA backend or no GPU is visible.
+std::vector<DevicePtr> make_cuda_devices(const std::vector<int>& indices = {});
+bool cuda_backend_compiled();
+int cuda_device_count();
+
+// Parses a device spec: "sim:N" (N simulated devices, optionally followed by
+// ",mem=SIZE" e.g. "sim:2,mem=64MiB", ",jitter_us=N", ",gbps=X"), "cuda" (all GPUs),
+// "cuda:0,1" (these GPUs), "auto" or "" (all GPUs if any, else sim:1).
+std::vector<DevicePtr> make_devices(const std::string& spec);
+// The spec in effect when none is given: $ROUNDPIPE_DEVICES, else "auto".
+std::string default_device_spec();
+
+// The devices a RoundPipe dispatches to, handed out round-robin.
+class DevicePool {
+ public:
+  explicit DevicePool(std::vector<DevicePtr> devices);
+  int size() const { return static_cast<int>(devices_.size()); }
+  const DevicePtr& at(int i) const { return devices_.at(i); }
+  const std::vector<DevicePtr>& devices() const { return devices_; }
+  // The device index for the next job, advancing the round-robin cursor.
+  int next();
+
+ private:
+  std::vector<DevicePtr> devices_;
+  std::mutex mu_;
+  int cursor_ = 0;
+};
+
+}  // namespace roundpipe

@@ -1,0 +1,75 @@
+// The unit the engine schedules: something with parameters and buffers that
+// can run `IValue forward(IValue)` on device copies of them.
+#pragma once
+
+#include <ATen/core/ivalue.h>
+#include <torch/nn/modules/container/sequential.h>
+
+#include <atomic>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace roundpipe {
+
+// A layer bound to one job's device copies of its parameters and buffers. A
+// layer may run on two devices at once (the next iteration's forward beside
+// this one's backward), so each job takes its own instance.
+class LayerInstance {
+ public:
+  virtual ~LayerInstance() = default;
+  // Binds the device tensors, in the order of Layer::parameters()/buffers().
+  // Parameter leaves get requires_grad as `requires_grad[i]` and no grad.
+  virtual void bind(const std::vector<at::Tensor>& params, const std::vector<bool>& requires_grad,
+                    const std::vector<at::Tensor>& buffers, bool training) = 0;
+  // Drops the device tensors (and their grads).
+  virtual void unbind() = 0;
+  // The autograd leaves standing for the parameters, whose .grad accumulates.
+  virtual std::vector<at::Tensor> parameter_leaves() = 0;
+  // The buffers as the layer left them (it may write its own buffers).
+  virtual std::vector<at::Tensor> buffer_values() = 0;
+  virtual c10::IValue forward(const c10::IValue& input) = 0;
+};
+
+class Layer {
+ public:
+  virtual ~Layer() = default;
+  // A short description for error messages, e.g. "torch::nn::LinearImpl".
+  virtual std::string type_name() const = 0;
+  // Home (CPU) tensors. The same tensor may appear in several layers (tied
+  // weights); the engine uploads and accumulates it once per stage.
+  virtual std::vector<at::Tensor> parameters() const = 0;
+  virtual std::vector<at::Tensor> buffers() const = 0;
+  // Replaces the home tensor of parameter/buffer i (e.g. with a pinned copy).
+  virtual void set_parameter_data(size_t i, const at::Tensor& data) = 0;
+  virtual bool is_training() const = 0;
+  virtual std::unique_ptr<LayerInstance> make_instance() = 0;
+};
+using LayerPtr = std::shared_ptr<Layer>;
+
+// A torch::nn module (a child of a torch::nn::Sequential). Its forward may
+// take and return at::Tensor (standard modules) or c10::IValue (custom
+// modules passing tuples/lists/dicts of tensors and scalars). Instances are
+// made with clone(), so custom modules derive from torch::nn::Cloneable.
+class TorchModuleLayer final : public Layer {
+ public:
+  explicit TorchModuleLayer(torch::nn::AnyModule module);
+  std::string type_name() const override;
+  std::vector<at::Tensor> parameters() const override;
+  std::vector<at::Tensor> buffers() const override;
+  void set_parameter_data(size_t i, const at::Tensor& data) override;
+  bool is_training() const override;
+  std::unique_ptr<LayerInstance> make_instance() override;
+
+  // How forward takes its argument, learned at the first call.
+  enum class ArgKind : int { kUnknown = 0, kTensor = 1, kIValue = 2 };
+  std::atomic<int> arg_kind{0};
+
+ private:
+  torch::nn::AnyModule module_;
+};
+
+// One layer per child of `sequential`.
+std::vector<LayerPtr> layers_of(const torch::nn::Sequential& sequential);
+
+}  // namespace roundpipe

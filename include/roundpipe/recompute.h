@@ -1,0 +1,17 @@
+// Helpers for layers whose forward does random or host-syncing work that a
+// recompute must not redo (MoE routing counts, nonzero(), .item()).
+#pragma once
+
+#include <ATen/core/ivalue.h>
+
+namespace roundpipe {
+
+// Called from a layer's forward: keeps `data` (which must not require grad)
+// for this layer and microbatch, once per layer per microbatch.
+void save_for_recompute(const c10::IValue& data);
+// Whether the current layer call is a recompute in a backward stage.
+bool doing_recompute();
+// In a recompute: what the forward saved, with tensors on this device.
+c10::IValue get_recompute_data();
+
+}  // namespace roundpipe

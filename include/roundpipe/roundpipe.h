@@ -1,0 +1,107 @@
+// RoundPipe: train a torch::nn::Sequential larger than GPU memory. Model
+// state lives in CPU memory; stages are dispatched round-robin to a pool of
+// stateless devices; activations are recomputed in backward.
+#pragma once
+
+#include <ATen/core/ivalue.h>
+#include <c10/core/ScalarType.h>
+#include <torch/nn/modules/container/sequential.h>
+
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "roundpipe/device.h"
+#include "roundpipe/errors.h"
+#include "roundpipe/execute_plan.h"
+#include "roundpipe/layer.h"
+#include "roundpipe/microbatch.h"
+#include "roundpipe/recompute.h"
+#include "roundpipe/run_config.h"
+
+namespace roundpipe {
+
+namespace detail {
+class Engine;
+}
+
+enum class PinMode {
+  kAlloc,     // copy model state into pinned host memory (fastest transfers)
+  kRegister,  // pin the existing storage in place (CUDA only; ~1x memory)
+  kOff,       // leave host memory pageable (e.g. mmap-loaded weights)
+};
+PinMode pin_mode_from_string(const std::string& text);
+
+struct RoundPipeOptions {
+  // dtype of the optimizer's master copies; default: the parameter dtype.
+  std::optional<c10::ScalarType> optim_dtype;
+  PinMode pin_model = PinMode::kAlloc;
+  RunConfig model_run_config;
+  std::string name;  // for messages; default "RoundPipe"
+  // Device spec (see make_devices); empty: $ROUNDPIPE_DEVICES, else all GPUs
+  // if any, else one simulated device. Ignored when `device_list` is set.
+  std::string devices;
+  std::vector<DevicePtr> device_list;
+
+  RoundPipeOptions& set_optim_dtype(c10::ScalarType v) { optim_dtype = v; return *this; }
+  RoundPipeOptions& set_pin_model(PinMode v) { pin_model = v; return *this; }
+  RoundPipeOptions& set_model_run_config(RunConfig v) { model_run_config = std::move(v); return *this; }
+  RoundPipeOptions& set_name(std::string v) { name = std::move(v); return *this; }
+  RoundPipeOptions& set_devices(std::string v) { devices = std::move(v); return *this; }
+  RoundPipeOptions& set_device_list(std::vector<DevicePtr> v) { device_list = std::move(v); return *this; }
+};
+
+// loss_fn(output of the last layer, label) -> a 0-dim loss, run on the
+// device for every microbatch.
+using LossFn = std::function<at::Tensor(const c10::IValue& output, const c10::IValue& label)>;
+
+struct ForwardBackwardResult {
+  at::Tensor loss;     // sum of the microbatch losses (CPU, 0-dim)
+  c10::IValue output;  // merged outputs when asked for, else None
+};
+
+class RoundPipe {
+ public:
+  // Each child of `model` becomes one scheduled layer. The model's
+  // parameters stay the home of the weights (pinned in place per pin_model).
+  explicit RoundPipe(torch::nn::Sequential model, RoundPipeOptions options = {});
+  RoundPipe(std::vector<LayerPtr> layers, RoundPipeOptions options = {});
+  ~RoundPipe();
+  RoundPipe(const RoundPipe&) = delete;
+  RoundPipe& operator=(const RoundPipe&) = delete;
+
+  // Runs the model on CPU inputs; returns the merged outputs on
+  // output_device. With requires_grad (default: grad mode), the outputs are
+  // connected to autograd: backward() on them runs the backward stages,
+  // accumulates parameter gradients (see synchronize()) and fills the
+  // gradients of inputs that require grad.
+  c10::IValue forward(const c10::IValue& input, const RunConfig& config = {});
+  at::Tensor forward(const at::Tensor& input, const RunConfig& config = {});
+
+  // Fused training call: per microbatch forward, loss_fn, backward; the last
+  // backward stage does all three without recompute. Returns once the losses
+  // are known; the remaining backward stages run on in the background and
+  // are fenced against the next call and synchronize().
+  ForwardBackwardResult forward_backward(const c10::IValue& input, const c10::IValue& label,
+                                         const LossFn& loss_fn, bool return_outputs = false,
+                                         const RunConfig& config = {});
+
+  // Waits for all background work and adds the gradients accumulated since
+  // the last synchronize() into the parameters' .grad().
+  void synchronize();
+
+  std::vector<at::Tensor> parameters() const;  // unique, in layer order
+  int num_layers() const;
+  const DevicePool& devices() const;
+  const std::string& name() const;
+  // The plan a call without execute_plan uses.
+  ExecutePlan default_plan(bool fused) const;
+  std::optional<c10::ScalarType> optim_dtype() const;
+
+ private:
+  std::unique_ptr<detail::Engine> engine_;
+};
+
+}  // namespace roundpipe

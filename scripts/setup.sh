@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Installs everything roundpipe needs on a fresh Debian machine:
+# system packages (compiler tools, C++ libraries) and a project-local
+# Python virtual environment (.venv) with torch==2.11.0, whose LibTorch we
+# build against. Safe to run again: every step is skipped when done.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+
+apt_packages=(cmake ninja-build ccache g++ libgtest-dev libgmock-dev
+  libbenchmark-dev nlohmann-json3-dev libcli11-dev libfmt-dev clang-format)
+missing=()
+for p in "${apt_packages[@]}"; do
+  dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  echo "[setup] installing Debian packages: ${missing[*]}"
+  SUDO=""; [ "$(id -u)" = 0 ] || SUDO=sudo
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}"
+fi
+
+python_bin="${PYTHON:-python3}"
+if [ ! -x .venv/bin/python ]; then
+  echo "[setup] creating .venv with $($python_bin --version)"
+  "$python_bin" -m venv .venv
+fi
+if ! .venv/bin/python -c 'import torch, sys; sys.exit(torch.__version__.split("+")[0] != "2.11.0")' 2>/dev/null; then
+  echo "[setup] installing torch==2.11.0 into .venv (large download, cached by pip)"
+  .venv/bin/python -m pip install -q --upgrade pip
+  .venv/bin/python -m pip install -q torch==2.11.0 numpy
+fi
+echo "[setup] done: $(.venv/bin/python -c 'import torch; print("torch", torch.__version__)')"

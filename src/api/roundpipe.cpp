@@ -1,0 +1,50 @@
+// The public RoundPipe class: a thin front over detail::Engine.
+#include "roundpipe/roundpipe.h"
+
+#include <c10/util/Exception.h>
+
+#include "runtime/engine.h"
+
+namespace roundpipe {
+
+PinMode pin_mode_from_string(const std::string& text) {
+  if (text == "alloc") return PinMode::kAlloc;
+  if (text == "register") return PinMode::kRegister;
+  if (text == "off") return PinMode::kOff;
+  TORCH_CHECK(false, "unknown pin_model '", text, "': use alloc, register or off");
+}
+
+RoundPipe::RoundPipe(torch::nn::Sequential model, RoundPipeOptions options)
+    : RoundPipe(layers_of(model), std::move(options)) {}
+
+RoundPipe::RoundPipe(std::vector<LayerPtr> layers, RoundPipeOptions options)
+    : engine_(std::make_unique<detail::Engine>(std::move(layers), std::move(options))) {}
+
+RoundPipe::~RoundPipe() = default;
+
+c10::IValue RoundPipe::forward(const c10::IValue& input, const RunConfig& config) {
+  return engine_->forward(input, config);
+}
+
+at::Tensor RoundPipe::forward(const at::Tensor& input, const RunConfig& config) {
+  auto out = engine_->forward(c10::IValue(input), config);
+  TORCH_CHECK(out.isTensor(), name(), ": the model returned a ", out.tagKind(),
+              ", not a tensor; call forward(c10::IValue) to get it");
+  return out.toTensor();
+}
+
+ForwardBackwardResult RoundPipe::forward_backward(const c10::IValue& input,
+                                                  const c10::IValue& label, const LossFn& loss_fn,
+                                                  bool return_outputs, const RunConfig& config) {
+  return engine_->forward_backward(input, label, loss_fn, return_outputs, config);
+}
+
+void RoundPipe::synchronize() { engine_->synchronize(); }
+std::vector<at::Tensor> RoundPipe::parameters() const { return engine_->parameters(); }
+int RoundPipe::num_layers() const { return engine_->num_layers(); }
+const DevicePool& RoundPipe::devices() const { return engine_->pool(); }
+const std::string& RoundPipe::name() const { return engine_->name(); }
+ExecutePlan RoundPipe::default_plan(bool fused) const { return engine_->default_plan(fused); }
+std::optional<c10::ScalarType> RoundPipe::optim_dtype() const { return engine_->optim_dtype(); }
+
+}  // namespace roundpipe

@@ -1,0 +1,145 @@
+// The CUDA backend: one stream per queue, c10 CUDA events.
+#include <ATen/Context.h>
+#include <ATen/cuda/CUDAEvent.h>
+#include <ATen/ops/empty.h>
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include <array>
+#include <optional>
+
+#include "roundpipe/device.h"
+
+namespace roundpipe {
+namespace {
+
+class CudaEvent final : public Event {
+ public:
+  explicit CudaEvent(const c10::cuda::CUDAStream& stream) { event_.record(stream); }
+  void synchronize() override { event_.synchronize(); }
+  bool query() override { return event_.query(); }
+  void block(const c10::cuda::CUDAStream& stream) { event_.block(stream); }
+
+ private:
+  at::cuda::CUDAEvent event_;
+};
+
+class CudaDevice final : public Device {
+ public:
+  explicit CudaDevice(int index) : index_(static_cast<c10::DeviceIndex>(index)) {
+    for (int q = 0; q < 4; ++q) {
+      // Activation uploads are on the critical path: give them priority.
+      streams_[q] = c10::cuda::getStreamFromPool(q == static_cast<int>(Queue::kActUpload), index_);
+    }
+  }
+
+  std::string name() const override { return "cuda:" + std::to_string(index_); }
+  c10::Device torch_device() const override { return c10::Device(c10::kCUDA, index_); }
+  bool is_simulated() const override { return false; }
+
+  void enqueue(Queue queue, std::function<void()> work) override {
+    c10::cuda::CUDAStreamGuard guard(stream(queue));
+    work();
+  }
+  EventPtr record(Queue queue) override {
+    c10::cuda::CUDAGuard guard(index_);
+    return std::make_shared<CudaEvent>(stream(queue));
+  }
+  void wait(Queue queue, const EventPtr& event) override {
+    if (!event) return;
+    auto* cuda_event = dynamic_cast<CudaEvent*>(event.get());
+    TORCH_CHECK(cuda_event, name(), ": cannot wait on an event of another backend");
+    cuda_event->block(stream(queue));
+  }
+
+  std::pair<std::vector<at::Tensor>, EventPtr> upload(Queue queue,
+                                                      const std::vector<at::Tensor>& host,
+                                                      const EventPtr& after) override {
+    std::vector<at::Tensor> dst;
+    dst.reserve(host.size());
+    {
+      // Allocate in compute-stream order: the memory's last user is the
+      // compute stream, so its reuse needs no cross-stream bookkeeping.
+      c10::cuda::CUDAStreamGuard guard(stream(Queue::kCompute));
+      for (const auto& t : host) {
+        dst.push_back(at::empty(t.sizes(), t.options().device(torch_device()).pinned_memory(false)));
+      }
+    }
+    wait(queue, record(Queue::kCompute));
+    wait(queue, after);
+    {
+      c10::cuda::CUDAStreamGuard guard(stream(queue));
+      for (size_t i = 0; i < dst.size(); ++i) dst[i].copy_(host[i], /*non_blocking=*/true);
+    }
+    return {dst, record(queue)};
+  }
+
+  std::pair<std::vector<at::Tensor>, EventPtr> download(
+      const std::vector<at::Tensor>& device_tensors) override {
+    wait(Queue::kDownload, record(Queue::kCompute));
+    std::vector<at::Tensor> dst;
+    dst.reserve(device_tensors.size());
+    c10::cuda::CUDAStreamGuard guard(stream(Queue::kDownload));
+    for (const auto& t : device_tensors) {
+      auto host = at::empty(t.sizes(), t.options().device(c10::kCPU).pinned_memory(true));
+      host.copy_(t, /*non_blocking=*/true);
+      // The compute side may free `t` before this copy has read it.
+      c10::cuda::CUDACachingAllocator::recordStream(t.storage().data_ptr(),
+                                                    stream(Queue::kDownload));
+      dst.push_back(host);
+    }
+    return {dst, record(Queue::kDownload)};
+  }
+
+  at::Generator generator() override {
+    return at::globalContext().defaultGenerator(torch_device());
+  }
+  std::unique_lock<std::mutex> compute_lock() override { return {}; }
+
+  DeviceMemoryStats memory_stats() const override {
+    size_t free_bytes = 0, total_bytes = 0;
+    {
+      c10::cuda::CUDAGuard guard(index_);
+      C10_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
+    }
+    const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(index_);
+    const auto& all = stats.allocated_bytes[0];
+    return {static_cast<int64_t>(total_bytes), all.current, all.peak};
+  }
+  bool supports_pinned_memory() const override { return true; }
+
+ private:
+  const c10::cuda::CUDAStream& stream(Queue q) const { return streams_[static_cast<int>(q)]; }
+
+  c10::DeviceIndex index_;
+  std::array<c10::cuda::CUDAStream, 4> streams_ = {
+      c10::cuda::getDefaultCUDAStream(), c10::cuda::getDefaultCUDAStream(),
+      c10::cuda::getDefaultCUDAStream(), c10::cuda::getDefaultCUDAStream()};
+};
+
+}  // namespace
+
+bool cuda_backend_compiled() { return true; }
+
+int cuda_device_count() { return static_cast<int>(c10::cuda::device_count()); }
+
+std::vector<DevicePtr> make_cuda_devices(const std::vector<int>& indices_in) {
+  const int count = cuda_device_count();
+  TORCH_CHECK(count > 0, "no CUDA GPU is visible. Use ROUNDPIPE_DEVICES=sim:N to run on "
+              "simulated devices.");
+  std::vector<int> indices = indices_in;
+  if (indices.empty()) {
+    for (int i = 0; i < count; ++i) indices.push_back(i);
+  }
+  std::vector<DevicePtr> devices;
+  for (int i : indices) {
+    TORCH_CHECK(i >= 0 && i < count, "GPU index ", i, " is out of range: ", count,
+                " GPU(s) are visible");
+    devices.push_back(std::make_shared<CudaDevice>(i));
+  }
+  return devices;
+}
+
+}  // namespace roundpipe

@@ -1,0 +1,120 @@
+// Device selection (specs, $ROUNDPIPE_DEVICES) and the round-robin pool.
+#include <c10/util/Exception.h>
+
+#include <cstdlib>
+#include <sstream>
+
+#include "roundpipe/device.h"
+
+namespace roundpipe {
+namespace {
+
+int64_t parse_size(const std::string& text) {
+  size_t pos = 0;
+  const double value = std::stod(text, &pos);
+  const std::string unit = text.substr(pos);
+  double scale = 1;
+  if (unit == "" || unit == "B") scale = 1;
+  else if (unit == "KiB") scale = 1024.0;
+  else if (unit == "MiB") scale = 1024.0 * 1024;
+  else if (unit == "GiB") scale = 1024.0 * 1024 * 1024;
+  else if (unit == "KB") scale = 1e3;
+  else if (unit == "MB") scale = 1e6;
+  else if (unit == "GB") scale = 1e9;
+  else TORCH_CHECK(false, "unknown size unit '", unit, "' in '", text, "' (use B, KiB, MiB, GiB, KB, MB or GB)");
+  return static_cast<int64_t>(value * scale);
+}
+
+std::vector<std::string> split(const std::string& text, char sep) {
+  std::vector<std::string> parts;
+  std::stringstream stream(text);
+  std::string part;
+  while (std::getline(stream, part, sep)) parts.push_back(part);
+  return parts;
+}
+
+}  // namespace
+
+std::string default_device_spec() {
+  const char* env = std::getenv("ROUNDPIPE_DEVICES");
+  return env ? std::string(env) : std::string("auto");
+}
+
+std::vector<DevicePtr> make_devices(const std::string& spec_in) {
+  const std::string spec = spec_in.empty() ? "auto" : spec_in;
+  const std::string help =
+      "Valid device specs: 'auto', 'cuda', 'cuda:0,1', 'sim:N' with optional ',mem=SIZE', "
+      "',jitter_us=N', ',gbps=X' (e.g. ROUNDPIPE_DEVICES=sim:3,mem=256MiB).";
+  if (spec == "auto") {
+    if (cuda_device_count() > 0) return make_cuda_devices();
+    return make_sim_devices(1);
+  }
+  if (spec == "cuda") return make_cuda_devices();
+  if (spec.rfind("cuda:", 0) == 0) {
+    std::vector<int> indices;
+    for (const auto& part : split(spec.substr(5), ',')) {
+      try {
+        indices.push_back(std::stoi(part));
+      } catch (const std::exception&) {
+        TORCH_CHECK(false, "bad GPU index '", part, "' in device spec '", spec, "'. ", help);
+      }
+    }
+    return make_cuda_devices(indices);
+  }
+  if (spec.rfind("sim", 0) == 0) {
+    auto parts = split(spec, ',');
+    int count = 1;
+    if (parts[0] != "sim") {
+      TORCH_CHECK(parts[0].rfind("sim:", 0) == 0, "bad device spec '", spec, "'. ", help);
+      try {
+        count = std::stoi(parts[0].substr(4));
+      } catch (const std::exception&) {
+        TORCH_CHECK(false, "bad device count in '", spec, "'. ", help);
+      }
+    }
+    SimDeviceOptions options;
+    for (size_t i = 1; i < parts.size(); ++i) {
+      const auto eq = parts[i].find('=');
+      TORCH_CHECK(eq != std::string::npos, "bad option '", parts[i], "' in '", spec, "'. ", help);
+      const std::string key = parts[i].substr(0, eq), value = parts[i].substr(eq + 1);
+      try {
+        if (key == "mem") options.memory_budget_bytes = parse_size(value);
+        else if (key == "jitter_us") options.copy_jitter_us = std::stoll(value);
+        else if (key == "gbps") options.bandwidth_gbps = std::stod(value);
+        else TORCH_CHECK(false, "unknown sim option '", key, "'. ", help);
+      } catch (const std::invalid_argument&) {
+        TORCH_CHECK(false, "bad value '", value, "' for sim option '", key, "'. ", help);
+      }
+    }
+    return make_sim_devices(count, options);
+  }
+  TORCH_CHECK(false, "unknown device spec '", spec, "'. ", help);
+}
+
+DevicePool::DevicePool(std::vector<DevicePtr> devices) : devices_(std::move(devices)) {
+  TORCH_CHECK(!devices_.empty(), "DevicePool needs at least one device");
+  const bool sim = devices_.front()->is_simulated();
+  for (const auto& d : devices_) {
+    TORCH_CHECK(d->is_simulated() == sim, "a DevicePool cannot mix simulated and CUDA devices (",
+                devices_.front()->name(), ", ", d->name(), ")");
+  }
+}
+
+int DevicePool::next() {
+  std::lock_guard<std::mutex> lock(mu_);
+  const int i = cursor_;
+  cursor_ = (cursor_ + 1) % size();
+  return i;
+}
+
+#ifndef ROUNDPIPE_WITH_CUDA
+bool cuda_backend_compiled() { return false; }
+int cuda_device_count() { return 0; }
+std::vector<DevicePtr> make_cuda_devices(const std::vector<int>&) {
+  TORCH_CHECK(false,
+              "this roundpipe build has no CUDA backend (LibTorch was found without CUDA). "
+              "Use ROUNDPIPE_DEVICES=sim:N, or rebuild against a CUDA-enabled torch.");
+}
+#endif
+
+}  // namespace roundpipe

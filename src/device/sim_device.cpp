@@ -1,0 +1,274 @@
+// The simulated accelerator: CPU tensors, copy queues on real threads.
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
+#include <c10/core/impl/alloc_cpu.h>
+#include <c10/util/Exception.h>
+
+#include <array>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <random>
+#include <thread>
+
+#include "roundpipe/device.h"
+
+namespace roundpipe {
+namespace {
+
+class SimEvent final : public Event {
+ public:
+  void complete(std::exception_ptr error) {
+    std::lock_guard<std::mutex> lock(mu_);
+    done_ = true;
+    error_ = error;
+    cv_.notify_all();
+  }
+  void synchronize() override {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [&] { return done_; });
+    if (error_) std::rethrow_exception(error_);
+  }
+  bool query() override {
+    std::lock_guard<std::mutex> lock(mu_);
+    return done_;
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool done_ = false;
+  std::exception_ptr error_;
+};
+
+std::shared_ptr<SimEvent> completed_event() {
+  auto event = std::make_shared<SimEvent>();
+  event->complete(nullptr);
+  return event;
+}
+
+// One ordered queue served by its own thread. A task that throws poisons the
+// next recorded event, so whoever waits on it sees the error.
+class SimQueue {
+ public:
+  SimQueue(std::string name, int64_t jitter_us) : name_(std::move(name)), jitter_us_(jitter_us) {
+    thread_ = std::thread([this] { loop(); });
+  }
+  ~SimQueue() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+      cv_.notify_all();
+    }
+    thread_.join();
+  }
+  void push(std::function<void()> task, bool jitter) {
+    std::lock_guard<std::mutex> lock(mu_);
+    tasks_.push_back({std::move(task), jitter});
+    cv_.notify_all();
+  }
+  EventPtr record() {
+    auto event = std::make_shared<SimEvent>();
+    push(
+        [this, event] {
+          event->complete(error_);
+          error_ = nullptr;
+        },
+        false);
+    return event;
+  }
+
+ private:
+  struct Task {
+    std::function<void()> fn;
+    bool jitter;
+  };
+  void loop() {
+    std::mt19937_64 rng(std::hash<std::string>{}(name_));
+    for (;;) {
+      Task task;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        cv_.wait(lock, [&] { return stop_ || !tasks_.empty(); });
+        if (tasks_.empty()) return;
+        task = std::move(tasks_.front());
+        tasks_.pop_front();
+      }
+      if (task.jitter && jitter_us_ > 0) {
+        std::this_thread::sleep_for(std::chrono::microseconds(rng() % (jitter_us_ + 1)));
+      }
+      try {
+        task.fn();
+      } catch (...) {
+        if (!error_) error_ = std::current_exception();
+      }
+    }
+  }
+
+  std::string name_;
+  int64_t jitter_us_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<Task> tasks_;
+  bool stop_ = false;
+  std::exception_ptr error_;  // touched by the queue thread only
+  std::thread thread_;
+};
+
+struct SimMemory {
+  std::atomic<int64_t> in_use{0};
+  std::atomic<int64_t> peak{0};
+  int64_t budget = 0;
+};
+
+std::mutex& sim_compute_mutex() {
+  static std::mutex mu;
+  return mu;
+}
+
+class SimDevice final : public Device {
+ public:
+  SimDevice(int index, const SimDeviceOptions& options)
+      : index_(index), options_(options), memory_(std::make_shared<SimMemory>()) {
+    memory_->budget = options.memory_budget_bytes;
+    for (Queue q : {Queue::kParamUpload, Queue::kActUpload, Queue::kDownload}) {
+      queues_[static_cast<int>(q)] =
+          std::make_unique<SimQueue>(name() + "/" + queue_name(q), options.copy_jitter_us);
+    }
+  }
+
+  std::string name() const override { return "sim:" + std::to_string(index_); }
+  c10::Device torch_device() const override { return c10::Device(c10::kCPU); }
+  bool is_simulated() const override { return true; }
+
+  void enqueue(Queue queue, std::function<void()> work) override {
+    if (queue == Queue::kCompute) {
+      work();
+    } else {
+      copy_queue(queue).push(std::move(work), false);
+    }
+  }
+  EventPtr record(Queue queue) override {
+    if (queue == Queue::kCompute) return completed_event();
+    return copy_queue(queue).record();
+  }
+  void wait(Queue queue, const EventPtr& event) override {
+    if (!event) return;
+    if (queue == Queue::kCompute) {
+      event->synchronize();
+    } else {
+      copy_queue(queue).push([event] { event->synchronize(); }, false);
+    }
+  }
+
+  std::pair<std::vector<at::Tensor>, EventPtr> upload(Queue queue,
+                                                      const std::vector<at::Tensor>& host,
+                                                      const EventPtr& after) override {
+    TORCH_CHECK(queue == Queue::kParamUpload || queue == Queue::kActUpload,
+                "upload runs on an upload queue, not ", queue_name(queue));
+    std::vector<at::Tensor> dst;
+    dst.reserve(host.size());
+    for (const auto& t : host) dst.push_back(allocate(t.sizes(), t.scalar_type()));
+    wait(queue, after);
+    copy_queue(queue).push([dst, host, this] { copy_all(dst, host); }, true);
+    return {dst, record(queue)};
+  }
+
+  std::pair<std::vector<at::Tensor>, EventPtr> download(
+      const std::vector<at::Tensor>& device_tensors) override {
+    std::vector<at::Tensor> dst;
+    dst.reserve(device_tensors.size());
+    for (const auto& t : device_tensors) {
+      dst.push_back(at::empty(t.sizes(), at::TensorOptions().dtype(t.scalar_type())));
+    }
+    copy_queue(Queue::kDownload).push([dst, device_tensors, this] { copy_all(dst, device_tensors); },
+                                      true);
+    return {dst, record(Queue::kDownload)};
+  }
+
+  at::Generator generator() override { return at::detail::getDefaultCPUGenerator(); }
+  std::unique_lock<std::mutex> compute_lock() override {
+    return std::unique_lock<std::mutex>(sim_compute_mutex());
+  }
+  DeviceMemoryStats memory_stats() const override {
+    return {memory_->budget, memory_->in_use.load(), memory_->peak.load()};
+  }
+  bool supports_pinned_memory() const override { return false; }
+
+ private:
+  SimQueue& copy_queue(Queue q) { return *queues_[static_cast<int>(q)]; }
+
+  // A tensor in the simulated device memory: counted against the budget from
+  // allocation until its storage is freed.
+  at::Tensor allocate(at::IntArrayRef sizes, at::ScalarType dtype) {
+    int64_t numel = 1;
+    for (auto s : sizes) numel *= s;
+    const int64_t bytes = numel * static_cast<int64_t>(c10::elementSize(dtype));
+    const int64_t now = memory_->in_use.fetch_add(bytes) + bytes;
+    if (memory_->budget > 0 && now > memory_->budget) {
+      memory_->in_use.fetch_sub(bytes);
+      TORCH_CHECK_WITH(OutOfMemoryError, false, name(), " out of memory: tried to allocate ",
+                       bytes, " bytes with ", now - bytes, " of ", memory_->budget,
+                       " bytes in use. Use smaller stages (execute_plan), more microbatches or "
+                       "recompute_grain=layer, or give the simulated device a larger budget.");
+    }
+    int64_t peak = memory_->peak.load();
+    while (now > peak && !memory_->peak.compare_exchange_weak(peak, now)) {
+    }
+    void* data = c10::alloc_cpu(std::max<int64_t>(bytes, 1));
+    auto memory = memory_;
+    return at::from_blob(
+        data, sizes,
+        [memory, bytes](void* p) {
+          c10::free_cpu(p);
+          memory->in_use.fetch_sub(bytes);
+        },
+        at::TensorOptions().dtype(dtype));
+  }
+
+  void copy_all(const std::vector<at::Tensor>& dst, const std::vector<at::Tensor>& src) {
+    const auto start = std::chrono::steady_clock::now();
+    int64_t bytes = 0;
+    for (size_t i = 0; i < dst.size(); ++i) {
+      dst[i].copy_(src[i]);
+      bytes += src[i].nbytes();
+    }
+    if (options_.bandwidth_gbps > 0) {
+      const auto target = std::chrono::duration<double>(bytes / (options_.bandwidth_gbps * 1e9));
+      std::this_thread::sleep_until(start +
+                                    std::chrono::duration_cast<std::chrono::nanoseconds>(target));
+    }
+  }
+
+  int index_;
+  SimDeviceOptions options_;
+  std::shared_ptr<SimMemory> memory_;
+  std::array<std::unique_ptr<SimQueue>, 4> queues_;
+};
+
+}  // namespace
+
+const char* queue_name(Queue q) {
+  switch (q) {
+    case Queue::kParamUpload:
+      return "param-upload";
+    case Queue::kActUpload:
+      return "activation-upload";
+    case Queue::kCompute:
+      return "compute";
+    case Queue::kDownload:
+      return "download";
+  }
+  return "?";
+}
+
+std::vector<DevicePtr> make_sim_devices(int count, const SimDeviceOptions& options) {
+  TORCH_CHECK(count >= 1, "make_sim_devices: need at least one device, got ", count);
+  std::vector<DevicePtr> devices;
+  for (int i = 0; i < count; ++i) devices.push_back(std::make_shared<SimDevice>(i, options));
+  return devices;
+}
+
+}  // namespace roundpipe

@@ -1,0 +1,1242 @@
+// The RoundPipe engine: see engine.h and docs/architecture.md.
+#include "runtime/engine.h"
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros_like.h>
+#include <c10/core/GradMode.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/autograd/autograd.h>
+#include <torch/csrc/autograd/custom_function.h>
+
+#include <atomic>
+#include <set>
+#include <sstream>
+#include <unordered_map>
+
+#include "roundpipe/ivalue_tree.h"
+#include "roundpipe/rng.h"
+
+namespace roundpipe::detail {
+
+enum JobKind : int { kForwardJob = 0, kBackwardJob = 1, kTailJob = 2 };
+
+// Unwinds a job of a call that already failed elsewhere.
+struct CallAborted {};
+
+// Everything one call (forward or forward_backward) shares between its jobs.
+struct CallState {
+  RunConfig config;  // resolved
+  int n = 1;         // microbatches
+  ExecutePlan plan;
+  bool fused = false;
+  bool training = false;
+  RecomputeGrain grain = RecomputeGrain::kStage;
+  bool preserve_rng = true;
+  uint64_t call_seed = 0;
+
+  // act[l][m]: input of layer l for microbatch m (l == L: final output);
+  // grad[l][m]: gradient of the input of layer l.
+  std::map<int, std::vector<std::shared_ptr<Slot>>> act, grad;
+  std::vector<std::shared_ptr<Slot>> losses, outputs;  // fused tail results
+  std::set<int> save_points;                           // layers whose input backward needs
+  std::vector<bool> input_requires_grad;               // per flattened input tensor
+  std::vector<bool> input_is_split;                    // per flattened input tensor
+  std::vector<std::vector<at::Tensor>> input_grads;    // per microbatch (layer 0)
+  std::vector<c10::IValue> output_structure;           // per microbatch, for backward
+  std::vector<std::vector<int64_t>> output_rows;       // per output tensor: rows per microbatch
+  std::vector<c10::IValue> labels;
+  LossFn loss_fn;
+  bool return_outputs = false;
+  bool backward_done = false;
+
+  std::mutex buffers_mu;
+  std::map<int, std::vector<at::Tensor>> buffer_snapshot;  // per layer, before microbatch 0
+
+  std::mutex recompute_mu;
+  std::map<std::pair<int, int>, c10::IValue> recompute_data;
+
+  std::atomic<bool> aborted{false};
+  std::mutex error_mu;
+  std::optional<StageError> error;
+  std::vector<std::shared_ptr<Slot>> all_slots;
+
+  std::shared_ptr<Slot> new_slot() {
+    auto slot = std::make_shared<Slot>();
+    all_slots.push_back(slot);
+    return slot;
+  }
+  std::vector<std::shared_ptr<Slot>> new_slots() {
+    std::vector<std::shared_ptr<Slot>> slots;
+    for (int m = 0; m < n; ++m) slots.push_back(new_slot());
+    return slots;
+  }
+
+  void fail(StageError e) {
+    {
+      std::lock_guard<std::mutex> lock(error_mu);
+      if (!error) error = std::move(e);
+    }
+    aborted = true;
+    for (auto& slot : all_slots) {
+      std::lock_guard<std::mutex> lock(slot->mu);
+      slot->cv.notify_all();
+    }
+  }
+  void rethrow_if_failed() {
+    std::lock_guard<std::mutex> lock(error_mu);
+    if (error) throw StageError(*error);
+  }
+  Slot& wait(const std::shared_ptr<Slot>& slot) {
+    std::unique_lock<std::mutex> lock(slot->mu);
+    slot->cv.wait(lock, [&] { return slot->ready || aborted.load(); });
+    if (!slot->ready) throw CallAborted{};
+    return *slot;
+  }
+  static void put(Slot& slot, c10::IValue value, std::vector<at::Tensor> tensors, EventPtr event,
+                  RngState rng) {
+    std::lock_guard<std::mutex> lock(slot.mu);
+    slot.value = std::move(value);
+    slot.tensors = std::move(tensors);
+    slot.event = std::move(event);  // recorded before the signal
+    slot.rng = std::move(rng);
+    slot.ready = true;
+    slot.cv.notify_all();
+  }
+};
+
+struct Job {
+  std::shared_ptr<CallState> call;
+  int kind = kForwardJob;
+  LayerRange range;
+  int stage_index = 0;
+  std::string describe() const {
+    static const char* names[] = {"forward", "backward", "fused tail"};
+    std::ostringstream out;
+    out << names[kind] << " stage " << stage_index << " (layers " << range.begin << ".."
+        << range.end - 1 << ")";
+    return out.str();
+  }
+  // Filled by the worker: this stage's parameters on its device.
+  std::vector<int> param_ids;
+  std::vector<at::Tensor> device_params;
+  EventPtr params_ready;
+};
+
+// ---------------------------------------------------------------- helpers
+
+namespace {
+
+// Uploads the defined tensors of `tensors`, keeping undefined ones.
+std::pair<std::vector<at::Tensor>, EventPtr> upload_flat(Device& device, Queue queue,
+                                                         const std::vector<at::Tensor>& tensors,
+                                                         const EventPtr& after) {
+  std::vector<at::Tensor> defined;
+  for (const auto& t : tensors) {
+    if (t.defined()) defined.push_back(t);
+  }
+  auto [copies, event] = device.upload(queue, defined, after);
+  std::vector<at::Tensor> out;
+  size_t next = 0;
+  for (const auto& t : tensors) out.push_back(t.defined() ? copies[next++] : at::Tensor());
+  return {out, event};
+}
+
+std::pair<std::vector<at::Tensor>, EventPtr> download_flat(Device& device,
+                                                           const std::vector<at::Tensor>& tensors) {
+  std::vector<at::Tensor> defined;
+  for (const auto& t : tensors) {
+    if (t.defined()) defined.push_back(t.detach());
+  }
+  auto [copies, event] = device.download(defined);
+  std::vector<at::Tensor> out;
+  size_t next = 0;
+  for (const auto& t : tensors) out.push_back(t.defined() ? copies[next++] : at::Tensor());
+  return {out, event};
+}
+
+std::pair<c10::IValue, EventPtr> upload_value(Device& device, const c10::IValue& value,
+                                              const EventPtr& after) {
+  auto [tensors, event] = upload_flat(device, Queue::kActUpload, flatten_tensors(value), after);
+  return {replace_tensors(value, tensors), event};
+}
+
+std::pair<c10::IValue, EventPtr> download_value(Device& device, const c10::IValue& value) {
+  auto [tensors, event] = download_flat(device, flatten_tensors(value));
+  return {replace_tensors(value, tensors), event};
+}
+
+RngState capture_rng(Device& device, bool active) {
+  RngState rng;
+  rng.active = active;
+  if (!active) return rng;
+  auto gen = device.generator();
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  rng.state = gen.get_state();
+  return rng;
+}
+
+void apply_rng(Device& device, const RngState& rng) {
+  if (!rng.active) return;
+  auto gen = device.generator();
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  if (rng.state.defined()) {
+    gen.set_state(rng.state);
+  } else {
+    gen.set_current_seed(rng.seed);
+  }
+}
+
+// Sets a microbatch's random stream on the device generator and restores
+// the generator's own state afterwards.
+class RngScope {
+ public:
+  RngScope(Device& device, const RngState& start) : device_(device), active_(start.active) {
+    if (!active_) return;
+    saved_ = capture_rng(device_, true);
+    apply_rng(device_, start);
+  }
+  ~RngScope() {
+    if (active_) apply_rng(device_, saved_);
+  }
+  RngState capture() { return capture_rng(device_, active_); }
+  void reset(const RngState& rng) { apply_rng(device_, rng); }
+
+ private:
+  Device& device_;
+  bool active_;
+  RngState saved_;
+};
+
+// Where save_for_recompute() & co. find the layer call they are part of.
+struct LayerCall {
+  CallState* call;
+  int layer;
+  int microbatch;
+  bool recompute;
+  c10::Device device;
+};
+thread_local LayerCall* current_layer_call = nullptr;
+
+struct LayerCallScope {
+  LayerCall record;
+  LayerCall* previous;
+  LayerCallScope(CallState* call, int layer, int mb, bool recompute, c10::Device device)
+      : record{call, layer, mb, recompute, device}, previous(current_layer_call) {
+    current_layer_call = &record;
+  }
+  ~LayerCallScope() { current_layer_call = previous; }
+};
+
+void check_devices(const c10::IValue& value, const Device& device, int layer,
+                   const std::string& type_name) {
+  const auto expected = device.torch_device();
+  for (const auto& t : flatten_tensors(value)) {
+    if (!t.defined()) continue;
+    TORCH_CHECK(t.device() == expected, "layer ", layer, " (", type_name,
+                ") returned a tensor on ", t.device(), " while running on ", device.name(),
+                " (", expected,
+                "). A layer's temporaries and outputs must take their device from its inputs or "
+                "weights, never a fixed device.");
+  }
+}
+
+// Makes the floating tensors of a stage input autograd leaves.
+c10::IValue make_leaves(const c10::IValue& value, const std::vector<bool>* only,
+                        std::vector<at::Tensor>& leaves) {
+  size_t i = 0;
+  return map_tensors(value, [&](const at::Tensor& t) {
+    const size_t index = i++;
+    at::Tensor leaf = t;
+    if (t.defined() && at::isFloatingType(t.scalar_type()) &&
+        (only == nullptr || (index < only->size() && (*only)[index]))) {
+      leaf = t.detach().requires_grad_(true);
+    }
+    leaves.push_back(leaf);
+    return leaf;
+  });
+}
+
+std::vector<at::Tensor> leaf_grads(const std::vector<at::Tensor>& leaves) {
+  std::vector<at::Tensor> grads;
+  for (const auto& l : leaves) grads.push_back(l.requires_grad() ? l.grad() : at::Tensor());
+  return grads;
+}
+
+// Back-propagates `grads` through the outputs that require grad and got one.
+void backward_through(const c10::IValue& output, const std::vector<at::Tensor>& grads) {
+  const auto outs = flatten_tensors(output);
+  TORCH_CHECK(outs.size() == grads.size(), "the stage output holds ", outs.size(),
+              " tensors but ", grads.size(), " gradients arrived for it");
+  std::vector<at::Tensor> roots, root_grads;
+  for (size_t i = 0; i < outs.size(); ++i) {
+    if (outs[i].defined() && outs[i].requires_grad() && grads[i].defined()) {
+      roots.push_back(outs[i]);
+      root_grads.push_back(grads[i]);
+    }
+  }
+  if (!roots.empty()) torch::autograd::backward(roots, root_grads);
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------- host tasks
+
+HostTasks::HostTasks() : thread_([this] { loop(); }) {}
+
+HostTasks::~HostTasks() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+    cv_.notify_all();
+  }
+  thread_.join();
+}
+
+void HostTasks::post(EventPtr event, std::function<void()> task) {
+  std::lock_guard<std::mutex> lock(mu_);
+  tasks_.emplace_back(std::move(event), std::move(task));
+  cv_.notify_all();
+}
+
+void HostTasks::drain() {
+  std::unique_lock<std::mutex> lock(mu_);
+  cv_.wait(lock, [&] { return tasks_.empty() && running_ == 0; });
+  if (error_) {
+    auto error = error_;
+    error_ = nullptr;
+    std::rethrow_exception(error);
+  }
+}
+
+void HostTasks::loop() {
+  for (;;) {
+    std::pair<EventPtr, std::function<void()>> task;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait(lock, [&] { return stop_ || !tasks_.empty(); });
+      if (tasks_.empty()) return;
+      task = std::move(tasks_.front());
+      tasks_.pop_front();
+      ++running_;
+    }
+    try {
+      if (task.first) task.first->synchronize();
+      task.second();
+    } catch (...) {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!error_) error_ = std::current_exception();
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    --running_;
+    cv_.notify_all();
+  }
+}
+
+// ---------------------------------------------------------------- workers
+
+// One thread per device; runs one stage job at a time, in dispatch order,
+// and prefetches the parameters of the job queued behind it.
+class Worker {
+ public:
+  Worker(Engine& engine, DevicePtr device) : engine_(engine), device_(std::move(device)) {
+    thread_ = std::thread([this] { loop(); });
+  }
+  ~Worker() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+      cv_.notify_all();
+    }
+    thread_.join();
+  }
+  void submit(std::shared_ptr<Job> job) {
+    std::lock_guard<std::mutex> lock(mu_);
+    jobs_.push_back(std::move(job));
+    cv_.notify_all();
+  }
+  Device& device() { return *device_; }
+
+  // Starts the parameter upload of the next queued job (one stage ahead).
+  void prefetch_next();
+  void ensure_params(Job& job);
+
+ private:
+  void loop() {
+    for (;;) {
+      std::shared_ptr<Job> job;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        cv_.wait(lock, [&] { return stop_ || !jobs_.empty(); });
+        if (jobs_.empty()) return;
+        job = jobs_.front();
+      }
+      engine_.run_job(*job, *this);
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        jobs_.pop_front();
+      }
+      engine_.job_finished();
+    }
+  }
+
+  Engine& engine_;
+  DevicePtr device_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::shared_ptr<Job>> jobs_;  // front: the running job
+  bool stop_ = false;
+  std::thread thread_;
+  friend class Engine;
+};
+
+void Worker::prefetch_next() {
+  std::shared_ptr<Job> next;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (jobs_.size() < 2) return;
+    next = jobs_[1];
+  }
+  if (next->params_ready || next->call->aborted) return;
+  ensure_params(*next);
+}
+
+// ---------------------------------------------------------------- engine
+
+Engine::Engine(std::vector<LayerPtr> layers, RoundPipeOptions options)
+    : name_(options.name.empty() ? "RoundPipe" : options.name),
+      options_(std::move(options)),
+      layers_(std::move(layers)),
+      pool_(options_.device_list.empty()
+                ? make_devices(options_.devices.empty() ? default_device_spec() : options_.devices)
+                : options_.device_list) {
+  TORCH_CHECK(!layers_.empty(), name_, ": the model has no layers; wrap a non-empty Sequential");
+  // The unique parameters: tied weights are one entry shared by several layers.
+  std::unordered_map<const c10::TensorImpl*, int> ids;
+  for (const auto& layer : layers_) {
+    std::vector<int> layer_ids;
+    int64_t bytes = 0;
+    for (const auto& p : layer->parameters()) {
+      TORCH_CHECK(p.device().is_cpu(), name_, ": parameters must be on the CPU (the model's home); ",
+                  "found one on ", p.device(), " in ", layer->type_name(), ". Call .to(torch::kCPU) first.");
+      auto [it, inserted] = ids.emplace(p.unsafeGetTensorImpl(), static_cast<int>(params_.size()));
+      if (inserted) params_.push_back({p, at::Tensor()});
+      layer_ids.push_back(it->second);
+      bytes += p.nbytes();
+    }
+    for (const auto& b : layer->buffers()) {
+      TORCH_CHECK(b.device().is_cpu(), name_, ": buffers must be on the CPU; found one on ",
+                  b.device(), " in ", layer->type_name());
+      TORCH_CHECK(!b.requires_grad(), name_, ": a buffer of ", layer->type_name(),
+                  " requires grad; buffers must not require grad (make it a parameter)");
+      bytes += b.nbytes();
+    }
+    layer_param_ids_.push_back(std::move(layer_ids));
+    layer_bytes_.push_back(bytes);
+  }
+  // Pinned home memory speeds up uploads (a simple correct version: one
+  // pinned copy per parameter; the exact-size arena comes later).
+  const bool can_pin = pool_.at(0)->supports_pinned_memory();
+  if (options_.pin_model == PinMode::kRegister) {
+    TORCH_CHECK(can_pin || pool_.at(0)->is_simulated(), name_,
+                ": pin_model=register needs the CUDA backend");
+  }
+  if (options_.pin_model != PinMode::kOff && can_pin) {
+    for (auto& entry : params_) {
+      if (!entry.home.is_pinned()) entry.home.set_data(entry.home.pin_memory());
+    }
+  }
+  for (const auto& device : pool_.devices()) {
+    workers_.push_back(std::make_unique<Worker>(*this, device));
+  }
+  free_instances_.resize(layers_.size());
+}
+
+Engine::~Engine() {
+  try {
+    fence();
+  } catch (...) {
+    // A destructor cannot report: the error was the caller's to collect.
+  }
+  workers_.clear();
+}
+
+std::vector<at::Tensor> Engine::parameters() const {
+  std::vector<at::Tensor> out;
+  for (const auto& p : params_) out.push_back(p.home);
+  return out;
+}
+
+ExecutePlan Engine::default_plan(bool fused) const {
+  return ExecutePlan::from_layer_costs(layer_bytes_, pool_.size(), fused);
+}
+
+RunConfig Engine::resolve(const RunConfig& config) const {
+  RunConfig out = config.overriding(options_.model_run_config);
+  if (!out.requires_grad) out.requires_grad = c10::GradMode::is_enabled();
+  if (!out.output_device) out.output_device = c10::Device(c10::kCPU);
+  if (!out.preserve_rng_state) out.preserve_rng_state = true;
+  if (!out.recompute_grain) out.recompute_grain = RecomputeGrain::kStage;
+  if (!out.num_microbatch) out.num_microbatch = pool_.size() + 1;
+  return out;
+}
+
+std::unique_ptr<LayerInstance> Engine::acquire_instance(int layer, Device& device) {
+  {
+    std::lock_guard<std::mutex> lock(instances_mu_);
+    auto& pool = free_instances_[layer];
+    if (!pool.empty()) {
+      auto instance = std::move(pool.back());
+      pool.pop_back();
+      return instance;
+    }
+  }
+  // Cloning a module re-runs its initialisation, which draws from the CPU
+  // generator: keep that off every random stream (sim compute shares it).
+  auto lock = device.compute_lock();
+  auto gen = at::detail::getDefaultCPUGenerator();
+  at::Tensor saved;
+  {
+    std::lock_guard<std::mutex> g(gen.mutex());
+    saved = gen.get_state();
+  }
+  auto instance = layers_[layer]->make_instance();
+  {
+    std::lock_guard<std::mutex> g(gen.mutex());
+    gen.set_state(saved);
+  }
+  return instance;
+}
+
+void Engine::release_instance(int layer, std::unique_ptr<LayerInstance> instance) {
+  instance->unbind();
+  std::lock_guard<std::mutex> lock(instances_mu_);
+  free_instances_[layer].push_back(std::move(instance));
+}
+
+void Engine::job_finished() {
+  std::lock_guard<std::mutex> lock(inflight_mu_);
+  --inflight_;
+  inflight_cv_.notify_all();
+}
+
+void Engine::fence() {
+  {
+    std::unique_lock<std::mutex> lock(inflight_mu_);
+    inflight_cv_.wait(lock, [&] { return inflight_ == 0; });
+  }
+  host_tasks_.drain();
+  auto calls = std::move(background_calls_);
+  background_calls_.clear();
+  for (auto& call : calls) call->rethrow_if_failed();
+}
+
+void Engine::dispatch(const std::shared_ptr<CallState>& call, int kind, const LayerRange& range,
+                      int stage_index) {
+  auto job = std::make_shared<Job>();
+  job->call = call;
+  job->kind = kind;
+  job->range = range;
+  job->stage_index = stage_index;
+  {
+    std::lock_guard<std::mutex> lock(inflight_mu_);
+    ++inflight_;
+  }
+  workers_[pool_.next()]->submit(std::move(job));
+}
+
+void Worker::ensure_params(Job& job) {
+  if (job.params_ready) return;
+  auto& engine = engine_;
+  std::vector<at::Tensor> host;
+  std::set<int> seen;
+  for (int l = job.range.begin; l < job.range.end; ++l) {
+    for (int id : engine.layer_param_ids_[l]) {
+      if (seen.insert(id).second) {
+        job.param_ids.push_back(id);
+        host.push_back(engine.params_[id].home);
+      }
+    }
+  }
+  auto [copies, event] = device_->upload(Queue::kParamUpload, host, nullptr);
+  job.device_params = std::move(copies);
+  job.params_ready = event;
+}
+
+// ---------------------------------------------------------------- stage jobs
+
+// Runs one stage job on one device; keeps the progress for error messages.
+struct StageRunner {
+  Engine& engine;
+  Job& job;
+  Worker& worker;
+  Device& device;
+  CallState& call;
+  int layer = -1;
+  int microbatch = -1;
+  const char* phase = "start";
+  std::map<int, std::unique_ptr<LayerInstance>> instances;
+  bool buffers_bound = false;
+  EventPtr buffers_ready;
+
+  StageRunner(Engine& e, Job& j, Worker& w)
+      : engine(e), job(j), worker(w), device(w.device()), call(*j.call) {}
+
+  ~StageRunner() {
+    for (auto& [l, instance] : instances) engine.release_instance(l, std::move(instance));
+  }
+
+  void run() {
+    phase = "parameter upload";
+    worker.ensure_params(job);
+    worker.prefetch_next();
+    for (int l = job.range.begin; l < job.range.end; ++l) {
+      instances[l] = engine.acquire_instance(l, device);
+    }
+    if (job.kind == kForwardJob) run_forward();
+    if (job.kind == kBackwardJob) run_backward();
+    if (job.kind == kTailJob) run_tail();
+    layer = -1;
+    microbatch = -1;
+    if (job.kind != kForwardJob) download_param_grads();
+    if (job.kind != kBackwardJob) commit_buffers();
+  }
+
+  // Binds the stage's parameters and buffers (home buffers, or for a
+  // recompute the snapshot taken before the forward's first microbatch).
+  void bind_instances() {
+    if (buffers_bound) return;
+    phase = "parameter upload";
+    std::unordered_map<int, at::Tensor> by_id;
+    for (size_t i = 0; i < job.param_ids.size(); ++i) by_id[job.param_ids[i]] = job.device_params[i];
+    std::vector<at::Tensor> host_buffers;
+    std::vector<size_t> counts;
+    for (int l = job.range.begin; l < job.range.end; ++l) {
+      std::vector<at::Tensor> buffers = engine.layers_[l]->buffers();
+      if (job.kind == kBackwardJob && !buffers.empty()) {
+        std::lock_guard<std::mutex> lock(call.buffers_mu);
+        auto it = call.buffer_snapshot.find(l);
+        TORCH_CHECK(it != call.buffer_snapshot.end(), "no buffer snapshot for layer ", l);
+        buffers = it->second;
+      } else if (job.kind == kForwardJob && call.training && !buffers.empty()) {
+        std::vector<at::Tensor> snapshot;
+        for (const auto& b : buffers) snapshot.push_back(b.clone());
+        std::lock_guard<std::mutex> lock(call.buffers_mu);
+        call.buffer_snapshot[l] = std::move(snapshot);
+      }
+      counts.push_back(buffers.size());
+      host_buffers.insert(host_buffers.end(), buffers.begin(), buffers.end());
+    }
+    auto [device_buffers, event] = device.upload(Queue::kParamUpload, host_buffers, nullptr);
+    buffers_ready = event;
+    size_t next = 0;
+    for (int l = job.range.begin; l < job.range.end; ++l) {
+      std::vector<at::Tensor> params, buffers;
+      std::vector<bool> requires_grad;
+      for (int id : engine.layer_param_ids_[l]) {
+        params.push_back(by_id.at(id));
+        requires_grad.push_back(job.kind != kForwardJob && engine.params_[id].home.requires_grad());
+      }
+      const size_t count = counts[l - job.range.begin];
+      buffers.assign(device_buffers.begin() + next, device_buffers.begin() + next + count);
+      next += count;
+      instances[l]->bind(params, requires_grad, buffers, engine.layers_[l]->is_training());
+    }
+    device.wait(Queue::kCompute, job.params_ready);
+    device.wait(Queue::kCompute, buffers_ready);
+    buffers_bound = true;
+  }
+
+  c10::IValue run_layer(int l, const c10::IValue& x, bool recompute) {
+    layer = l;
+    phase = recompute ? "recompute" : "forward";
+    LayerCallScope scope(&call, l, microbatch, recompute, device.torch_device());
+    auto y = instances[l]->forward(x);
+    check_devices(y, device, l, engine.layers_[l]->type_name());
+    return y;
+  }
+
+  // Input of the stage for microbatch m, uploaded and waited for by compute.
+  c10::IValue load_input(Slot& slot) {
+    phase = "activation upload";
+    auto [x, event] = upload_value(device, slot.value, slot.event);
+    bind_instances();
+    device.wait(Queue::kCompute, event);
+    return x;
+  }
+
+  void run_forward() {
+    const auto& r = job.range;
+    for (int m = 0; m < call.n; ++m) {
+      microbatch = m;
+      Slot& in = call.wait(call.act.at(r.begin)[m]);
+      auto x = load_input(in);
+      RngState out_rng;
+      {
+        auto lock = device.compute_lock();
+        RngScope rng(device, in.rng);
+        c10::NoGradGuard no_grad;
+        for (int l = r.begin; l < r.end; ++l) {
+          if (l > r.begin && call.act.count(l)) {
+            phase = "download";
+            auto [saved, event] = download_value(device, x);
+            CallState::put(*call.act.at(l)[m], saved, {}, event, rng.capture());
+          }
+          x = run_layer(l, x, false);
+        }
+        out_rng = rng.capture();
+      }
+      layer = -1;
+      phase = "download";
+      auto [out, event] = download_value(device, x);
+      CallState::put(*call.act.at(r.end)[m], out, {}, event, out_rng);
+      worker.prefetch_next();
+    }
+  }
+
+  // Gradient of the stage output for microbatch m, on this device.
+  std::vector<at::Tensor> load_grad(int boundary, int m) {
+    Slot& g = call.wait(call.grad.at(boundary)[m]);
+    phase = "activation upload";
+    auto [grads, event] = upload_flat(device, Queue::kActUpload, g.tensors, g.event);
+    device.wait(Queue::kCompute, event);
+    return grads;
+  }
+
+  // Makes the stage input's float tensors leaves; at layer 0 only the
+  // caller's tensors that require grad.
+  c10::IValue input_leaves(const c10::IValue& x, int l, std::vector<at::Tensor>& leaves) {
+    return make_leaves(x, l == 0 ? &call.input_requires_grad : nullptr, leaves);
+  }
+
+  void send_input_grads(int l, int m, const std::vector<at::Tensor>& leaves) {
+    phase = "download";
+    auto grads = leaf_grads(leaves);
+    auto [host, event] = download_flat(device, grads);
+    if (l > 0) {
+      CallState::put(*call.grad.at(l)[m], {}, host, event, {});
+    } else if (call.training && !call.fused) {
+      event->synchronize();
+      call.input_grads[m] = host;
+    }
+  }
+
+  void run_backward() {
+    const auto& r = job.range;
+    const bool layer_grain = call.grain == RecomputeGrain::kLayer;
+    for (int m = 0; m < call.n; ++m) {
+      microbatch = m;
+      auto grads = load_grad(r.end, m);
+      std::vector<at::Tensor> leaves;
+      if (layer_grain) {
+        for (int l = r.end - 1; l >= r.begin; --l) {
+          Slot& in = call.wait(call.act.at(l)[m]);
+          auto x = load_input(in);
+          leaves.clear();
+          auto lock = device.compute_lock();
+          RngScope rng(device, in.rng);
+          c10::AutoGradMode grad_mode(true);
+          x = input_leaves(x, l, leaves);
+          auto y = run_layer(l, x, true);
+          phase = "backward";
+          backward_through(y, grads);
+          grads = leaf_grads(leaves);
+        }
+      } else {
+        Slot& in = call.wait(call.act.at(r.begin)[m]);
+        auto x = load_input(in);
+        auto lock = device.compute_lock();
+        RngScope rng(device, in.rng);
+        c10::AutoGradMode grad_mode(true);
+        x = input_leaves(x, r.begin, leaves);
+        for (int l = r.begin; l < r.end; ++l) x = run_layer(l, x, true);
+        phase = "backward";
+        layer = -1;
+        backward_through(x, grads);
+      }
+      layer = -1;
+      send_input_grads(r.begin, m, leaves);
+      worker.prefetch_next();
+    }
+  }
+
+  void run_tail() {
+    const auto& r = job.range;
+    for (int m = 0; m < call.n; ++m) {
+      microbatch = m;
+      Slot& in = call.wait(call.act.at(r.begin)[m]);
+      auto x = load_input(in);
+      phase = "activation upload";
+      auto [label, label_event] = upload_value(device, call.labels[m], nullptr);
+      device.wait(Queue::kCompute, label_event);
+      std::vector<at::Tensor> leaves;
+      at::Tensor loss;
+      {
+        auto lock = device.compute_lock();
+        RngScope rng(device, in.rng);
+        c10::AutoGradMode grad_mode(true);
+        std::vector<bool> none;
+        x = make_leaves(x, r.begin == 0 ? &none : nullptr, leaves);
+        for (int l = r.begin; l < r.end; ++l) x = run_layer(l, x, false);
+        layer = -1;
+        phase = "loss";
+        loss = call.loss_fn(x, label);
+        TORCH_CHECK(loss.defined() && loss.numel() == 1, "loss_fn must return a single-element ",
+                    "loss tensor, got ", loss.defined() ? loss.sizes() : at::IntArrayRef{});
+        TORCH_CHECK(loss.device() == device.torch_device(), "loss_fn returned a loss on ",
+                    loss.device(), " while running on ", device.name());
+        phase = "backward";
+        if (loss.requires_grad()) torch::autograd::backward({loss.reshape({})});
+      }
+      if (r.begin > 0) send_input_grads(r.begin, m, leaves);
+      phase = "download";
+      auto [host_loss, loss_event] = download_flat(device, {loss.detach().reshape({})});
+      CallState::put(*call.losses[m], {}, host_loss, loss_event, {});
+      if (call.return_outputs) {
+        auto [out, event] = download_value(device, map_tensors(x, [](const at::Tensor& t) {
+                                             return t.defined() ? t.detach() : t;
+                                           }));
+        CallState::put(*call.outputs[m], out, {}, event, {});
+      }
+      worker.prefetch_next();
+    }
+  }
+
+  // Sums each unique parameter's gradient over the stage's layers (a tied
+  // weight used twice in one stage counts once per use, never twice per use)
+  // and adds it to the parameter's CPU accumulator.
+  void download_param_grads() {
+    phase = "download";
+    std::unordered_map<int, at::Tensor> sums;
+    for (int l = job.range.begin; l < job.range.end; ++l) {
+      auto leaves = instances[l]->parameter_leaves();
+      const auto& ids = engine.layer_param_ids_[l];
+      for (size_t j = 0; j < ids.size(); ++j) {
+        const auto& g = leaves[j].grad();
+        if (!g.defined()) continue;
+        auto& sum = sums[ids[j]];
+        sum = sum.defined() ? sum + g : g;
+      }
+    }
+    std::vector<int> ids;
+    std::vector<at::Tensor> grads;
+    for (auto& [id, g] : sums) {
+      ids.push_back(id);
+      grads.push_back(g);
+    }
+    if (grads.empty()) return;
+    auto [host, event] = device.download(grads);
+    Engine* e = &engine;
+    engine.host_tasks_.post(event, [e, ids, host] {
+      for (size_t i = 0; i < ids.size(); ++i) {
+        auto& acc = e->params_[ids[i]].grad_accum;
+        if (acc.defined()) {
+          acc.add_(host[i]);
+        } else {
+          acc = host[i].clone();
+        }
+      }
+    });
+  }
+
+  // A forward commits the buffer writes of its layers once, after its last
+  // microbatch (the fused tail too: it is a forward of its layers).
+  void commit_buffers() {
+    if (!buffers_bound) return;
+    phase = "download";
+    std::vector<at::Tensor> device_buffers, homes;
+    for (int l = job.range.begin; l < job.range.end; ++l) {
+      auto values = instances[l]->buffer_values();
+      auto home = engine.layers_[l]->buffers();
+      device_buffers.insert(device_buffers.end(), values.begin(), values.end());
+      homes.insert(homes.end(), home.begin(), home.end());
+    }
+    if (device_buffers.empty()) return;
+    auto [host, event] = device.download(device_buffers);
+    engine.host_tasks_.post(event, [homes, host] {
+      for (size_t i = 0; i < homes.size(); ++i) homes[i].copy_(host[i]);
+    });
+  }
+};
+
+void Engine::run_job(Job& job, Worker& worker) {
+  auto& call = *job.call;
+  if (call.aborted) return;
+  StageRunner runner(*this, job, worker);
+  auto fail = [&](const std::string& what, bool oom) {
+    std::ostringstream msg;
+    msg << name_ << ": " << job.describe() << " failed on " << worker.device().name();
+    if (runner.layer >= 0) {
+      msg << " in layer " << runner.layer << " (" << layers_[runner.layer]->type_name() << ")";
+    }
+    if (runner.microbatch >= 0) msg << ", microbatch " << runner.microbatch;
+    msg << ", phase " << runner.phase << ": " << what;
+    call.fail(StageError(msg.str(), job.describe(), runner.layer, runner.microbatch, runner.phase,
+                         worker.device().name(), oom));
+  };
+  try {
+    runner.run();
+  } catch (const CallAborted&) {
+  } catch (const c10::OutOfMemoryError& e) {
+    fail(e.what_without_backtrace(), true);
+  } catch (const c10::Error& e) {
+    fail(e.what_without_backtrace(), false);
+  } catch (const std::exception& e) {
+    fail(e.what(), false);
+  } catch (...) {
+    fail("unknown exception", false);
+  }
+  job.device_params.clear();
+}
+
+// ---------------------------------------------------------------- calls
+
+std::shared_ptr<CallState> Engine::start_call(const c10::IValue& input, const RunConfig& config,
+                                              bool fused, bool training) {
+  fence();
+  auto call = std::make_shared<CallState>();
+  call->config = resolve(config);
+  call->fused = fused;
+  call->training = training;
+  call->n = *call->config.num_microbatch;
+  call->grain = *call->config.recompute_grain;
+  call->preserve_rng = *call->config.preserve_rng_state;
+  TORCH_CHECK(call->n >= 1, name_, ": num_microbatch must be at least 1, got ", call->n);
+  call->plan = call->config.execute_plan ? *call->config.execute_plan : default_plan(fused);
+  call->plan.validate(num_layers(), fused);
+
+  const auto inputs = flatten_tensors(input);
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    const auto& t = inputs[i];
+    TORCH_CHECK(!t.defined() || t.device().is_cpu(), name_, ": input tensor #", i, " is on ",
+                t.device(),
+                "; RoundPipe inputs must be CPU tensors (they are split into microbatches and "
+                "uploaded stage by stage). Pass it with .cpu().");
+    call->input_requires_grad.push_back(training && !fused && t.defined() && t.requires_grad());
+  }
+  std::vector<c10::IValue> pieces;
+  if (call->config.split_input) {
+    pieces = (*call->config.split_input)(input, call->n);
+    TORCH_CHECK(static_cast<int>(pieces.size()) == call->n, name_, ": split_input returned ",
+                pieces.size(), " microbatches, expected num_microbatch = ", call->n);
+    for (bool r : call->input_requires_grad) {
+      TORCH_CHECK(!r, name_, ": inputs that require grad need the default split_input (their "
+                  "gradients are merged back by its rules)");
+    }
+  } else {
+    pieces = split_microbatches(input, call->n);
+    const int64_t batch = batch_size_of(input);
+    for (const auto& t : inputs) {
+      call->input_is_split.push_back(t.defined() && t.dim() > 0 && t.size(0) == batch);
+    }
+  }
+  if (call->preserve_rng) {
+    auto gen = at::detail::getDefaultCPUGenerator();
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    call->call_seed = gen.get<at::CPUGeneratorImpl>()->random64();
+  }
+
+  // Slots for every hand-off this call makes.
+  const int L = num_layers();
+  const auto& plan = call->plan;
+  call->act[0] = call->new_slots();
+  for (const auto& r : plan.forward) call->act[r.end] = call->new_slots();
+  if (training) {
+    for (size_t i = fused ? 1 : 0; i < plan.backward.size(); ++i) {
+      const auto& r = plan.backward[i];
+      if (call->grain == RecomputeGrain::kLayer) {
+        for (int l = r.begin; l < r.end; ++l) {
+          if (!call->act.count(l)) call->act[l] = call->new_slots();
+        }
+      } else if (!call->act.count(r.begin)) {
+        call->act[r.begin] = call->new_slots();
+      }
+    }
+    for (const auto& r : plan.backward) {
+      if (r.begin > 0) call->grad[r.begin] = call->new_slots();
+    }
+    if (!fused) call->grad[L] = call->new_slots();
+    call->input_grads.resize(call->n);
+  }
+  if (fused) {
+    call->losses = call->new_slots();
+    call->outputs = call->new_slots();
+  }
+  for (int m = 0; m < call->n; ++m) {
+    RngState rng;
+    rng.active = call->preserve_rng;
+    rng.seed = microbatch_seed(call->call_seed, m);
+    CallState::put(*call->act[0][m], pieces[m], {}, nullptr, rng);
+  }
+  return call;
+}
+
+std::vector<c10::IValue> Engine::collect(const std::shared_ptr<CallState>& call,
+                                         std::vector<std::shared_ptr<Slot>>& slots) {
+  std::vector<c10::IValue> values;
+  try {
+    for (auto& slot : slots) {
+      Slot& s = call->wait(slot);
+      if (s.event) s.event->synchronize();
+      values.push_back(s.tensors.empty() ? s.value : c10::IValue(s.tensors.front()));
+    }
+  } catch (const CallAborted&) {
+    {
+      std::unique_lock<std::mutex> lock(inflight_mu_);
+      inflight_cv_.wait(lock, [&] { return inflight_ == 0; });
+    }
+    call->rethrow_if_failed();
+    throw;
+  }
+  return values;
+}
+
+// ---------------------------------------------------------------- autograd
+
+namespace {
+
+struct CallHandle : torch::CustomClassHolder {
+  Engine* engine;
+  std::shared_ptr<CallState> call;
+};
+
+// Connects a training forward's outputs to autograd: backward() on them runs
+// the backward stages. Its outputs are CPU tensors, so the autograd engine
+// calls backward on a CPU thread and never blocks a GPU's autograd thread.
+struct PipelineFunction : public torch::autograd::Function<PipelineFunction> {
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
+                                                c10::intrusive_ptr<CallHandle> handle,
+                                                at::Tensor anchor, at::TensorList inputs,
+                                                std::vector<at::Tensor> outputs) {
+    ctx->set_materialize_grads(false);
+    ctx->saved_data["call"] = c10::IValue::make_capsule(handle);
+    ctx->saved_data["num_inputs"] = static_cast<int64_t>(inputs.size());
+    torch::autograd::variable_list out;
+    torch::autograd::variable_list non_differentiable;
+    for (auto& t : outputs) {
+      out.push_back(t);
+      if (t.defined() && !at::isFloatingType(t.scalar_type())) non_differentiable.push_back(t);
+    }
+    ctx->mark_non_differentiable(non_differentiable);
+    return out;
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grad_outputs) {
+    auto capsule = ctx->saved_data["call"].toCapsule();
+    auto* handle = static_cast<CallHandle*>(capsule.get());
+    auto& call = *handle->call;
+    TORCH_CHECK(!call.backward_done, handle->engine->name(),
+                ": backward ran twice through the same outputs; RoundPipe frees a call's saved "
+                "activations after its backward. Run forward again.");
+    const int n = call.n;
+    const int L = handle->engine->num_layers();
+    // Split the output gradients the way the outputs were merged.
+    for (int m = 0; m < n; ++m) {
+      std::vector<at::Tensor> grads;
+      for (size_t i = 0; i < grad_outputs.size(); ++i) {
+        const auto& g = grad_outputs[i];
+        if (!g.defined()) {
+          grads.emplace_back();
+          continue;
+        }
+        const auto& rows = call.output_rows[i];
+        if (rows[m] < 0) {
+          grads.push_back((g / n).contiguous());  // a 0-dim output was averaged
+        } else {
+          int64_t start = 0;
+          for (int k = 0; k < m; ++k) start += rows[k];
+          grads.push_back(g.narrow(0, start, rows[m]).contiguous().cpu());
+        }
+      }
+      CallState::put(*call.grad.at(L)[m], {}, grads, nullptr, {});
+    }
+    handle->engine->run_backward_pass(handle->call);
+    call.backward_done = true;
+    // Input gradients: split inputs concatenate, replicated inputs sum.
+    torch::autograd::variable_list result;
+    result.emplace_back();  // the handle
+    result.emplace_back();  // the anchor
+    const int64_t num_inputs = ctx->saved_data["num_inputs"].toInt();
+    for (int64_t i = 0; i < num_inputs; ++i) {
+      std::vector<at::Tensor> parts;
+      for (int m = 0; m < n; ++m) {
+        const auto& grads = call.input_grads[m];
+        if (i < static_cast<int64_t>(grads.size()) && grads[i].defined()) parts.push_back(grads[i]);
+      }
+      if (parts.size() != static_cast<size_t>(n)) {
+        result.emplace_back();
+      } else if (call.input_is_split[i]) {
+        result.push_back(at::cat(parts, 0));
+      } else {
+        at::Tensor sum = parts[0];
+        for (int m = 1; m < n; ++m) sum = sum + parts[m];
+        result.push_back(sum);
+      }
+    }
+    result.emplace_back();  // the outputs argument
+    return result;
+  }
+};
+
+}  // namespace
+
+void Engine::run_backward_pass(const std::shared_ptr<CallState>& call) {
+  const auto& plan = call->plan;
+  for (size_t i = 0; i < plan.backward.size(); ++i) {
+    dispatch(call, kBackwardJob, plan.backward[i], static_cast<int>(i));
+  }
+  // Wait for this call's backward jobs (the shallowest one last).
+  {
+    std::unique_lock<std::mutex> lock(inflight_mu_);
+    inflight_cv_.wait(lock, [&] { return inflight_ == 0; });
+  }
+  call->rethrow_if_failed();
+}
+
+c10::IValue Engine::forward(const c10::IValue& input, const RunConfig& config) {
+  const bool training = resolve(config).requires_grad.value();
+  auto call = start_call(input, config, /*fused=*/false, training);
+  const auto& plan = call->plan;
+  for (size_t i = 0; i < plan.forward.size(); ++i) {
+    dispatch(call, kForwardJob, plan.forward[i], static_cast<int>(i));
+  }
+  auto outs = collect(call, call->act.at(num_layers()));
+  const auto device = *call->config.output_device;
+  auto to_output_device = [&](const c10::IValue& v) {
+    if (device.is_cpu()) return v;
+    return map_tensors(v, [&](const at::Tensor& t) { return t.defined() ? t.to(device) : t; });
+  };
+  if (call->config.merge_output) {
+    TORCH_CHECK(!training, name_, ": a custom merge_output cannot be differentiated through; run "
+                "with requires_grad=false or use forward_backward");
+    return to_output_device((*call->config.merge_output)(outs));
+  }
+  auto merged = merge_microbatches(outs);
+  if (!training) return to_output_device(merged);
+
+  // Remember how each output tensor was merged, for splitting its gradient.
+  auto flat_merged = flatten_tensors(merged);
+  call->output_rows.assign(flat_merged.size(), {});
+  for (const auto& out : outs) {
+    auto flat = flatten_tensors(out);
+    for (size_t i = 0; i < flat.size(); ++i) {
+      call->output_rows[i].push_back(flat[i].defined() && flat[i].dim() > 0 ? flat[i].size(0) : -1);
+    }
+  }
+  auto handle = c10::make_intrusive<CallHandle>();
+  handle->engine = this;
+  handle->call = call;
+  auto inputs = flatten_tensors(input);
+  // The anchor requires grad so the outputs join the graph even when no
+  // input does (parameter gradients go to RoundPipe's own accumulators).
+  auto anchor = at::empty({0}).requires_grad_(true);
+  auto connected = PipelineFunction::apply(handle, anchor, at::TensorList(inputs), flat_merged);
+  return to_output_device(replace_tensors(merged, connected));
+}
+
+ForwardBackwardResult Engine::forward_backward(const c10::IValue& input, const c10::IValue& label,
+                                               const LossFn& loss_fn, bool return_outputs,
+                                               const RunConfig& config) {
+  TORCH_CHECK(loss_fn, name_, ": forward_backward needs a loss_fn");
+  auto call = start_call(input, config, /*fused=*/true, /*training=*/true);
+  call->loss_fn = loss_fn;
+  call->return_outputs = return_outputs;
+  for (const auto& t : flatten_tensors(label)) {
+    TORCH_CHECK(!t.defined() || t.device().is_cpu(), name_,
+                ": labels must be CPU tensors; found one on ", t.device());
+  }
+  if (call->config.split_label) {
+    call->labels = (*call->config.split_label)(label, call->n);
+    TORCH_CHECK(static_cast<int>(call->labels.size()) == call->n, name_, ": split_label returned ",
+                call->labels.size(), " microbatches, expected ", call->n);
+  } else if (flatten_tensors(label).empty()) {
+    call->labels.assign(call->n, label);
+  } else {
+    call->labels = split_microbatches(label, call->n);
+  }
+  const auto& plan = call->plan;
+  for (size_t i = 0; i < plan.forward.size(); ++i) {
+    dispatch(call, kForwardJob, plan.forward[i], static_cast<int>(i));
+  }
+  dispatch(call, kTailJob, plan.backward[0], 0);
+  for (size_t i = 1; i < plan.backward.size(); ++i) {
+    dispatch(call, kBackwardJob, plan.backward[i], static_cast<int>(i));
+  }
+  auto losses = collect(call, call->losses);
+  // From here the call's backward stages run on in the background; fence()
+  // reports their errors.
+  background_calls_.push_back(call);
+  ForwardBackwardResult result;
+  at::Tensor total = losses[0].toTensor().clone();
+  for (size_t m = 1; m < losses.size(); ++m) total.add_(losses[m].toTensor());
+  result.loss = total;
+  if (return_outputs) {
+    auto outs = collect(call, call->outputs);
+    result.output = call->config.merge_output ? (*call->config.merge_output)(outs)
+                                              : merge_microbatches(outs);
+    const auto device = *call->config.output_device;
+    if (!device.is_cpu()) {
+      result.output = map_tensors(result.output,
+                                  [&](const at::Tensor& t) { return t.defined() ? t.to(device) : t; });
+    }
+  }
+  return result;
+}
+
+void Engine::synchronize() {
+  fence();
+  for (auto& entry : params_) {
+    if (!entry.grad_accum.defined()) continue;
+    auto& grad = entry.home.mutable_grad();
+    if (grad.defined()) {
+      grad.add_(entry.grad_accum);
+    } else {
+      grad = entry.grad_accum;
+    }
+    entry.grad_accum = at::Tensor();
+  }
+}
+
+}  // namespace roundpipe::detail
+
+// ---------------------------------------------------------------- recompute helpers
+
+namespace roundpipe {
+
+void save_for_recompute(const c10::IValue& data) {
+  auto* lc = detail::current_layer_call;
+  TORCH_CHECK(lc, "save_for_recompute() must be called from a layer's forward run by RoundPipe");
+  if (lc->recompute) return;  // the forward already saved it
+  for (const auto& t : flatten_tensors(data)) {
+    TORCH_CHECK(!t.defined() || !t.requires_grad(),
+                "save_for_recompute(): data must not require grad (detach it)");
+  }
+  auto host = map_tensors(data, [](const at::Tensor& t) { return t.defined() ? t.cpu() : t; });
+  std::lock_guard<std::mutex> lock(lc->call->recompute_mu);
+  auto [it, inserted] = lc->call->recompute_data.emplace(std::make_pair(lc->layer, lc->microbatch), host);
+  TORCH_CHECK(inserted, "save_for_recompute() called twice in layer ", lc->layer, " for microbatch ",
+              lc->microbatch, "; call it once per layer per microbatch");
+}
+
+bool doing_recompute() {
+  return detail::current_layer_call != nullptr && detail::current_layer_call->recompute;
+}
+
+c10::IValue get_recompute_data() {
+  auto* lc = detail::current_layer_call;
+  TORCH_CHECK(lc && lc->recompute,
+              "get_recompute_data() is only valid during a recompute (check doing_recompute())");
+  c10::IValue data;
+  {
+    std::lock_guard<std::mutex> lock(lc->call->recompute_mu);
+    auto it = lc->call->recompute_data.find({lc->layer, lc->microbatch});
+    TORCH_CHECK(it != lc->call->recompute_data.end(), "layer ", lc->layer,
+                " did not call save_for_recompute() in its forward for microbatch ", lc->microbatch);
+    data = it->second;
+  }
+  const auto device = lc->device;
+  return map_tensors(data, [&](const at::Tensor& t) { return t.defined() ? t.to(device) : t; });
+}
+
+}  // namespace roundpipe

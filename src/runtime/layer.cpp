@@ -1,0 +1,117 @@
+#include "roundpipe/layer.h"
+
+#include <ATen/ops/empty.h>
+#include <c10/util/Exception.h>
+#include <torch/nn/modules/container/sequential.h>
+
+namespace roundpipe {
+namespace {
+
+c10::IValue to_ivalue(torch::nn::AnyValue&& value, const std::string& type_name) {
+  if (auto* t = value.try_get<at::Tensor>()) return *t;
+  if (auto* v = value.try_get<c10::IValue>()) return *v;
+  TORCH_CHECK(false, "layer ", type_name, " returned a value of type ",
+              c10::demangle(value.type_info().name()),
+              "; RoundPipe layers return at::Tensor or c10::IValue (tuples/lists/dicts of "
+              "tensors and scalars)");
+}
+
+bool is_argument_type_error(const c10::Error& e) {
+  return e.msg().find("Expected argument #0 to be of type") != std::string::npos;
+}
+
+class TorchModuleInstance final : public LayerInstance {
+ public:
+  TorchModuleInstance(TorchModuleLayer* layer, torch::nn::AnyModule module)
+      : layer_(layer), module_(std::move(module)) {
+    params_ = module_.ptr()->parameters(/*recurse=*/true);
+    buffers_ = module_.ptr()->buffers(/*recurse=*/true);
+    unbind();  // the clone's own copies of the weights are not needed
+  }
+
+  void bind(const std::vector<at::Tensor>& params, const std::vector<bool>& requires_grad,
+            const std::vector<at::Tensor>& buffers, bool training) override {
+    TORCH_CHECK(params.size() == params_.size() && buffers.size() == buffers_.size(),
+                "layer ", layer_->type_name(), " changed its parameters or buffers after wrapping");
+    for (size_t i = 0; i < params_.size(); ++i) {
+      params_[i].set_data(params[i]);
+      params_[i].mutable_grad() = at::Tensor();
+      params_[i].requires_grad_(requires_grad[i]);
+    }
+    for (size_t i = 0; i < buffers_.size(); ++i) buffers_[i].set_data(buffers[i]);
+    module_.ptr()->train(training);
+  }
+
+  void unbind() override {
+    for (auto& p : params_) {
+      p.set_data(at::empty({0}, p.options()));
+      p.mutable_grad() = at::Tensor();
+    }
+    for (auto& b : buffers_) b.set_data(at::empty({0}, b.options()));
+  }
+
+  std::vector<at::Tensor> parameter_leaves() override { return params_; }
+  std::vector<at::Tensor> buffer_values() override { return buffers_; }
+
+  c10::IValue forward(const c10::IValue& input) override {
+    using Kind = TorchModuleLayer::ArgKind;
+    const int kind = layer_->arg_kind.load();
+    if (kind != static_cast<int>(Kind::kIValue) && input.isTensor()) {
+      try {
+        auto out = module_.any_forward(input.toTensor());
+        layer_->arg_kind.store(static_cast<int>(Kind::kTensor));
+        return to_ivalue(std::move(out), layer_->type_name());
+      } catch (const c10::Error& e) {
+        if (kind == static_cast<int>(Kind::kTensor) || !is_argument_type_error(e)) throw;
+      }
+    }
+    try {
+      auto out = module_.any_forward(input);
+      layer_->arg_kind.store(static_cast<int>(Kind::kIValue));
+      return to_ivalue(std::move(out), layer_->type_name());
+    } catch (const c10::Error& e) {
+      if (!is_argument_type_error(e)) throw;
+      TORCH_CHECK(false, "layer ", layer_->type_name(), " takes an at::Tensor but got a ",
+                  input.tagKind(),
+                  " (the previous layer's whole output). Make its forward take c10::IValue.");
+    }
+  }
+
+ private:
+  TorchModuleLayer* layer_;
+  torch::nn::AnyModule module_;
+  std::vector<at::Tensor> params_;
+  std::vector<at::Tensor> buffers_;
+};
+
+}  // namespace
+
+TorchModuleLayer::TorchModuleLayer(torch::nn::AnyModule module) : module_(std::move(module)) {}
+
+std::string TorchModuleLayer::type_name() const {
+  return c10::demangle(module_.type_info().name());
+}
+std::vector<at::Tensor> TorchModuleLayer::parameters() const {
+  return module_.ptr()->parameters(/*recurse=*/true);
+}
+std::vector<at::Tensor> TorchModuleLayer::buffers() const {
+  return module_.ptr()->buffers(/*recurse=*/true);
+}
+void TorchModuleLayer::set_parameter_data(size_t i, const at::Tensor& data) {
+  auto params = parameters();
+  TORCH_CHECK(i < params.size(), "parameter index ", i, " out of range");
+  params[i].set_data(data);
+}
+bool TorchModuleLayer::is_training() const { return module_.ptr()->is_training(); }
+
+std::unique_ptr<LayerInstance> TorchModuleLayer::make_instance() {
+  return std::make_unique<TorchModuleInstance>(this, module_.clone());
+}
+
+std::vector<LayerPtr> layers_of(const torch::nn::Sequential& sequential) {
+  std::vector<LayerPtr> layers;
+  for (const auto& module : *sequential) layers.push_back(std::make_shared<TorchModuleLayer>(module));
+  return layers;
+}
+
+}  // namespace roundpipe
