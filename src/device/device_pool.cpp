@@ -77,12 +77,13 @@ std::vector<DevicePtr> make_devices(const std::string& spec_in) {
       const auto eq = parts[i].find('=');
       TORCH_CHECK(eq != std::string::npos, "bad option '", parts[i], "' in '", spec, "'. ", help);
       const std::string key = parts[i].substr(0, eq), value = parts[i].substr(eq + 1);
+      TORCH_CHECK(key == "mem" || key == "jitter_us" || key == "gbps", "unknown sim option '", key,
+                  "'. ", help);
       try {
         if (key == "mem") options.memory_budget_bytes = parse_size(value);
-        else if (key == "jitter_us") options.copy_jitter_us = std::stoll(value);
-        else if (key == "gbps") options.bandwidth_gbps = std::stod(value);
-        else TORCH_CHECK(false, "unknown sim option '", key, "'. ", help);
-      } catch (const std::invalid_argument&) {
+        if (key == "jitter_us") options.copy_jitter_us = std::stoll(value);
+        if (key == "gbps") options.bandwidth_gbps = std::stod(value);
+      } catch (const std::exception&) {
         TORCH_CHECK(false, "bad value '", value, "' for sim option '", key, "'. ", help);
       }
     }

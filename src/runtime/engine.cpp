@@ -56,6 +56,10 @@ struct CallState {
   std::mutex recompute_mu;
   std::map<std::pair<int, int>, c10::IValue> recompute_data;
 
+  // Parameter gradients this call produced; they join the engine's
+  // accumulators only when the whole call succeeded.
+  std::map<int, at::Tensor> param_grads;
+
   std::atomic<bool> aborted{false};
   std::mutex error_mu;
   std::optional<StageError> error;
@@ -528,7 +532,17 @@ void Engine::fence() {
   host_tasks_.drain();
   auto calls = std::move(background_calls_);
   background_calls_.clear();
+  for (auto& call : calls) finish_call(*call);
   for (auto& call : calls) call->rethrow_if_failed();
+}
+
+void Engine::finish_call(CallState& call) {
+  if (call.aborted) return;  // a failed call leaves no gradients behind
+  for (auto& [id, grad] : call.param_grads) {
+    auto& acc = params_[id].grad_accum;
+    acc = acc.defined() ? acc.add_(grad) : grad;
+  }
+  call.param_grads.clear();
 }
 
 void Engine::dispatch(const std::shared_ptr<CallState>& call, int kind, const LayerRange& range,
@@ -826,15 +840,10 @@ struct StageRunner {
     }
     if (grads.empty()) return;
     auto [host, event] = device.download(grads);
-    Engine* e = &engine;
-    engine.host_tasks_.post(event, [e, ids, host] {
+    engine.host_tasks_.post(event, [call = job.call, ids, host] {
       for (size_t i = 0; i < ids.size(); ++i) {
-        auto& acc = e->params_[ids[i]].grad_accum;
-        if (acc.defined()) {
-          acc.add_(host[i]);
-        } else {
-          acc = host[i].clone();
-        }
+        auto& acc = call->param_grads[ids[i]];
+        acc = acc.defined() ? acc.add_(host[i]) : host[i];
       }
     });
   }
@@ -1091,6 +1100,8 @@ void Engine::run_backward_pass(const std::shared_ptr<CallState>& call) {
     std::unique_lock<std::mutex> lock(inflight_mu_);
     inflight_cv_.wait(lock, [&] { return inflight_ == 0; });
   }
+  host_tasks_.drain();
+  finish_call(*call);
   call->rethrow_if_failed();
 }
 
@@ -1102,6 +1113,13 @@ c10::IValue Engine::forward(const c10::IValue& input, const RunConfig& config) {
     dispatch(call, kForwardJob, plan.forward[i], static_cast<int>(i));
   }
   auto outs = collect(call, call->act.at(num_layers()));
+  // Buffer writes are committed once the forward's jobs are done: make them
+  // visible before returning.
+  {
+    std::unique_lock<std::mutex> lock(inflight_mu_);
+    inflight_cv_.wait(lock, [&] { return inflight_ == 0; });
+  }
+  host_tasks_.drain();
   const auto device = *call->config.output_device;
   auto to_output_device = [&](const c10::IValue& v) {
     if (device.is_cpu()) return v;

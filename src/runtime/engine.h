@@ -105,6 +105,8 @@ class Engine {
   // Waits for every job and host task of earlier calls; rethrows an error a
   // background backward pass left behind.
   void fence();
+  // Adds a finished call's parameter gradients to the accumulators.
+  void finish_call(CallState& call);
   std::vector<c10::IValue> collect(const std::shared_ptr<CallState>& call,
                                    std::vector<std::shared_ptr<Slot>>& slots);
 

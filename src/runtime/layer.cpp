@@ -4,6 +4,8 @@
 #include <c10/util/Exception.h>
 #include <torch/nn/modules/container/sequential.h>
 
+#include <set>
+
 namespace roundpipe {
 namespace {
 
@@ -26,6 +28,25 @@ class TorchModuleInstance final : public LayerInstance {
       : layer_(layer), module_(std::move(module)) {
     params_ = module_.ptr()->parameters(/*recurse=*/true);
     buffers_ = module_.ptr()->buffers(/*recurse=*/true);
+    // Binding rebinds the copy's tensors in place, so they must be the
+    // copy's own: a reset() that registers a tensor it was given (a tied
+    // weight) hands the copy the original's tensor.
+    std::set<const c10::TensorImpl*> home;
+    for (const auto& t : layer->parameters()) home.insert(t.unsafeGetTensorImpl());
+    for (const auto& t : layer->buffers()) home.insert(t.unsafeGetTensorImpl());
+    for (const auto& t : params_) {
+      TORCH_CHECK(!home.count(t.unsafeGetTensorImpl()), "layer ", layer->type_name(),
+                  ": clone() returned a copy that shares a parameter tensor with the original "
+                  "(a reset() that registers a tensor it was given, e.g. a tied weight). "
+                  "RoundPipe runs copies of each layer on the devices; override clone() so the "
+                  "copy gets its own tensors (the tie itself stays: RoundPipe ties parameters by "
+                  "the identity of the original modules' tensors).");
+    }
+    for (const auto& t : buffers_) {
+      TORCH_CHECK(!home.count(t.unsafeGetTensorImpl()), "layer ", layer->type_name(),
+                  ": clone() returned a copy that shares a buffer tensor with the original; "
+                  "override clone() so the copy gets its own tensors.");
+    }
     unbind();  // the clone's own copies of the weights are not needed
   }
 
@@ -51,7 +72,13 @@ class TorchModuleInstance final : public LayerInstance {
   }
 
   std::vector<at::Tensor> parameter_leaves() override { return params_; }
-  std::vector<at::Tensor> buffer_values() override { return buffers_; }
+  std::vector<at::Tensor> buffer_values() override {
+    // Fresh handles: unbind() rebinds buffers_ in place while a download of
+    // these values may still be in flight.
+    std::vector<at::Tensor> values;
+    for (const auto& b : buffers_) values.push_back(b.detach());
+    return values;
+  }
 
   c10::IValue forward(const c10::IValue& input) override {
     using Kind = TorchModuleLayer::ArgKind;

@@ -1,0 +1,251 @@
+// The engine against its oracle: the same model trained with plain LibTorch
+// on one device, microbatch by microbatch, with the documented random
+// streams (rng.h). Every case runs on every backend (test_util.h): outputs,
+// losses, input and parameter gradients and buffers must agree to 1e-5.
+#include <ATen/CPUGeneratorImpl.h>
+#include <roundpipe/rng.h>
+#include <torch/nn/functional/loss.h>
+#include <torch/optim/sgd.h>
+
+#include <tuple>
+
+#include "test_util.h"
+
+namespace roundpipe::testing {
+namespace {
+
+constexpr double kTol = 1e-5;
+
+enum class Path { kInference, kTrainForward, kForwardBackward, kAccumulate };
+const char* path_name(Path p) {
+  switch (p) {
+    case Path::kInference: return "inference";
+    case Path::kTrainForward: return "train-forward";
+    case Path::kForwardBackward: return "forward_backward";
+    case Path::kAccumulate: return "accumulate-2-calls";
+  }
+  return "?";
+}
+
+// Forward stages of three layers, backward stages of two, so a backward
+// stage spans a forward-stage boundary (the RNG-replay trap).
+ExecutePlan asymmetric_plan(int L, bool fused) {
+  ExecutePlan plan;
+  for (int b = 0; b < L; b += 2) plan.backward.insert(plan.backward.begin(), {b, std::min(b + 2, L)});
+  const int forward_end = fused ? plan.backward.front().begin : L;
+  for (int b = 0; b < forward_end; b += 3) plan.forward.push_back({b, std::min(b + 3, forward_end)});
+  return plan;
+}
+
+ExecutePlan plan_named(const std::string& name, int L, bool fused, const RoundPipe& pipe) {
+  if (name == "default") return pipe.default_plan(fused);
+  if (name == "single") return ExecutePlan::single_stage(L, fused);
+  if (name == "per-layer") return ExecutePlan::one_layer_per_stage(L, fused);
+  return asymmetric_plan(L, fused);
+}
+
+uint64_t draw_call_seed() {
+  auto gen = at::detail::getDefaultCPUGenerator();
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  return gen.get<at::CPUGeneratorImpl>()->random64();
+}
+
+// The oracle: plain LibTorch, one device, microbatch m seeded per rng.h.
+std::vector<at::Tensor> oracle_microbatches(torch::nn::Sequential& model, const at::Tensor& x, int n,
+                                            uint64_t call_seed, c10::Device device) {
+  auto gen = at::globalContext().defaultGenerator(device);
+  std::vector<at::Tensor> outs;
+  const int64_t batch = x.size(0);
+  int64_t start = 0;
+  for (int m = 0; m < n; ++m) {
+    const int64_t rows = batch / n + (m < batch % n ? 1 : 0);
+    {
+      std::lock_guard<std::mutex> lock(gen.mutex());
+      gen.set_current_seed(microbatch_seed(call_seed, m));
+    }
+    outs.push_back(model->forward(x.narrow(0, start, rows)));
+    start += rows;
+  }
+  return outs;
+}
+
+void expect_same_state(torch::nn::Sequential& ours, torch::nn::Sequential& oracle, bool grads) {
+  auto p = ours->parameters(), q = oracle->parameters();
+  ASSERT_EQ(p.size(), q.size());
+  for (size_t i = 0; i < p.size(); ++i) {
+    if (!grads) continue;
+    EXPECT_TENSOR_NEAR(p[i].grad(), q[i].grad(), kTol, "gradient of parameter " << i);
+  }
+  auto b = ours->buffers(), c = oracle->buffers();
+  ASSERT_EQ(b.size(), c.size());
+  for (size_t i = 0; i < b.size(); ++i) {
+    EXPECT_TENSOR_NEAR(b[i].to(at::kDouble), c[i].to(at::kDouble), kTol, "buffer " << i);
+  }
+}
+
+class EngineTest : public ::testing::TestWithParam<std::tuple<std::string, ModelKind>> {};
+
+TEST_P(EngineTest, MatchesPlainLibTorch) {
+  const auto& [backend, kind] = GetParam();
+  const c10::Device dev = oracle_device(backend);
+  const std::vector<std::string> plans = {"default", "asymmetric", "single", "per-layer"};
+  // (num_microbatch, batch): one microbatch, the default (#devices + 1), uneven.
+  const std::vector<std::pair<std::optional<int>, int64_t>> splits = {
+      {1, 8}, {std::nullopt, 8}, {3, 7}};
+  for (Path path : {Path::kInference, Path::kTrainForward, Path::kForwardBackward,
+                    Path::kAccumulate}) {
+    for (auto grain : {RecomputeGrain::kStage, RecomputeGrain::kLayer}) {
+      if (path == Path::kInference && grain == RecomputeGrain::kLayer) continue;
+      for (const auto& plan_name : plans) {
+        for (const auto& [num_mb, batch] : splits) {
+          SCOPED_TRACE(::testing::Message()
+                       << backend << " " << model_name(kind) << " " << path_name(path)
+                       << " grain=" << (grain == RecomputeGrain::kStage ? "stage" : "layer")
+                       << " plan=" << plan_name << " microbatches="
+                       << (num_mb ? std::to_string(*num_mb) : "default") << " batch=" << batch);
+          auto model = make_model(kind);
+          auto oracle = make_model(kind);
+          oracle->to(dev);
+          RoundPipe pipe(model, RoundPipeOptions().set_devices(backend).set_name("test"));
+          const int L = pipe.num_layers();
+          const bool fused = path == Path::kForwardBackward || path == Path::kAccumulate;
+          RunConfig config;
+          config.set_recompute_grain(grain).set_execute_plan(plan_named(plan_name, L, fused, pipe));
+          if (num_mb) config.set_num_microbatch(*num_mb);
+          const int n = num_mb ? *num_mb : pipe.devices().size() + 1;
+          auto x = make_input(kind, batch, 11);
+
+          if (path == Path::kInference) {
+            torch::manual_seed(77);
+            at::Tensor out;
+            {
+              torch::NoGradGuard no_grad;
+              out = pipe.forward(x, config);
+            }
+            torch::manual_seed(77);
+            const uint64_t seed = draw_call_seed();
+            torch::NoGradGuard no_grad;
+            auto ref = at::cat(oracle_microbatches(oracle, x.to(dev), n, seed, dev), 0);
+            EXPECT_TENSOR_NEAR(out, ref, kTol, "inference output");
+            EXPECT_FALSE(out.requires_grad());
+            expect_same_state(model, oracle, /*grads=*/false);
+          } else if (path == Path::kTrainForward) {
+            auto w = at::randn({batch, output_features(kind)}, at::detail::createCPUGenerator(5));
+            if (kind == ModelKind::kTupleStack) w = at::randn({batch, 5, 3}, at::detail::createCPUGenerator(5));
+            auto xin = x.clone().requires_grad_(true);
+            torch::manual_seed(77);
+            auto out = pipe.forward(xin, config);
+            ASSERT_TRUE(out.requires_grad());
+            (out * w).sum().backward();
+            pipe.synchronize();
+            torch::manual_seed(77);
+            const uint64_t seed = draw_call_seed();
+            auto xref = x.to(dev).requires_grad_(true);
+            auto ref = at::cat(oracle_microbatches(oracle, xref, n, seed, dev), 0);
+            (ref * w.to(dev)).sum().backward();
+            EXPECT_TENSOR_NEAR(out, ref, kTol, "training output");
+            EXPECT_TENSOR_NEAR(xin.grad(), xref.grad(), kTol, "input gradient");
+            expect_same_state(model, oracle, /*grads=*/true);
+          } else {
+            const int calls = path == Path::kAccumulate ? 2 : 1;
+            torch::manual_seed(77);
+            std::vector<uint64_t> seeds;
+            for (int c = 0; c < calls; ++c) seeds.push_back(draw_call_seed());
+            torch::manual_seed(77);
+            auto mse = [](const c10::IValue& out, const c10::IValue& label) {
+              return torch::nn::functional::mse_loss(out.toTensor(), label.toTensor());
+            };
+            // All RoundPipe calls first: the oracle reseeds the generators.
+            std::vector<at::Tensor> xs, ys;
+            std::vector<ForwardBackwardResult> results;
+            for (int c = 0; c < calls; ++c) {
+              xs.push_back(make_input(kind, batch, 11 + c));
+              auto yshape = kind == ModelKind::kTupleStack
+                                ? std::vector<int64_t>{batch, 5, 3}
+                                : std::vector<int64_t>{batch, output_features(kind)};
+              ys.push_back(at::randn(yshape, at::detail::createCPUGenerator(21 + c)));
+              results.push_back(
+                  pipe.forward_backward(xs[c], ys[c], mse, /*return_outputs=*/true, config));
+            }
+            // The background backward uses the (shared, on sim) generators:
+            // let it finish before the oracle draws.
+            pipe.synchronize();
+            for (int c = 0; c < calls; ++c) {
+              auto outs = oracle_microbatches(oracle, xs[c].to(dev), n, seeds[c], dev);
+              at::Tensor loss_ref = at::zeros({}, dev);
+              int64_t start = 0;
+              for (int m = 0; m < n; ++m) {
+                const int64_t rows = outs[m].size(0);
+                loss_ref = loss_ref + mse(outs[m], ys[c].to(dev).narrow(0, start, rows));
+                start += rows;
+              }
+              loss_ref.backward();
+              EXPECT_TENSOR_NEAR(results[c].loss, loss_ref, kTol, "summed loss of call " << c);
+              EXPECT_TENSOR_NEAR(results[c].output.toTensor(), at::cat(outs, 0), kTol,
+                                 "outputs of call " << c);
+            }
+            expect_same_state(model, oracle, /*grads=*/true);
+          }
+          if (HasFailure()) return;  // one failing case says enough
+        }
+      }
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    AllBackends, EngineTest,
+    ::testing::Combine(::testing::ValuesIn(backends()),
+                       ::testing::Values(ModelKind::kMlp, ModelKind::kTupleStack,
+                                         ModelKind::kDropout, ModelKind::kBatchNorm,
+                                         ModelKind::kTied)),
+    [](const auto& info) {
+      return backend_test_name(std::get<0>(info.param)) + "_" + model_name(std::get<1>(info.param));
+    });
+
+// A plain torch::optim loop after synchronize() trains exactly like the
+// plain loop: three steps of SGD, weights compared after each.
+class TrainingLoopTest : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(TrainingLoopTest, PlainOptimizerAfterSynchronize) {
+  const auto& backend = GetParam();
+  const c10::Device dev = oracle_device(backend);
+  auto model = make_model(ModelKind::kMlp);
+  auto oracle = make_model(ModelKind::kMlp);
+  oracle->to(dev);
+  RoundPipe pipe(model, RoundPipeOptions().set_devices(backend));
+  torch::optim::SGD opt(pipe.parameters(), torch::optim::SGDOptions(0.1));
+  torch::optim::SGD opt_ref(oracle->parameters(), torch::optim::SGDOptions(0.1));
+  auto mse = [](const c10::IValue& out, const c10::IValue& label) {
+    return torch::nn::functional::mse_loss(out.toTensor(), label.toTensor());
+  };
+  const int n = pipe.devices().size() + 1;
+  for (int step = 0; step < 3; ++step) {
+    auto x = make_input(ModelKind::kMlp, 12, 100 + step);
+    auto y = at::randn({12, 4}, at::detail::createCPUGenerator(200 + step));
+    auto loss = pipe.forward_backward(x, y, mse).loss;
+    pipe.synchronize();
+    opt.step();
+    opt.zero_grad();
+    at::Tensor loss_ref = at::zeros({}, dev);
+    for (int m = 0; m < n; ++m) {
+      const int64_t rows = 12 / n + (m < 12 % n ? 1 : 0), start = m * (12 / n) + std::min<int64_t>(m, 12 % n);
+      loss_ref = loss_ref + mse(oracle->forward(x.to(dev).narrow(0, start, rows)),
+                                y.to(dev).narrow(0, start, rows));
+    }
+    loss_ref.backward();
+    opt_ref.step();
+    opt_ref.zero_grad();
+    EXPECT_TENSOR_NEAR(loss, loss_ref, kTol, "loss at step " << step);
+    auto p = model->parameters(), q = oracle->parameters();
+    for (size_t i = 0; i < p.size(); ++i) {
+      EXPECT_TENSOR_NEAR(p[i], q[i], kTol, "parameter " << i << " after step " << step);
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(AllBackends, TrainingLoopTest, ::testing::ValuesIn(backends()),
+                         [](const auto& info) { return backend_test_name(info.param); });
+
+}  // namespace
+}  // namespace roundpipe::testing

@@ -1,0 +1,218 @@
+// Errors a user or a layer can cause: each gives a clear message, and the
+// RoundPipe stays usable for the next call. On every backend.
+#include <torch/nn/functional/loss.h>
+
+#include <atomic>
+
+#include "test_util.h"
+
+namespace roundpipe::testing {
+namespace {
+
+std::atomic<int> fail_at_microbatch{-1};  // -1: never
+std::atomic<bool> fail_in_recompute{false};
+
+// Throws in its forward for one microbatch (counted per call) when asked.
+struct FlakyImpl : torch::nn::Cloneable<FlakyImpl> {
+  torch::nn::Linear inner{nullptr};
+  FlakyImpl() { reset(); }
+  void reset() override { inner = register_module("inner", torch::nn::Linear(6, 6)); }
+  at::Tensor forward(at::Tensor x) {
+    if (doing_recompute() && fail_in_recompute) throw std::runtime_error("injected recompute failure");
+    if (!doing_recompute() && fail_at_microbatch >= 0 && x.size(0) == 1 && fail_at_microbatch-- == 0) {
+      throw std::runtime_error("injected failure");
+    }
+    return inner(x);
+  }
+};
+TORCH_MODULE(Flaky);
+
+// Returns its output on the wrong device.
+struct WrongDeviceImpl : torch::nn::Cloneable<WrongDeviceImpl> {
+  void reset() override {}
+  at::Tensor forward(at::Tensor x) { return x.to(at::kMeta); }
+};
+TORCH_MODULE(WrongDevice);
+
+template <typename Fn>
+std::string message_of(Fn&& fn) {
+  try {
+    fn();
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "(no error)";
+}
+
+#define EXPECT_HAS(text, part) EXPECT_NE((text).find(part), std::string::npos) << (text)
+
+class ErrorsTest : public ::testing::TestWithParam<std::string> {
+ protected:
+  torch::nn::Sequential model() {
+    torch::manual_seed(3);
+    return torch::nn::Sequential(torch::nn::Linear(6, 6), torch::nn::Tanh(), Flaky(),
+                                 torch::nn::Linear(6, 2));
+  }
+  std::function<at::Tensor(const c10::IValue&, const c10::IValue&)> mse =
+      [](const c10::IValue& o, const c10::IValue& l) {
+        return torch::nn::functional::mse_loss(o.toTensor(), l.toTensor());
+      };
+};
+
+TEST_P(ErrorsTest, WorkerExceptionReachesCallerWithContextThenNextCallWorks) {
+  auto m = model();
+  RoundPipe pipe(m, RoundPipeOptions().set_devices(GetParam()).set_name("flaky"));
+  auto config = RunConfig().set_num_microbatch(4).set_execute_plan(ExecutePlan::one_layer_per_stage(4, false));
+  auto x = at::randn({4, 6});
+  fail_at_microbatch = 2;  // microbatch index 2 of the Flaky layer (rows of 1)
+  try {
+    torch::NoGradGuard no_grad;
+    pipe.forward(x, config);
+    FAIL() << "expected a StageError";
+  } catch (const StageError& e) {
+    const std::string what = e.what();
+    EXPECT_HAS(what, "flaky: forward stage 2 (layers 2..2)");
+    EXPECT_HAS(what, "layer 2");
+    EXPECT_HAS(what, "microbatch 2");
+    EXPECT_HAS(what, "phase forward");
+    EXPECT_HAS(what, "injected failure");
+    EXPECT_EQ(e.layer, 2);
+    EXPECT_EQ(e.microbatch, 2);
+    EXPECT_EQ(e.phase, "forward");
+    EXPECT_FALSE(e.out_of_memory);
+  }
+  fail_at_microbatch = -1;
+  torch::NoGradGuard no_grad;
+  auto out = pipe.forward(x, config);
+  auto ref = m->forward(x);
+  EXPECT_TENSOR_NEAR(out, ref, 1e-5, "call after the failure");
+}
+
+TEST_P(ErrorsTest, RecomputeFailureInBackgroundBackwardIsReported) {
+  auto m = model();
+  RoundPipe pipe(m, RoundPipeOptions().set_devices(GetParam()).set_name("flaky"));
+  auto config = RunConfig().set_num_microbatch(2).set_execute_plan(ExecutePlan::one_layer_per_stage(4, true));
+  auto x = at::randn({4, 6}), y = at::randn({4, 2});
+  fail_in_recompute = true;
+  // The loss is known before the recompute of layer 2 runs, so the failure
+  // surfaces at the next fence: synchronize().
+  std::string what = message_of([&] {
+    pipe.forward_backward(x, y, mse, false, config);
+    pipe.synchronize();
+  });
+  fail_in_recompute = false;
+  EXPECT_HAS(what, "backward stage");
+  EXPECT_HAS(what, "phase recompute");
+  EXPECT_HAS(what, "injected recompute failure");
+  // The failed call left no gradients behind, and the next call trains
+  // exactly like a fresh RoundPipe.
+  pipe.synchronize();
+  for (auto& p : pipe.parameters()) EXPECT_FALSE(p.grad().defined());
+  auto loss = pipe.forward_backward(x, y, mse, false, config).loss;
+  pipe.synchronize();
+  auto fresh_model = model();
+  RoundPipe fresh(fresh_model, RoundPipeOptions().set_devices(GetParam()));
+  auto fresh_loss = fresh.forward_backward(x, y, mse, false, config).loss;
+  fresh.synchronize();
+  EXPECT_TENSOR_NEAR(loss, fresh_loss, 1e-6, "loss");
+  for (size_t i = 0; i < pipe.parameters().size(); ++i) {
+    EXPECT_TENSOR_NEAR(pipe.parameters()[i].grad(), fresh.parameters()[i].grad(), 1e-6,
+                       "gradient " << i);
+  }
+}
+
+TEST_P(ErrorsTest, LossFunctionErrorsNameThePhase) {
+  auto m = model();
+  RoundPipe pipe(m, RoundPipeOptions().set_devices(GetParam()));
+  auto x = at::randn({4, 6});
+  auto what = message_of([&] {
+    pipe.forward_backward(x, at::randn({4, 3}), mse);  // wrong label width
+  });
+  EXPECT_HAS(what, "phase loss");
+  auto bad_loss = [](const c10::IValue& o, const c10::IValue&) { return o.toTensor(); };
+  what = message_of([&] { pipe.forward_backward(x, at::randn({4, 2}), bad_loss); });
+  EXPECT_HAS(what, "single-element loss");
+  EXPECT_TRUE(pipe.forward_backward(x, at::randn({4, 2}), mse).loss.defined());
+}
+
+TEST_P(ErrorsTest, InputsMustBeOnTheCpu) {
+  auto m = model();
+  RoundPipe pipe(m, RoundPipeOptions().set_devices(GetParam()));
+  auto what = message_of([&] { pipe.forward(at::randn({4, 6}).to(at::kMeta)); });
+  EXPECT_HAS(what, "must be CPU tensors");
+  EXPECT_HAS(what, ".cpu()");
+}
+
+TEST_P(ErrorsTest, UnsplittableBatch) {
+  auto m = model();
+  RoundPipe pipe(m, RoundPipeOptions().set_devices(GetParam()));
+  auto what = message_of([&] { pipe.forward(at::randn({2, 6}), RunConfig().set_num_microbatch(5)); });
+  EXPECT_HAS(what, "lower num_microbatch to at most 2");
+  what = message_of([&] {
+    pipe.forward(at::randn({4, 6}), RunConfig().set_split_input([](const c10::IValue& v, int) {
+      return std::vector<c10::IValue>{v};
+    }).set_num_microbatch(2));
+  });
+  EXPECT_HAS(what, "split_input returned 1 microbatches, expected num_microbatch = 2");
+}
+
+TEST_P(ErrorsTest, WrongPlan) {
+  auto m = model();
+  RoundPipe pipe(m, RoundPipeOptions().set_devices(GetParam()));
+  auto what = message_of([&] {
+    pipe.forward(at::randn({4, 6}), RunConfig().set_execute_plan(ExecutePlan({{0, 3}}, {{0, 4}})));
+  });
+  EXPECT_HAS(what, "must end at layer 4");
+}
+
+TEST_P(ErrorsTest, LayerReturningATensorOnTheWrongDevice) {
+  torch::nn::Sequential m(torch::nn::Linear(6, 6), WrongDevice(), torch::nn::Linear(6, 2));
+  RoundPipe pipe(m, RoundPipeOptions().set_devices(GetParam()));
+  torch::NoGradGuard no_grad;
+  auto what = message_of([&] { pipe.forward(at::randn({4, 6})); });
+  EXPECT_HAS(what, "layer 1");
+  EXPECT_HAS(what, "returned a tensor on meta");
+  EXPECT_HAS(what, "take their device from its inputs or weights");
+}
+
+TEST_P(ErrorsTest, BackwardTwiceThroughTheSameOutputs) {
+  auto m = model();
+  RoundPipe pipe(m, RoundPipeOptions().set_devices(GetParam()));
+  auto out = pipe.forward(at::randn({4, 6}));
+  auto loss = out.sum();
+  loss.backward({}, /*retain_graph=*/true);
+  auto what = message_of([&] { loss.backward(); });
+  EXPECT_HAS(what, "backward ran twice");
+}
+
+INSTANTIATE_TEST_SUITE_P(AllBackends, ErrorsTest, ::testing::ValuesIn(backends()),
+                         [](const auto& info) { return backend_test_name(info.param); });
+
+TEST(Errors, SimulatedOutOfMemoryThenASmallerPlanFits) {
+  torch::manual_seed(0);
+  // Four 64x64 fp32 linears: 16.6 KB each; the budget fits two stages of one.
+  torch::nn::Sequential m(torch::nn::Linear(64, 64), torch::nn::Linear(64, 64),
+                          torch::nn::Linear(64, 64), torch::nn::Linear(64, 64));
+  RoundPipe pipe(m, RoundPipeOptions().set_devices("sim:2,mem=40KiB"));
+  auto x = at::randn({4, 64});
+  torch::NoGradGuard no_grad;
+  try {
+    pipe.forward(x, RunConfig().set_execute_plan(ExecutePlan::single_stage(4, false)));
+    FAIL() << "expected out of memory";
+  } catch (const StageError& e) {
+    EXPECT_TRUE(e.out_of_memory);
+    EXPECT_EQ(e.phase, "parameter upload");
+    EXPECT_HAS(std::string(e.what()), "out of memory");
+  }
+  auto out = pipe.forward(x, RunConfig().set_execute_plan(ExecutePlan::one_layer_per_stage(4, false)));
+  EXPECT_TENSOR_NEAR(out, m->forward(x), 1e-5, "after the out-of-memory error");
+}
+
+TEST(Errors, BadConstructionArguments) {
+  EXPECT_HAS(message_of([] { RoundPipe(torch::nn::Sequential(), RoundPipeOptions().set_devices("sim:1")); }),
+             "no layers");
+  EXPECT_HAS(message_of([] { pin_mode_from_string("pinned"); }), "use alloc, register or off");
+}
+
+}  // namespace
+}  // namespace roundpipe::testing

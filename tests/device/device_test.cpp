@@ -1,0 +1,130 @@
+// The device layer, on every backend: ordered copies, cross-queue and
+// cross-device event waits, memory accounting, device specs.
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+#include <roundpipe/device.h>
+
+#include "test_util.h"
+
+namespace roundpipe::testing {
+namespace {
+
+class DeviceTest : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(DeviceTest, UploadComputeDownloadRoundTrip) {
+  auto devices = make_devices(GetParam());
+  for (auto& device : devices) {
+    std::vector<at::Tensor> host;
+    for (int64_t n : {0, 1, 7, 1023, 40000}) host.push_back(at::randn({n}));
+    auto [dev, up] = device->upload(Queue::kActUpload, host, nullptr);
+    device->wait(Queue::kCompute, up);
+    std::vector<at::Tensor> doubled;
+    device->enqueue(Queue::kCompute, [&] {
+      for (auto& t : dev) doubled.push_back(t * 2);
+    });
+    for (auto& t : doubled) EXPECT_EQ(t.device(), device->torch_device());
+    auto [back, down] = device->download(doubled);
+    down->synchronize();
+    EXPECT_TRUE(down->query());
+    for (size_t i = 0; i < host.size(); ++i) EXPECT_TRUE(at::equal(back[i], host[i] * 2));
+  }
+}
+
+TEST_P(DeviceTest, CrossDeviceHandOffWaitsForTheEvent) {
+  auto devices = make_devices(GetParam());
+  auto& a = devices.front();
+  auto& b = devices.back();
+  // Many hand-offs a -> host -> b: b must always see a's finished copy.
+  for (int i = 0; i < 50; ++i) {
+    auto src = at::full({4096}, static_cast<float>(i));
+    auto [on_a, up] = a->upload(Queue::kActUpload, {src}, nullptr);
+    a->wait(Queue::kCompute, up);
+    at::Tensor produced;
+    a->enqueue(Queue::kCompute, [&] { produced = on_a[0] + 1; });
+    auto [host, down] = a->download({produced});
+    auto [on_b, up_b] = b->upload(Queue::kActUpload, host, down);  // waits for a's download
+    b->wait(Queue::kCompute, up_b);
+    at::Tensor result;
+    b->enqueue(Queue::kCompute, [&] { result = on_b[0].sum(); });
+    auto [final, done] = b->download({result});
+    done->synchronize();
+    ASSERT_EQ(final[0].item<float>(), 4096.0f * (i + 1));
+  }
+}
+
+TEST_P(DeviceTest, GeneratorDrawsOnTheDevice) {
+  auto devices = make_devices(GetParam());
+  auto gen = devices[0]->generator();
+  EXPECT_EQ(gen.device().type(), devices[0]->torch_device().type());
+}
+
+INSTANTIATE_TEST_SUITE_P(AllBackends, DeviceTest, ::testing::ValuesIn(backends()),
+                         [](const auto& info) { return backend_test_name(info.param); });
+
+TEST(SimDevice, MemoryBudgetCountsLiveTensorsAndThrowsOutOfMemory) {
+  SimDeviceOptions options;
+  options.memory_budget_bytes = 4096;
+  auto device = make_sim_devices(1, options)[0];
+  {
+    auto [t, e] = device->upload(Queue::kParamUpload, {at::zeros({512})}, nullptr);  // 2 KiB
+    e->synchronize();
+    EXPECT_EQ(device->memory_stats().in_use_bytes, 2048);
+    try {
+      device->upload(Queue::kParamUpload, {at::zeros({1024})}, nullptr);  // 4 KiB more
+      FAIL() << "expected out of memory";
+    } catch (const c10::OutOfMemoryError& e) {
+      EXPECT_NE(std::string(e.what()).find("sim:0 out of memory"), std::string::npos);
+    }
+  }
+  EXPECT_EQ(device->memory_stats().in_use_bytes, 0);  // freed with the tensor
+  EXPECT_EQ(device->memory_stats().peak_bytes, 2048);
+}
+
+TEST(SimDevice, BandwidthThrottleSlowsCopies) {
+  SimDeviceOptions options;
+  options.bandwidth_gbps = 0.01;  // 10 MB/s: 100 KB takes 10 ms
+  auto device = make_sim_devices(1, options)[0];
+  const auto start = std::chrono::steady_clock::now();
+  auto [t, e] = device->upload(Queue::kActUpload, {at::zeros({25000})}, nullptr);
+  e->synchronize();
+  EXPECT_GE(std::chrono::steady_clock::now() - start, std::chrono::milliseconds(9));
+}
+
+TEST(DeviceSpec, ParsesSimSpecs) {
+  auto devices = make_devices("sim:3,mem=1MiB,jitter_us=10");
+  ASSERT_EQ(devices.size(), 3u);
+  EXPECT_EQ(devices[2]->name(), "sim:2");
+  EXPECT_EQ(devices[0]->memory_stats().budget_bytes, 1 << 20);
+  EXPECT_EQ(make_devices("sim").size(), 1u);
+}
+
+TEST(DeviceSpec, RejectsBadSpecsWithHelp) {
+  for (const char* bad : {"tpu", "sim:x", "sim:2,mem=5XB", "sim:2,colour=red", "cuda:a"}) {
+    try {
+      make_devices(bad);
+      FAIL() << bad << " was accepted";
+    } catch (const c10::Error& e) {
+      EXPECT_NE(std::string(e.what()).find("sim:N"), std::string::npos) << e.what();
+    }
+  }
+}
+
+TEST(DeviceSpec, AutoPicksGpusElseOneSim) {
+  auto devices = make_devices("auto");
+  if (cuda_device_count() > 0) {
+    EXPECT_EQ(static_cast<int>(devices.size()), cuda_device_count());
+  } else {
+    ASSERT_EQ(devices.size(), 1u);
+    EXPECT_TRUE(devices[0]->is_simulated());
+  }
+}
+
+TEST(DevicePool, HandsOutRoundRobin) {
+  DevicePool pool(make_sim_devices(3));
+  std::vector<int> order;
+  for (int i = 0; i < 7; ++i) order.push_back(pool.next());
+  EXPECT_EQ(order, (std::vector<int>{0, 1, 2, 0, 1, 2, 0}));
+}
+
+}  // namespace
+}  // namespace roundpipe::testing

@@ -1,0 +1,203 @@
+// Shared by the tests: the backends every engine test runs on, tolerances,
+// and the models of the test matrix.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+#include <roundpipe/roundpipe.h>
+#include <torch/nn/modules/activation.h>
+#include <torch/nn/modules/batchnorm.h>
+#include <torch/nn/modules/dropout.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/nn/cloneable.h>
+
+#include <string>
+#include <vector>
+
+namespace roundpipe::testing {
+
+// sim with 1, 2 and 3 devices (the multi-device ones with copy jitter to
+// shake out missing waits), and the CUDA GPUs when there are any.
+inline std::vector<std::string> backends() {
+  std::vector<std::string> specs = {"sim:1", "sim:2,jitter_us=150", "sim:3,jitter_us=150"};
+  if (cuda_device_count() > 0) specs.push_back("cuda");
+  if (const char* only = std::getenv("ROUNDPIPE_TEST_BACKENDS")) {
+    specs.clear();
+    std::string list = only;
+    size_t start = 0;
+    while (start <= list.size()) {
+      size_t end = list.find(';', start);
+      if (end == std::string::npos) end = list.size();
+      if (end > start) specs.push_back(list.substr(start, end - start));
+      start = end + 1;
+    }
+  }
+  return specs;
+}
+
+inline std::string backend_test_name(const std::string& spec) {
+  std::string name;
+  for (char c : spec) {
+    if (std::isalnum(static_cast<unsigned char>(c))) name += c;
+    else if (c == ':' || c == ',') name += '_';
+    if (c == ',') break;
+  }
+  return name;
+}
+
+// The torch device a backend's oracle runs on.
+inline c10::Device oracle_device(const std::string& spec) {
+  return spec.rfind("cuda", 0) == 0 ? c10::Device(c10::kCUDA, 0) : c10::Device(c10::kCPU);
+}
+
+// max |a - b| / max |b|: the relative error the quality bar speaks of.
+inline double max_rel_error(const at::Tensor& a, const at::Tensor& b) {
+  auto x = a.detach().to(at::kCPU, at::kDouble), y = b.detach().to(at::kCPU, at::kDouble);
+  if (!x.sizes().equals(y.sizes())) return std::numeric_limits<double>::infinity();
+  if (y.numel() == 0) return 0;
+  const double scale = std::max(y.abs().max().item<double>(), 1e-12);
+  return (x - y).abs().max().item<double>() / scale;
+}
+
+#define EXPECT_TENSOR_NEAR(a, b, tol, what)                                                    \
+  do {                                                                                         \
+    const auto& a_ = (a);                                                                      \
+    const auto& b_ = (b);                                                                      \
+    ASSERT_TRUE(a_.defined()) << what << ": result undefined";                                 \
+    ASSERT_TRUE(b_.defined()) << what << ": reference undefined";                              \
+    ASSERT_EQ(a_.sizes(), b_.sizes()) << what;                                                 \
+    EXPECT_LE(::roundpipe::testing::max_rel_error(a_, b_), (tol)) << what;                     \
+  } while (0)
+
+// ---------------------------------------------------------------- models
+
+// Input adapter of a transformer-like stack: hidden states plus rotary
+// cos/sin and an additive causal mask, passed on as one tuple.
+struct TupleInputImpl : torch::nn::Cloneable<TupleInputImpl> {
+  int64_t dim;
+  torch::nn::Linear proj{nullptr};
+  explicit TupleInputImpl(int64_t d) : dim(d) { reset(); }
+  void reset() override { proj = register_module("proj", torch::nn::Linear(dim, dim)); }
+  c10::IValue forward(at::Tensor x) {
+    const int64_t T = x.size(1);
+    auto pos = at::arange(T, x.options()).unsqueeze(1);
+    auto freq = at::arange(dim / 2, x.options()).unsqueeze(0) * 0.1 + 0.5;
+    auto angle = pos * freq;  // [T, dim/2]
+    auto mask = at::full({T, T}, -1e9, x.options()).triu(1);
+    return c10::ivalue::Tuple::create({proj(x), angle.cos(), angle.sin(), mask, c10::IValue(T)});
+  }
+};
+TORCH_MODULE(TupleInput);
+
+// A block: rotary-mixed attention over the tuple's hidden states with the
+// mask, residual MLP; returns the tuple with new hidden states.
+struct TupleBlockImpl : torch::nn::Cloneable<TupleBlockImpl> {
+  int64_t dim;
+  torch::nn::Linear q{nullptr}, k{nullptr}, v{nullptr}, mlp{nullptr};
+  explicit TupleBlockImpl(int64_t d) : dim(d) { reset(); }
+  void reset() override {
+    q = register_module("q", torch::nn::Linear(dim, dim));
+    k = register_module("k", torch::nn::Linear(dim, dim));
+    v = register_module("v", torch::nn::Linear(dim, dim));
+    mlp = register_module("mlp", torch::nn::Linear(dim, dim));
+  }
+  static at::Tensor rotate(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+    auto halves = x.chunk(2, -1);
+    return at::cat({halves[0] * cos - halves[1] * sin, halves[0] * sin + halves[1] * cos}, -1);
+  }
+  c10::IValue forward(c10::IValue in) {
+    const auto& e = in.toTupleRef().elements();
+    auto h = e[0].toTensor(), cos = e[1].toTensor(), sin = e[2].toTensor(), mask = e[3].toTensor();
+    TORCH_CHECK(e[4].toInt() == h.size(1), "sequence length travels with the tuple");
+    auto scores = at::matmul(rotate(q(h), cos, sin), rotate(k(h), cos, sin).transpose(1, 2));
+    auto attn = at::softmax(scores / std::sqrt(double(dim)) + mask, -1);
+    h = h + at::matmul(attn, v(h));
+    h = h + at::gelu(mlp(h));
+    return c10::ivalue::Tuple::create({h, e[1], e[2], e[3], e[4]});
+  }
+};
+TORCH_MODULE(TupleBlock);
+
+struct TupleOutputImpl : torch::nn::Cloneable<TupleOutputImpl> {
+  int64_t dim, out;
+  torch::nn::Linear head{nullptr};
+  TupleOutputImpl(int64_t d, int64_t o) : dim(d), out(o) { reset(); }
+  void reset() override { head = register_module("head", torch::nn::Linear(dim, out)); }
+  at::Tensor forward(c10::IValue in) { return head(in.toTupleRef().elements()[0].toTensor()); }
+};
+TORCH_MODULE(TupleOutput);
+
+// Uses another layer's weight (tied): y = x W^T + b with W shared. Its
+// clone() gives the copy its own weight tensor, as RoundPipe requires.
+struct TiedLinearImpl : torch::nn::Cloneable<TiedLinearImpl> {
+  at::Tensor shared;
+  at::Tensor weight, bias;
+  explicit TiedLinearImpl(at::Tensor w) : shared(std::move(w)) { reset(); }
+  void reset() override {
+    weight = register_parameter("weight", shared);
+    bias = register_parameter("bias", at::zeros({shared.size(0)}));
+  }
+  std::shared_ptr<torch::nn::Module> clone(
+      const std::optional<c10::Device>& device = std::nullopt) const override {
+    auto copy = std::make_shared<TiedLinearImpl>(weight.detach().clone().requires_grad_());
+    copy->bias.set_data(bias.detach().clone());
+    copy->train(is_training());
+    return copy;
+  }
+  at::Tensor forward(at::Tensor x) { return at::linear(x, weight, bias); }
+};
+TORCH_MODULE(TiedLinear);
+
+enum class ModelKind { kMlp, kTupleStack, kDropout, kBatchNorm, kTied };
+
+inline const char* model_name(ModelKind kind) {
+  switch (kind) {
+    case ModelKind::kMlp: return "Mlp";
+    case ModelKind::kTupleStack: return "TupleStack";
+    case ModelKind::kDropout: return "Dropout";
+    case ModelKind::kBatchNorm: return "BatchNorm";
+    case ModelKind::kTied: return "Tied";
+  }
+  return "?";
+}
+
+// A fresh model; the same seed gives the same weights (and ties).
+inline torch::nn::Sequential make_model(ModelKind kind, uint64_t seed = 1) {
+  torch::manual_seed(seed);
+  namespace nn = torch::nn;
+  switch (kind) {
+    case ModelKind::kMlp:
+      return nn::Sequential(nn::Linear(6, 16), nn::Tanh(), nn::Linear(16, 16), nn::ReLU(),
+                            nn::Linear(16, 4));
+    case ModelKind::kTupleStack:
+      return nn::Sequential(TupleInput(8), TupleBlock(8), TupleBlock(8), TupleBlock(8),
+                            TupleOutput(8, 3));
+    case ModelKind::kDropout:
+      return nn::Sequential(nn::Linear(6, 16), nn::Dropout(0.3), nn::Linear(16, 16),
+                            nn::Dropout(0.3), nn::Tanh(), nn::Linear(16, 4));
+    case ModelKind::kBatchNorm:
+      // No bias before a BatchNorm: its gradient is zero up to rounding,
+      // which no relative tolerance can judge.
+      return nn::Sequential(nn::Linear(nn::LinearOptions(6, 12).bias(false)), nn::BatchNorm1d(12),
+                            nn::ReLU(), nn::Linear(nn::LinearOptions(12, 12).bias(false)),
+                            nn::BatchNorm1d(12), nn::Linear(12, 4));
+    case ModelKind::kTied: {
+      nn::Linear a(8, 8);
+      return nn::Sequential(nn::Linear(6, 8), a, nn::Tanh(), TiedLinear(a->weight), nn::Tanh(),
+                            nn::Linear(8, 4));
+    }
+  }
+  TORCH_CHECK(false, "unknown model");
+}
+
+// An input batch for the model kind; `requires_grad` marks it for input
+// gradient checks.
+inline at::Tensor make_input(ModelKind kind, int64_t batch, uint64_t seed) {
+  auto gen = at::detail::createCPUGenerator(seed);
+  if (kind == ModelKind::kTupleStack) return at::randn({batch, 5, 8}, gen);
+  return at::randn({batch, 6}, gen);
+}
+
+inline int64_t output_features(ModelKind kind) { return kind == ModelKind::kTupleStack ? 3 : 4; }
+
+}  // namespace roundpipe::testing
