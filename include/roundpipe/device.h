@@ -50,6 +50,11 @@ class Device {
   virtual c10::Device torch_device() const = 0;   // where its tensors live
   virtual bool is_simulated() const = 0;
 
+  // Makes the calling thread this device's compute queue: the worker that
+  // runs stage jobs calls it once (cuda: current device and the compute
+  // stream; sim: nothing).
+  virtual void bind_compute_thread() = 0;
+
   // Runs `work` in the order of `queue`. cuda: now, on the calling thread,
   // with the queue's stream current (work must only enqueue async ops).
   // sim: copy queues run it on the queue's thread; kCompute runs it inline.

@@ -39,6 +39,11 @@ class CudaDevice final : public Device {
   c10::Device torch_device() const override { return c10::Device(c10::kCUDA, index_); }
   bool is_simulated() const override { return false; }
 
+  void bind_compute_thread() override {
+    c10::cuda::set_device(index_);
+    c10::cuda::setCurrentCUDAStream(stream(Queue::kCompute));
+  }
+
   void enqueue(Queue queue, std::function<void()> work) override {
     c10::cuda::CUDAStreamGuard guard(stream(queue));
     work();

@@ -143,6 +143,8 @@ class SimDevice final : public Device {
   c10::Device torch_device() const override { return c10::Device(c10::kCPU); }
   bool is_simulated() const override { return true; }
 
+  void bind_compute_thread() override {}
+
   void enqueue(Queue queue, std::function<void()> work) override {
     if (queue == Queue::kCompute) {
       work();

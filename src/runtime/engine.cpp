@@ -344,7 +344,10 @@ void HostTasks::loop() {
 class Worker {
  public:
   Worker(Engine& engine, DevicePtr device) : engine_(engine), device_(std::move(device)) {
-    thread_ = std::thread([this] { loop(); });
+    thread_ = std::thread([this] {
+      device_->bind_compute_thread();
+      loop();
+    });
   }
   ~Worker() {
     {
