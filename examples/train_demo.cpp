@@ -18,12 +18,11 @@ int main(int argc, char** argv) {
     auto y = (torch::sin(3 * x.select(1, 0)) + x.select(1, 1) * x.select(1, 2)).unsqueeze(1);
     return std::make_pair(x, y);
   };
-  torch::nn::Sequential model(torch::nn::Linear(8, 128), torch::nn::GELU(),
-                              torch::nn::Linear(128, 128), torch::nn::GELU(),
-                              torch::nn::Linear(128, 128), torch::nn::GELU(),
-                              torch::nn::Linear(128, 1));
-  roundpipe::RoundPipe pipe(model, roundpipe::RoundPipeOptions().set_name("demo").set_devices(
-                                       argc > 2 ? argv[2] : ""));
+  torch::nn::Sequential model(
+      torch::nn::Linear(8, 128), torch::nn::GELU(), torch::nn::Linear(128, 128), torch::nn::GELU(),
+      torch::nn::Linear(128, 128), torch::nn::GELU(), torch::nn::Linear(128, 1));
+  roundpipe::RoundPipe pipe(
+      model, roundpipe::RoundPipeOptions().set_name("demo").set_devices(argc > 2 ? argv[2] : ""));
   std::printf("roundpipe-demo: %d layers on %d device(s) (%s), plan %s\n", pipe.num_layers(),
               pipe.devices().size(), pipe.devices().at(0)->name().c_str(),
               pipe.default_plan(true).to_string().c_str());

@@ -5,11 +5,11 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 #include <roundpipe/roundpipe.h>
+#include <torch/nn/cloneable.h>
 #include <torch/nn/modules/activation.h>
 #include <torch/nn/modules/batchnorm.h>
 #include <torch/nn/modules/dropout.h>
 #include <torch/nn/modules/linear.h>
-#include <torch/nn/cloneable.h>
 
 #include <string>
 #include <vector>
@@ -38,8 +38,10 @@ inline std::vector<std::string> backends() {
 inline std::string backend_test_name(const std::string& spec) {
   std::string name;
   for (char c : spec) {
-    if (std::isalnum(static_cast<unsigned char>(c))) name += c;
-    else if (c == ':' || c == ',') name += '_';
+    if (std::isalnum(static_cast<unsigned char>(c)))
+      name += c;
+    else if (c == ':' || c == ',')
+      name += '_';
     if (c == ',') break;
   }
   return name;
@@ -59,14 +61,14 @@ inline double max_rel_error(const at::Tensor& a, const at::Tensor& b) {
   return (x - y).abs().max().item<double>() / scale;
 }
 
-#define EXPECT_TENSOR_NEAR(a, b, tol, what)                                                    \
-  do {                                                                                         \
-    const auto& a_ = (a);                                                                      \
-    const auto& b_ = (b);                                                                      \
-    ASSERT_TRUE(a_.defined()) << what << ": result undefined";                                 \
-    ASSERT_TRUE(b_.defined()) << what << ": reference undefined";                              \
-    ASSERT_EQ(a_.sizes(), b_.sizes()) << what;                                                 \
-    EXPECT_LE(::roundpipe::testing::max_rel_error(a_, b_), (tol)) << what;                     \
+#define EXPECT_TENSOR_NEAR(a, b, tol, what)                                \
+  do {                                                                     \
+    const auto& a_ = (a);                                                  \
+    const auto& b_ = (b);                                                  \
+    ASSERT_TRUE(a_.defined()) << what << ": result undefined";             \
+    ASSERT_TRUE(b_.defined()) << what << ": reference undefined";          \
+    ASSERT_EQ(a_.sizes(), b_.sizes()) << what;                             \
+    EXPECT_LE(::roundpipe::testing::max_rel_error(a_, b_), (tol)) << what; \
   } while (0)
 
 // ---------------------------------------------------------------- models
@@ -152,11 +154,16 @@ enum class ModelKind { kMlp, kTupleStack, kDropout, kBatchNorm, kTied };
 
 inline const char* model_name(ModelKind kind) {
   switch (kind) {
-    case ModelKind::kMlp: return "Mlp";
-    case ModelKind::kTupleStack: return "TupleStack";
-    case ModelKind::kDropout: return "Dropout";
-    case ModelKind::kBatchNorm: return "BatchNorm";
-    case ModelKind::kTied: return "Tied";
+    case ModelKind::kMlp:
+      return "Mlp";
+    case ModelKind::kTupleStack:
+      return "TupleStack";
+    case ModelKind::kDropout:
+      return "Dropout";
+    case ModelKind::kBatchNorm:
+      return "BatchNorm";
+    case ModelKind::kTied:
+      return "Tied";
   }
   return "?";
 }
@@ -198,6 +205,8 @@ inline at::Tensor make_input(ModelKind kind, int64_t batch, uint64_t seed) {
   return at::randn({batch, 6}, gen);
 }
 
-inline int64_t output_features(ModelKind kind) { return kind == ModelKind::kTupleStack ? 3 : 4; }
+inline int64_t output_features(ModelKind kind) {
+  return kind == ModelKind::kTupleStack ? 3 : 4;
+}
 
 }  // namespace roundpipe::testing

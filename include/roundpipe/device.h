@@ -46,8 +46,8 @@ class Device {
  public:
   virtual ~Device() = default;
 
-  virtual std::string name() const = 0;           // "sim:1", "cuda:0"
-  virtual c10::Device torch_device() const = 0;   // where its tensors live
+  virtual std::string name() const = 0;          // "sim:1", "cuda:0"
+  virtual c10::Device torch_device() const = 0;  // where its tensors live
   virtual bool is_simulated() const = 0;
 
   // Makes the calling thread this device's compute queue: the worker that
@@ -67,8 +67,9 @@ class Device {
   // Copies host tensors to new device tensors on `queue` (kParamUpload or
   // kActUpload). The copies are ordered after `after` (may be null). Returns
   // the device tensors and the event that completes when they are written.
-  virtual std::pair<std::vector<at::Tensor>, EventPtr> upload(
-      Queue queue, const std::vector<at::Tensor>& host, const EventPtr& after) = 0;
+  virtual std::pair<std::vector<at::Tensor>, EventPtr> upload(Queue queue,
+                                                              const std::vector<at::Tensor>& host,
+                                                              const EventPtr& after) = 0;
   // Copies device tensors produced by the compute queue so far into new host
   // tensors (pinned where the backend supports it) on kDownload.
   virtual std::pair<std::vector<at::Tensor>, EventPtr> download(
@@ -101,6 +102,10 @@ std::vector<DevicePtr> make_sim_devices(int count, const SimDeviceOptions& optio
 // Throws when the build has no CUDA backend or no GPU is visible.
 std::vector<DevicePtr> make_cuda_devices(const std::vector<int>& indices = {});
 bool cuda_backend_compiled();
+// Pins existing host memory in place (cudaHostRegister) for fast, truly
+// asynchronous copies. Returns false where nothing can be pinned (no CUDA).
+bool register_host_memory(void* data, size_t bytes);
+void unregister_host_memory(void* data);
 int cuda_device_count();
 
 // Parses a device spec: "sim:N" (N simulated devices, optionally followed by

@@ -41,7 +41,7 @@ struct ExecutePlan {
   // back-propagate (about 3x a forward), so forward stages hold about three
   // times the layers of backward stages and all stages take similar time.
   static ExecutePlan from_layer_costs(const std::vector<int64_t>& layer_bytes, int num_devices,
-                                     bool fused);
+                                      bool fused);
 };
 
 }  // namespace roundpipe

@@ -45,12 +45,30 @@ struct RoundPipeOptions {
   std::string devices;
   std::vector<DevicePtr> device_list;
 
-  RoundPipeOptions& set_optim_dtype(c10::ScalarType v) { optim_dtype = v; return *this; }
-  RoundPipeOptions& set_pin_model(PinMode v) { pin_model = v; return *this; }
-  RoundPipeOptions& set_model_run_config(RunConfig v) { model_run_config = std::move(v); return *this; }
-  RoundPipeOptions& set_name(std::string v) { name = std::move(v); return *this; }
-  RoundPipeOptions& set_devices(std::string v) { devices = std::move(v); return *this; }
-  RoundPipeOptions& set_device_list(std::vector<DevicePtr> v) { device_list = std::move(v); return *this; }
+  RoundPipeOptions& set_optim_dtype(c10::ScalarType v) {
+    optim_dtype = v;
+    return *this;
+  }
+  RoundPipeOptions& set_pin_model(PinMode v) {
+    pin_model = v;
+    return *this;
+  }
+  RoundPipeOptions& set_model_run_config(RunConfig v) {
+    model_run_config = std::move(v);
+    return *this;
+  }
+  RoundPipeOptions& set_name(std::string v) {
+    name = std::move(v);
+    return *this;
+  }
+  RoundPipeOptions& set_devices(std::string v) {
+    devices = std::move(v);
+    return *this;
+  }
+  RoundPipeOptions& set_device_list(std::vector<DevicePtr> v) {
+    device_list = std::move(v);
+    return *this;
+  }
 };
 
 // loss_fn(output of the last layer, label) -> a 0-dim loss, run on the

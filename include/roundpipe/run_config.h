@@ -25,25 +25,52 @@ using MergeFn = std::function<c10::IValue(const std::vector<c10::IValue>& output
 // Every field is optional: a value given to a call overrides the model's
 // (RoundPipeOptions::model_run_config), which overrides the default.
 struct RunConfig {
-  std::optional<bool> requires_grad;            // default: autograd grad mode
-  std::optional<c10::Device> output_device;     // default: CPU
-  std::optional<bool> preserve_rng_state;       // default: true
+  std::optional<bool> requires_grad;              // default: autograd grad mode
+  std::optional<c10::Device> output_device;       // default: CPU
+  std::optional<bool> preserve_rng_state;         // default: true
   std::optional<RecomputeGrain> recompute_grain;  // default: stage
-  std::optional<int> num_microbatch;            // default: number of devices + 1
-  std::optional<SplitFn> split_input;           // default: split_microbatches()
-  std::optional<SplitFn> split_label;           // default: split_microbatches()
-  std::optional<MergeFn> merge_output;          // default: merge_microbatches()
-  std::optional<ExecutePlan> execute_plan;      // default: ExecutePlan::from_layer_costs
+  std::optional<int> num_microbatch;              // default: number of devices + 1
+  std::optional<SplitFn> split_input;             // default: split_microbatches()
+  std::optional<SplitFn> split_label;             // default: split_microbatches()
+  std::optional<MergeFn> merge_output;            // default: merge_microbatches()
+  std::optional<ExecutePlan> execute_plan;        // default: ExecutePlan::from_layer_costs
 
-  RunConfig& set_requires_grad(bool v) { requires_grad = v; return *this; }
-  RunConfig& set_output_device(c10::Device v) { output_device = v; return *this; }
-  RunConfig& set_preserve_rng_state(bool v) { preserve_rng_state = v; return *this; }
-  RunConfig& set_recompute_grain(RecomputeGrain v) { recompute_grain = v; return *this; }
-  RunConfig& set_num_microbatch(int v) { num_microbatch = v; return *this; }
-  RunConfig& set_split_input(SplitFn v) { split_input = std::move(v); return *this; }
-  RunConfig& set_split_label(SplitFn v) { split_label = std::move(v); return *this; }
-  RunConfig& set_merge_output(MergeFn v) { merge_output = std::move(v); return *this; }
-  RunConfig& set_execute_plan(ExecutePlan v) { execute_plan = std::move(v); return *this; }
+  RunConfig& set_requires_grad(bool v) {
+    requires_grad = v;
+    return *this;
+  }
+  RunConfig& set_output_device(c10::Device v) {
+    output_device = v;
+    return *this;
+  }
+  RunConfig& set_preserve_rng_state(bool v) {
+    preserve_rng_state = v;
+    return *this;
+  }
+  RunConfig& set_recompute_grain(RecomputeGrain v) {
+    recompute_grain = v;
+    return *this;
+  }
+  RunConfig& set_num_microbatch(int v) {
+    num_microbatch = v;
+    return *this;
+  }
+  RunConfig& set_split_input(SplitFn v) {
+    split_input = std::move(v);
+    return *this;
+  }
+  RunConfig& set_split_label(SplitFn v) {
+    split_label = std::move(v);
+    return *this;
+  }
+  RunConfig& set_merge_output(MergeFn v) {
+    merge_output = std::move(v);
+    return *this;
+  }
+  RunConfig& set_execute_plan(ExecutePlan v) {
+    execute_plan = std::move(v);
+    return *this;
+  }
 
   // Field by field: this call's value if set, else `model`'s.
   RunConfig overriding(const RunConfig& model) const;

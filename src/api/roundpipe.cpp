@@ -39,12 +39,26 @@ ForwardBackwardResult RoundPipe::forward_backward(const c10::IValue& input,
   return engine_->forward_backward(input, label, loss_fn, return_outputs, config);
 }
 
-void RoundPipe::synchronize() { engine_->synchronize(); }
-std::vector<at::Tensor> RoundPipe::parameters() const { return engine_->parameters(); }
-int RoundPipe::num_layers() const { return engine_->num_layers(); }
-const DevicePool& RoundPipe::devices() const { return engine_->pool(); }
-const std::string& RoundPipe::name() const { return engine_->name(); }
-ExecutePlan RoundPipe::default_plan(bool fused) const { return engine_->default_plan(fused); }
-std::optional<c10::ScalarType> RoundPipe::optim_dtype() const { return engine_->optim_dtype(); }
+void RoundPipe::synchronize() {
+  engine_->synchronize();
+}
+std::vector<at::Tensor> RoundPipe::parameters() const {
+  return engine_->parameters();
+}
+int RoundPipe::num_layers() const {
+  return engine_->num_layers();
+}
+const DevicePool& RoundPipe::devices() const {
+  return engine_->pool();
+}
+const std::string& RoundPipe::name() const {
+  return engine_->name();
+}
+ExecutePlan RoundPipe::default_plan(bool fused) const {
+  return engine_->default_plan(fused);
+}
+std::optional<c10::ScalarType> RoundPipe::optim_dtype() const {
+  return engine_->optim_dtype();
+}
 
 }  // namespace roundpipe

@@ -69,7 +69,8 @@ class CudaDevice final : public Device {
       // compute stream, so its reuse needs no cross-stream bookkeeping.
       c10::cuda::CUDAStreamGuard guard(stream(Queue::kCompute));
       for (const auto& t : host) {
-        dst.push_back(at::empty(t.sizes(), t.options().device(torch_device()).pinned_memory(false)));
+        dst.push_back(
+            at::empty(t.sizes(), t.options().device(torch_device()).pinned_memory(false)));
       }
     }
     wait(queue, record(Queue::kCompute));
@@ -126,13 +127,34 @@ class CudaDevice final : public Device {
 
 }  // namespace
 
-bool cuda_backend_compiled() { return true; }
+bool cuda_backend_compiled() {
+  return true;
+}
 
-int cuda_device_count() { return static_cast<int>(c10::cuda::device_count()); }
+bool register_host_memory(void* data, size_t bytes) {
+  if (cuda_device_count() == 0 || bytes == 0) return false;
+  const cudaError_t status = cudaHostRegister(data, bytes, cudaHostRegisterDefault);
+  if (status == cudaErrorHostMemoryAlreadyRegistered) {
+    (void)cudaGetLastError();  // clear it: the memory is pinned already
+    return false;
+  }
+  C10_CUDA_CHECK(status);
+  return true;
+}
+
+void unregister_host_memory(void* data) {
+  const cudaError_t status = cudaHostUnregister(data);
+  if (status != cudaSuccess) (void)cudaGetLastError();  // best effort at teardown
+}
+
+int cuda_device_count() {
+  return static_cast<int>(c10::cuda::device_count());
+}
 
 std::vector<DevicePtr> make_cuda_devices(const std::vector<int>& indices_in) {
   const int count = cuda_device_count();
-  TORCH_CHECK(count > 0, "no CUDA GPU is visible. Use ROUNDPIPE_DEVICES=sim:N to run on "
+  TORCH_CHECK(count > 0,
+              "no CUDA GPU is visible. Use ROUNDPIPE_DEVICES=sim:N to run on "
               "simulated devices.");
   std::vector<int> indices = indices_in;
   if (indices.empty()) {

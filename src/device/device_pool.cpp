@@ -14,14 +14,23 @@ int64_t parse_size(const std::string& text) {
   const double value = std::stod(text, &pos);
   const std::string unit = text.substr(pos);
   double scale = 1;
-  if (unit == "" || unit == "B") scale = 1;
-  else if (unit == "KiB") scale = 1024.0;
-  else if (unit == "MiB") scale = 1024.0 * 1024;
-  else if (unit == "GiB") scale = 1024.0 * 1024 * 1024;
-  else if (unit == "KB") scale = 1e3;
-  else if (unit == "MB") scale = 1e6;
-  else if (unit == "GB") scale = 1e9;
-  else TORCH_CHECK(false, "unknown size unit '", unit, "' in '", text, "' (use B, KiB, MiB, GiB, KB, MB or GB)");
+  if (unit == "" || unit == "B")
+    scale = 1;
+  else if (unit == "KiB")
+    scale = 1024.0;
+  else if (unit == "MiB")
+    scale = 1024.0 * 1024;
+  else if (unit == "GiB")
+    scale = 1024.0 * 1024 * 1024;
+  else if (unit == "KB")
+    scale = 1e3;
+  else if (unit == "MB")
+    scale = 1e6;
+  else if (unit == "GB")
+    scale = 1e9;
+  else
+    TORCH_CHECK(false, "unknown size unit '", unit, "' in '", text,
+                "' (use B, KiB, MiB, GiB, KB, MB or GB)");
   return static_cast<int64_t>(value * scale);
 }
 
@@ -109,8 +118,16 @@ int DevicePool::next() {
 }
 
 #ifndef ROUNDPIPE_WITH_CUDA
-bool cuda_backend_compiled() { return false; }
-int cuda_device_count() { return 0; }
+bool cuda_backend_compiled() {
+  return false;
+}
+bool register_host_memory(void*, size_t) {
+  return false;
+}
+void unregister_host_memory(void*) {}
+int cuda_device_count() {
+  return 0;
+}
 std::vector<DevicePtr> make_cuda_devices(const std::vector<int>&) {
   TORCH_CHECK(false,
               "this roundpipe build has no CUDA backend (LibTorch was found without CUDA). "

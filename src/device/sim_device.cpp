@@ -185,8 +185,8 @@ class SimDevice final : public Device {
     for (const auto& t : device_tensors) {
       dst.push_back(at::empty(t.sizes(), at::TensorOptions().dtype(t.scalar_type())));
     }
-    copy_queue(Queue::kDownload).push([dst, device_tensors, this] { copy_all(dst, device_tensors); },
-                                      true);
+    copy_queue(Queue::kDownload)
+        .push([dst, device_tensors, this] { copy_all(dst, device_tensors); }, true);
     return {dst, record(Queue::kDownload)};
   }
 
@@ -211,8 +211,8 @@ class SimDevice final : public Device {
     const int64_t now = memory_->in_use.fetch_add(bytes) + bytes;
     if (memory_->budget > 0 && now > memory_->budget) {
       memory_->in_use.fetch_sub(bytes);
-      TORCH_CHECK_WITH(OutOfMemoryError, false, name(), " out of memory: tried to allocate ",
-                       bytes, " bytes with ", now - bytes, " of ", memory_->budget,
+      TORCH_CHECK_WITH(OutOfMemoryError, false, name(), " out of memory: tried to allocate ", bytes,
+                       " bytes with ", now - bytes, " of ", memory_->budget,
                        " bytes in use. Use smaller stages (execute_plan), more microbatches or "
                        "recompute_grain=layer, or give the simulated device a larger budget.");
     }

@@ -237,9 +237,8 @@ void check_devices(const c10::IValue& value, const Device& device, int layer,
   const auto expected = device.torch_device();
   for (const auto& t : flatten_tensors(value)) {
     if (!t.defined()) continue;
-    TORCH_CHECK(t.device() == expected, "layer ", layer, " (", type_name,
-                ") returned a tensor on ", t.device(), " while running on ", device.name(),
-                " (", expected,
+    TORCH_CHECK(t.device() == expected, "layer ", layer, " (", type_name, ") returned a tensor on ",
+                t.device(), " while running on ", device.name(), " (", expected,
                 "). A layer's temporaries and outputs must take their device from its inputs or "
                 "weights, never a fixed device.");
   }
@@ -270,8 +269,8 @@ std::vector<at::Tensor> leaf_grads(const std::vector<at::Tensor>& leaves) {
 // Back-propagates `grads` through the outputs that require grad and got one.
 void backward_through(const c10::IValue& output, const std::vector<at::Tensor>& grads) {
   const auto outs = flatten_tensors(output);
-  TORCH_CHECK(outs.size() == grads.size(), "the stage output holds ", outs.size(),
-              " tensors but ", grads.size(), " gradients arrived for it");
+  TORCH_CHECK(outs.size() == grads.size(), "the stage output holds ", outs.size(), " tensors but ",
+              grads.size(), " gradients arrived for it");
   std::vector<at::Tensor> roots, root_grads;
   for (size_t i = 0; i < outs.size(); ++i) {
     if (outs[i].defined() && outs[i].requires_grad() && grads[i].defined()) {
@@ -424,8 +423,9 @@ Engine::Engine(std::vector<LayerPtr> layers, RoundPipeOptions options)
     std::vector<int> layer_ids;
     int64_t bytes = 0;
     for (const auto& p : layer->parameters()) {
-      TORCH_CHECK(p.device().is_cpu(), name_, ": parameters must be on the CPU (the model's home); ",
-                  "found one on ", p.device(), " in ", layer->type_name(), ". Call .to(torch::kCPU) first.");
+      TORCH_CHECK(p.device().is_cpu(), name_,
+                  ": parameters must be on the CPU (the model's home); ", "found one on ",
+                  p.device(), " in ", layer->type_name(), ". Call .to(torch::kCPU) first.");
       auto [it, inserted] = ids.emplace(p.unsafeGetTensorImpl(), static_cast<int>(params_.size()));
       if (inserted) params_.push_back({p, at::Tensor()});
       layer_ids.push_back(it->second);
@@ -441,16 +441,20 @@ Engine::Engine(std::vector<LayerPtr> layers, RoundPipeOptions options)
     layer_param_ids_.push_back(std::move(layer_ids));
     layer_bytes_.push_back(bytes);
   }
-  // Pinned home memory speeds up uploads (a simple correct version: one
-  // pinned copy per parameter; the exact-size arena comes later).
+  // Pinned home memory makes uploads fast and truly asynchronous (a simple
+  // correct version: alloc = one pinned copy per parameter; register = pin
+  // the existing storage in place; the exact-size arena comes later).
   const bool can_pin = pool_.at(0)->supports_pinned_memory();
-  if (options_.pin_model == PinMode::kRegister) {
-    TORCH_CHECK(can_pin || pool_.at(0)->is_simulated(), name_,
-                ": pin_model=register needs the CUDA backend");
-  }
-  if (options_.pin_model != PinMode::kOff && can_pin) {
+  if (options_.pin_model == PinMode::kAlloc && can_pin) {
     for (auto& entry : params_) {
       if (!entry.home.is_pinned()) entry.home.set_data(entry.home.pin_memory());
+    }
+  } else if (options_.pin_model == PinMode::kRegister && can_pin) {
+    std::set<void*> seen;
+    for (auto& entry : params_) {
+      void* data = entry.home.storage().mutable_data();
+      if (entry.home.is_pinned() || !seen.insert(data).second) continue;
+      if (register_host_memory(data, entry.home.storage().nbytes())) registered_.push_back(data);
     }
   }
   for (const auto& device : pool_.devices()) {
@@ -466,6 +470,7 @@ Engine::~Engine() {
     // A destructor cannot report: the error was the caller's to collect.
   }
   workers_.clear();
+  for (void* data : registered_) unregister_host_memory(data);
 }
 
 std::vector<at::Tensor> Engine::parameters() const {
@@ -625,7 +630,8 @@ struct StageRunner {
     if (buffers_bound) return;
     phase = "parameter upload";
     std::unordered_map<int, at::Tensor> by_id;
-    for (size_t i = 0; i < job.param_ids.size(); ++i) by_id[job.param_ids[i]] = job.device_params[i];
+    for (size_t i = 0; i < job.param_ids.size(); ++i)
+      by_id[job.param_ids[i]] = job.device_params[i];
     std::vector<at::Tensor> host_buffers;
     std::vector<size_t> counts;
     for (int l = job.range.begin; l < job.range.end; ++l) {
@@ -932,7 +938,8 @@ std::shared_ptr<CallState> Engine::start_call(const c10::IValue& input, const Ru
     TORCH_CHECK(static_cast<int>(pieces.size()) == call->n, name_, ": split_input returned ",
                 pieces.size(), " microbatches, expected num_microbatch = ", call->n);
     for (bool r : call->input_requires_grad) {
-      TORCH_CHECK(!r, name_, ": inputs that require grad need the default split_input (their "
+      TORCH_CHECK(!r, name_,
+                  ": inputs that require grad need the default split_input (their "
                   "gradients are merged back by its rules)");
     }
   } else {
@@ -1129,7 +1136,8 @@ c10::IValue Engine::forward(const c10::IValue& input, const RunConfig& config) {
     return map_tensors(v, [&](const at::Tensor& t) { return t.defined() ? t.to(device) : t; });
   };
   if (call->config.merge_output) {
-    TORCH_CHECK(!training, name_, ": a custom merge_output cannot be differentiated through; run "
+    TORCH_CHECK(!training, name_,
+                ": a custom merge_output cannot be differentiated through; run "
                 "with requires_grad=false or use forward_backward");
     return to_output_device((*call->config.merge_output)(outs));
   }
@@ -1194,12 +1202,12 @@ ForwardBackwardResult Engine::forward_backward(const c10::IValue& input, const c
   result.loss = total;
   if (return_outputs) {
     auto outs = collect(call, call->outputs);
-    result.output = call->config.merge_output ? (*call->config.merge_output)(outs)
-                                              : merge_microbatches(outs);
+    result.output =
+        call->config.merge_output ? (*call->config.merge_output)(outs) : merge_microbatches(outs);
     const auto device = *call->config.output_device;
     if (!device.is_cpu()) {
-      result.output = map_tensors(result.output,
-                                  [&](const at::Tensor& t) { return t.defined() ? t.to(device) : t; });
+      result.output = map_tensors(
+          result.output, [&](const at::Tensor& t) { return t.defined() ? t.to(device) : t; });
     }
   }
   return result;
@@ -1227,17 +1235,18 @@ namespace roundpipe {
 
 void save_for_recompute(const c10::IValue& data) {
   auto* lc = detail::current_layer_call;
-  TORCH_CHECK(lc, "save_for_recompute() must be called from a layer's forward run by RoundPipe");
-  if (lc->recompute) return;  // the forward already saved it
+  // Outside RoundPipe (the same module run plainly) there is no recompute.
+  if (lc == nullptr || lc->recompute) return;
   for (const auto& t : flatten_tensors(data)) {
     TORCH_CHECK(!t.defined() || !t.requires_grad(),
                 "save_for_recompute(): data must not require grad (detach it)");
   }
   auto host = map_tensors(data, [](const at::Tensor& t) { return t.defined() ? t.cpu() : t; });
   std::lock_guard<std::mutex> lock(lc->call->recompute_mu);
-  auto [it, inserted] = lc->call->recompute_data.emplace(std::make_pair(lc->layer, lc->microbatch), host);
-  TORCH_CHECK(inserted, "save_for_recompute() called twice in layer ", lc->layer, " for microbatch ",
-              lc->microbatch, "; call it once per layer per microbatch");
+  auto [it, inserted] =
+      lc->call->recompute_data.emplace(std::make_pair(lc->layer, lc->microbatch), host);
+  TORCH_CHECK(inserted, "save_for_recompute() called twice in layer ", lc->layer,
+              " for microbatch ", lc->microbatch, "; call it once per layer per microbatch");
 }
 
 bool doing_recompute() {
@@ -1253,7 +1262,8 @@ c10::IValue get_recompute_data() {
     std::lock_guard<std::mutex> lock(lc->call->recompute_mu);
     auto it = lc->call->recompute_data.find({lc->layer, lc->microbatch});
     TORCH_CHECK(it != lc->call->recompute_data.end(), "layer ", lc->layer,
-                " did not call save_for_recompute() in its forward for microbatch ", lc->microbatch);
+                " did not call save_for_recompute() in its forward for microbatch ",
+                lc->microbatch);
     data = it->second;
   }
   const auto device = lc->device;

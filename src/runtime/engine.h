@@ -116,6 +116,7 @@ class Engine {
   std::vector<ParamEntry> params_;
   std::vector<std::vector<int>> layer_param_ids_;  // per layer: unique id of each parameter
   std::vector<int64_t> layer_bytes_;
+  std::vector<void*> registered_;  // host memory pinned in place (pin_model=register)
   DevicePool pool_;
   std::vector<std::unique_ptr<Worker>> workers_;
   HostTasks host_tasks_;

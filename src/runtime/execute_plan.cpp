@@ -103,10 +103,11 @@ void ExecutePlan::validate(int num_layers, bool fused) const {
                 ": forward stages must ascend without gaps or overlaps, but ",
                 range_text(forward[i]), " follows ", range_text(forward[i - 1]));
   }
-  TORCH_CHECK(forward.back().end == forward_end, "invalid ", what, " ", to_string(),
-              ": the forward plan must end at layer ", forward_end,
-              fused ? " (where the fused tail stage backward[0] begins)" : " (the number of layers)",
-              ", not ", forward.back().end);
+  TORCH_CHECK(
+      forward.back().end == forward_end, "invalid ", what, " ", to_string(),
+      ": the forward plan must end at layer ", forward_end,
+      fused ? " (where the fused tail stage backward[0] begins)" : " (the number of layers)",
+      ", not ", forward.back().end);
 }
 
 std::string ExecutePlan::to_string() const {
@@ -134,8 +135,8 @@ ExecutePlan ExecutePlan::single_stage(int num_layers, bool fused) {
   return plan;
 }
 
-ExecutePlan ExecutePlan::from_layer_costs(const std::vector<int64_t>& layer_bytes,
-                                          int num_devices, bool fused) {
+ExecutePlan ExecutePlan::from_layer_costs(const std::vector<int64_t>& layer_bytes, int num_devices,
+                                          bool fused) {
   const int L = static_cast<int>(layer_bytes.size());
   TORCH_CHECK(L >= 1, "a RoundPipe model needs at least one layer");
   // Forward cost ~ bytes; a backward (or fused tail) layer ~ 3x: recompute

@@ -52,8 +52,8 @@ class TorchModuleInstance final : public LayerInstance {
 
   void bind(const std::vector<at::Tensor>& params, const std::vector<bool>& requires_grad,
             const std::vector<at::Tensor>& buffers, bool training) override {
-    TORCH_CHECK(params.size() == params_.size() && buffers.size() == buffers_.size(),
-                "layer ", layer_->type_name(), " changed its parameters or buffers after wrapping");
+    TORCH_CHECK(params.size() == params_.size() && buffers.size() == buffers_.size(), "layer ",
+                layer_->type_name(), " changed its parameters or buffers after wrapping");
     for (size_t i = 0; i < params_.size(); ++i) {
       params_[i].set_data(params[i]);
       params_[i].mutable_grad() = at::Tensor();
@@ -129,7 +129,9 @@ void TorchModuleLayer::set_parameter_data(size_t i, const at::Tensor& data) {
   TORCH_CHECK(i < params.size(), "parameter index ", i, " out of range");
   params[i].set_data(data);
 }
-bool TorchModuleLayer::is_training() const { return module_.ptr()->is_training(); }
+bool TorchModuleLayer::is_training() const {
+  return module_.ptr()->is_training();
+}
 
 std::unique_ptr<LayerInstance> TorchModuleLayer::make_instance() {
   return std::make_unique<TorchModuleInstance>(this, module_.clone());
@@ -137,7 +139,8 @@ std::unique_ptr<LayerInstance> TorchModuleLayer::make_instance() {
 
 std::vector<LayerPtr> layers_of(const torch::nn::Sequential& sequential) {
   std::vector<LayerPtr> layers;
-  for (const auto& module : *sequential) layers.push_back(std::make_shared<TorchModuleLayer>(module));
+  for (const auto& module : *sequential)
+    layers.push_back(std::make_shared<TorchModuleLayer>(module));
   return layers;
 }
 

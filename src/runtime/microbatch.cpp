@@ -23,8 +23,8 @@ std::optional<int64_t> find_batch_size(const c10::IValue& value) {
 c10::IValue merge_at(const std::vector<c10::IValue>& values, const std::string& path) {
   const c10::IValue& first = values.front();
   auto mismatch = [&](const c10::IValue& other) {
-    TORCH_CHECK(false, "merge_microbatches: microbatch outputs differ in structure at ", path,
-                ": ", first.tagKind(), " vs ", other.tagKind(),
+    TORCH_CHECK(false, "merge_microbatches: microbatch outputs differ in structure at ", path, ": ",
+                first.tagKind(), " vs ", other.tagKind(),
                 ". Give RunConfig::merge_output a function that merges them.");
   };
   for (const auto& v : values) {
@@ -46,7 +46,8 @@ c10::IValue merge_at(const std::vector<c10::IValue>& values, const std::string& 
     for (size_t i = 0; i < n; ++i) {
       std::vector<c10::IValue> column;
       for (const auto& v : values) {
-        TORCH_CHECK(v.toTupleRef().elements().size() == n, "merge_microbatches: tuple sizes differ at ", path);
+        TORCH_CHECK(v.toTupleRef().elements().size() == n,
+                    "merge_microbatches: tuple sizes differ at ", path);
         column.push_back(v.toTupleRef().elements()[i]);
       }
       merged.push_back(merge_at(column, path + "[" + std::to_string(i) + "]"));
@@ -114,8 +115,7 @@ std::vector<c10::IValue> split_microbatches(const c10::IValue& value, int n) {
   TORCH_CHECK(n >= 1, "num_microbatch must be at least 1, got ", n);
   const int64_t batch = batch_size_of(value);
   TORCH_CHECK(batch >= n, "cannot split a batch of ", batch, " into ", n,
-              " microbatches: lower num_microbatch to at most ", batch,
-              " or pass a larger batch.");
+              " microbatches: lower num_microbatch to at most ", batch, " or pass a larger batch.");
   const auto sizes = chunk_sizes(batch, n);
   std::vector<c10::IValue> out;
   int64_t start = 0;

@@ -19,10 +19,14 @@ constexpr double kTol = 1e-5;
 enum class Path { kInference, kTrainForward, kForwardBackward, kAccumulate };
 const char* path_name(Path p) {
   switch (p) {
-    case Path::kInference: return "inference";
-    case Path::kTrainForward: return "train-forward";
-    case Path::kForwardBackward: return "forward_backward";
-    case Path::kAccumulate: return "accumulate-2-calls";
+    case Path::kInference:
+      return "inference";
+    case Path::kTrainForward:
+      return "train-forward";
+    case Path::kForwardBackward:
+      return "forward_backward";
+    case Path::kAccumulate:
+      return "accumulate-2-calls";
   }
   return "?";
 }
@@ -31,9 +35,11 @@ const char* path_name(Path p) {
 // stage spans a forward-stage boundary (the RNG-replay trap).
 ExecutePlan asymmetric_plan(int L, bool fused) {
   ExecutePlan plan;
-  for (int b = 0; b < L; b += 2) plan.backward.insert(plan.backward.begin(), {b, std::min(b + 2, L)});
+  for (int b = 0; b < L; b += 2)
+    plan.backward.insert(plan.backward.begin(), {b, std::min(b + 2, L)});
   const int forward_end = fused ? plan.backward.front().begin : L;
-  for (int b = 0; b < forward_end; b += 3) plan.forward.push_back({b, std::min(b + 3, forward_end)});
+  for (int b = 0; b < forward_end; b += 3)
+    plan.forward.push_back({b, std::min(b + 3, forward_end)});
   return plan;
 }
 
@@ -51,8 +57,8 @@ uint64_t draw_call_seed() {
 }
 
 // The oracle: plain LibTorch, one device, microbatch m seeded per rng.h.
-std::vector<at::Tensor> oracle_microbatches(torch::nn::Sequential& model, const at::Tensor& x, int n,
-                                            uint64_t call_seed, c10::Device device) {
+std::vector<at::Tensor> oracle_microbatches(torch::nn::Sequential& model, const at::Tensor& x,
+                                            int n, uint64_t call_seed, c10::Device device) {
   auto gen = at::globalContext().defaultGenerator(device);
   std::vector<at::Tensor> outs;
   const int64_t batch = x.size(0);
@@ -92,8 +98,8 @@ TEST_P(EngineTest, MatchesPlainLibTorch) {
   // (num_microbatch, batch): one microbatch, the default (#devices + 1), uneven.
   const std::vector<std::pair<std::optional<int>, int64_t>> splits = {
       {1, 8}, {std::nullopt, 8}, {3, 7}};
-  for (Path path : {Path::kInference, Path::kTrainForward, Path::kForwardBackward,
-                    Path::kAccumulate}) {
+  for (Path path :
+       {Path::kInference, Path::kTrainForward, Path::kForwardBackward, Path::kAccumulate}) {
     for (auto grain : {RecomputeGrain::kStage, RecomputeGrain::kLayer}) {
       if (path == Path::kInference && grain == RecomputeGrain::kLayer) continue;
       for (const auto& plan_name : plans) {
@@ -131,7 +137,8 @@ TEST_P(EngineTest, MatchesPlainLibTorch) {
             expect_same_state(model, oracle, /*grads=*/false);
           } else if (path == Path::kTrainForward) {
             auto w = at::randn({batch, output_features(kind)}, at::detail::createCPUGenerator(5));
-            if (kind == ModelKind::kTupleStack) w = at::randn({batch, 5, 3}, at::detail::createCPUGenerator(5));
+            if (kind == ModelKind::kTupleStack)
+              w = at::randn({batch, 5, 3}, at::detail::createCPUGenerator(5));
             auto xin = x.clone().requires_grad_(true);
             torch::manual_seed(77);
             auto out = pipe.forward(xin, config);
@@ -229,7 +236,8 @@ TEST_P(TrainingLoopTest, PlainOptimizerAfterSynchronize) {
     opt.zero_grad();
     at::Tensor loss_ref = at::zeros({}, dev);
     for (int m = 0; m < n; ++m) {
-      const int64_t rows = 12 / n + (m < 12 % n ? 1 : 0), start = m * (12 / n) + std::min<int64_t>(m, 12 % n);
+      const int64_t rows = 12 / n + (m < 12 % n ? 1 : 0),
+                    start = m * (12 / n) + std::min<int64_t>(m, 12 % n);
       loss_ref = loss_ref + mse(oracle->forward(x.to(dev).narrow(0, start, rows)),
                                 y.to(dev).narrow(0, start, rows));
     }
@@ -245,6 +253,112 @@ TEST_P(TrainingLoopTest, PlainOptimizerAfterSynchronize) {
 }
 
 INSTANTIATE_TEST_SUITE_P(AllBackends, TrainingLoopTest, ::testing::ValuesIn(backends()),
+                         [](const auto& info) { return backend_test_name(info.param); });
+
+}  // namespace
+}  // namespace roundpipe::testing
+
+namespace roundpipe::testing {
+namespace {
+
+// A layer whose forward makes a host-side decision that differs on every
+// call (like MoE routing counts): recompute must reuse the forward's choice
+// through save_for_recompute / get_recompute_data.
+std::atomic<int> gate_calls{0};
+struct HostGateImpl : torch::nn::Cloneable<HostGateImpl> {
+  torch::nn::Linear inner{nullptr};
+  HostGateImpl() { reset(); }
+  void reset() override { inner = register_module("inner", torch::nn::Linear(6, 6)); }
+  at::Tensor forward(at::Tensor x) {
+    int64_t scale;
+    if (doing_recompute()) {
+      scale = get_recompute_data().toTensor().item<int64_t>();
+    } else {
+      scale = 1 + gate_calls++ % 3;
+      save_for_recompute(at::scalar_tensor(scale, at::kLong).to(x.device()));
+    }
+    return inner(x) * static_cast<double>(scale);
+  }
+};
+TORCH_MODULE(HostGate);
+
+class RecomputeHelpersTest : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(RecomputeHelpersTest, RecomputeReusesTheForwardsDecision) {
+  const auto& backend = GetParam();
+  const c10::Device dev = oracle_device(backend);
+  auto build = [] {
+    torch::manual_seed(4);
+    return torch::nn::Sequential(torch::nn::Linear(6, 6), HostGate(), torch::nn::Tanh(),
+                                 torch::nn::Linear(6, 2));
+  };
+  for (auto grain : {RecomputeGrain::kStage, RecomputeGrain::kLayer}) {
+    auto model = build();
+    auto oracle = build();
+    oracle->to(dev);
+    RoundPipe pipe(model, RoundPipeOptions().set_devices(backend));
+    auto config = RunConfig().set_num_microbatch(3).set_recompute_grain(grain).set_execute_plan(
+        ExecutePlan({{0, 4}}, {{3, 4}, {0, 3}}));
+    auto x = at::randn({6, 6}, at::detail::createCPUGenerator(1));
+    gate_calls = 0;
+    auto out = pipe.forward(x, config);
+    out.sum().backward();
+    pipe.synchronize();
+    EXPECT_EQ(gate_calls.load(), 3) << "recompute must not call the gate's host logic again";
+    gate_calls = 0;
+    std::vector<at::Tensor> outs;
+    for (int m = 0; m < 3; ++m) outs.push_back(oracle->forward(x.to(dev).narrow(0, 2 * m, 2)));
+    auto ref = at::cat(outs, 0);
+    ref.sum().backward();
+    EXPECT_TENSOR_NEAR(out, ref, kTol, "output");
+    auto p = model->parameters(), q = oracle->parameters();
+    for (size_t i = 0; i < p.size(); ++i) {
+      EXPECT_TENSOR_NEAR(p[i].grad(), q[i].grad(), kTol, "gradient " << i);
+    }
+  }
+}
+
+TEST(RecomputeHelpers, OutsideRoundPipeSavingIsANoOpAndReadingAnError) {
+  EXPECT_FALSE(doing_recompute());
+  save_for_recompute(at::ones({1}));
+  EXPECT_THROW(get_recompute_data(), c10::Error);
+}
+
+INSTANTIATE_TEST_SUITE_P(AllBackends, RecomputeHelpersTest, ::testing::ValuesIn(backends()),
+                         [](const auto& info) { return backend_test_name(info.param); });
+
+// Every pin mode trains the same; on CUDA alloc and register pin the
+// model's parameters, off leaves them pageable.
+class PinModeTest : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(PinModeTest, AllModesGiveTheSameGradients) {
+  const auto& backend = GetParam();
+  auto mse = [](const c10::IValue& out, const c10::IValue& label) {
+    return torch::nn::functional::mse_loss(out.toTensor(), label.toTensor());
+  };
+  auto x = make_input(ModelKind::kMlp, 8, 3);
+  auto y = at::randn({8, 4}, at::detail::createCPUGenerator(4));
+  std::vector<std::vector<at::Tensor>> grads;
+  for (auto mode : {PinMode::kAlloc, PinMode::kRegister, PinMode::kOff}) {
+    auto model = make_model(ModelKind::kMlp);
+    RoundPipe pipe(model, RoundPipeOptions().set_devices(backend).set_pin_model(mode));
+    if (!pipe.devices().at(0)->is_simulated()) {
+      for (const auto& p : model->parameters()) EXPECT_EQ(p.is_pinned(), mode != PinMode::kOff);
+    }
+    pipe.forward_backward(x, y, mse);
+    pipe.synchronize();
+    std::vector<at::Tensor> g;
+    for (const auto& p : model->parameters()) g.push_back(p.grad().clone());
+    grads.push_back(g);
+  }
+  for (size_t mode = 1; mode < grads.size(); ++mode) {
+    for (size_t i = 0; i < grads[0].size(); ++i) {
+      EXPECT_TENSOR_NEAR(grads[mode][i], grads[0][i], 1e-6, "mode " << mode << " gradient " << i);
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(AllBackends, PinModeTest, ::testing::ValuesIn(backends()),
                          [](const auto& info) { return backend_test_name(info.param); });
 
 }  // namespace

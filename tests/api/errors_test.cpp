@@ -18,8 +18,10 @@ struct FlakyImpl : torch::nn::Cloneable<FlakyImpl> {
   FlakyImpl() { reset(); }
   void reset() override { inner = register_module("inner", torch::nn::Linear(6, 6)); }
   at::Tensor forward(at::Tensor x) {
-    if (doing_recompute() && fail_in_recompute) throw std::runtime_error("injected recompute failure");
-    if (!doing_recompute() && fail_at_microbatch >= 0 && x.size(0) == 1 && fail_at_microbatch-- == 0) {
+    if (doing_recompute() && fail_in_recompute)
+      throw std::runtime_error("injected recompute failure");
+    if (!doing_recompute() && fail_at_microbatch >= 0 && x.size(0) == 1 &&
+        fail_at_microbatch-- == 0) {
       throw std::runtime_error("injected failure");
     }
     return inner(x);
@@ -53,16 +55,17 @@ class ErrorsTest : public ::testing::TestWithParam<std::string> {
     return torch::nn::Sequential(torch::nn::Linear(6, 6), torch::nn::Tanh(), Flaky(),
                                  torch::nn::Linear(6, 2));
   }
-  std::function<at::Tensor(const c10::IValue&, const c10::IValue&)> mse =
-      [](const c10::IValue& o, const c10::IValue& l) {
-        return torch::nn::functional::mse_loss(o.toTensor(), l.toTensor());
-      };
+  std::function<at::Tensor(const c10::IValue&, const c10::IValue&)> mse = [](const c10::IValue& o,
+                                                                             const c10::IValue& l) {
+    return torch::nn::functional::mse_loss(o.toTensor(), l.toTensor());
+  };
 };
 
 TEST_P(ErrorsTest, WorkerExceptionReachesCallerWithContextThenNextCallWorks) {
   auto m = model();
   RoundPipe pipe(m, RoundPipeOptions().set_devices(GetParam()).set_name("flaky"));
-  auto config = RunConfig().set_num_microbatch(4).set_execute_plan(ExecutePlan::one_layer_per_stage(4, false));
+  auto config = RunConfig().set_num_microbatch(4).set_execute_plan(
+      ExecutePlan::one_layer_per_stage(4, false));
   auto x = at::randn({4, 6});
   fail_at_microbatch = 2;  // microbatch index 2 of the Flaky layer (rows of 1)
   try {
@@ -91,7 +94,8 @@ TEST_P(ErrorsTest, WorkerExceptionReachesCallerWithContextThenNextCallWorks) {
 TEST_P(ErrorsTest, RecomputeFailureInBackgroundBackwardIsReported) {
   auto m = model();
   RoundPipe pipe(m, RoundPipeOptions().set_devices(GetParam()).set_name("flaky"));
-  auto config = RunConfig().set_num_microbatch(2).set_execute_plan(ExecutePlan::one_layer_per_stage(4, true));
+  auto config =
+      RunConfig().set_num_microbatch(2).set_execute_plan(ExecutePlan::one_layer_per_stage(4, true));
   auto x = at::randn({4, 6}), y = at::randn({4, 2});
   fail_in_recompute = true;
   // The loss is known before the recompute of layer 2 runs, so the failure
@@ -146,12 +150,16 @@ TEST_P(ErrorsTest, InputsMustBeOnTheCpu) {
 TEST_P(ErrorsTest, UnsplittableBatch) {
   auto m = model();
   RoundPipe pipe(m, RoundPipeOptions().set_devices(GetParam()));
-  auto what = message_of([&] { pipe.forward(at::randn({2, 6}), RunConfig().set_num_microbatch(5)); });
+  auto what = message_of([&] {
+    pipe.forward(at::randn({2, 6}), RunConfig().set_num_microbatch(5));
+  });
   EXPECT_HAS(what, "lower num_microbatch to at most 2");
   what = message_of([&] {
-    pipe.forward(at::randn({4, 6}), RunConfig().set_split_input([](const c10::IValue& v, int) {
-      return std::vector<c10::IValue>{v};
-    }).set_num_microbatch(2));
+    pipe.forward(at::randn({4, 6}), RunConfig()
+                                        .set_split_input([](const c10::IValue& v, int) {
+                                          return std::vector<c10::IValue>{v};
+                                        })
+                                        .set_num_microbatch(2));
   });
   EXPECT_HAS(what, "split_input returned 1 microbatches, expected num_microbatch = 2");
 }
@@ -204,12 +212,15 @@ TEST(Errors, SimulatedOutOfMemoryThenASmallerPlanFits) {
     EXPECT_EQ(e.phase, "parameter upload");
     EXPECT_HAS(std::string(e.what()), "out of memory");
   }
-  auto out = pipe.forward(x, RunConfig().set_execute_plan(ExecutePlan::one_layer_per_stage(4, false)));
+  auto out =
+      pipe.forward(x, RunConfig().set_execute_plan(ExecutePlan::one_layer_per_stage(4, false)));
   EXPECT_TENSOR_NEAR(out, m->forward(x), 1e-5, "after the out-of-memory error");
 }
 
 TEST(Errors, BadConstructionArguments) {
-  EXPECT_HAS(message_of([] { RoundPipe(torch::nn::Sequential(), RoundPipeOptions().set_devices("sim:1")); }),
+  EXPECT_HAS(message_of([] {
+               RoundPipe(torch::nn::Sequential(), RoundPipeOptions().set_devices("sim:1"));
+             }),
              "no layers");
   EXPECT_HAS(message_of([] { pin_mode_from_string("pinned"); }), "use alloc, register or off");
 }

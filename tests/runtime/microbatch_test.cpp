@@ -46,8 +46,9 @@ TEST(Microbatch, SplitsInsideListsAndDicts) {
 TEST(Microbatch, MergeConcatenatesAveragesAndChecksEquality) {
   std::vector<c10::IValue> parts;
   for (int i = 0; i < 3; ++i) {
-    parts.push_back(c10::ivalue::Tuple::create(
-        {at::full({i + 1, 2}, i), at::scalar_tensor(static_cast<double>(i)), c10::IValue(int64_t{7})}));
+    parts.push_back(c10::ivalue::Tuple::create({at::full({i + 1, 2}, i),
+                                                at::scalar_tensor(static_cast<double>(i)),
+                                                c10::IValue(int64_t{7})}));
   }
   auto merged = merge_microbatches(parts);
   const auto& e = merged.toTupleRef().elements();
