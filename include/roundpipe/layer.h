@@ -40,6 +40,8 @@ class Layer {
   // weights); the engine uploads and accumulates it once per stage.
   virtual std::vector<at::Tensor> parameters() const = 0;
   virtual std::vector<at::Tensor> buffers() const = 0;
+  // Names of the parameters, in the order of parameters() ("inner.weight").
+  virtual std::vector<std::string> parameter_names() const = 0;
   // Replaces the home tensor of parameter/buffer i (e.g. with a pinned copy).
   virtual void set_parameter_data(size_t i, const at::Tensor& data) = 0;
   virtual bool is_training() const = 0;
@@ -57,6 +59,7 @@ class TorchModuleLayer final : public Layer {
   std::string type_name() const override;
   std::vector<at::Tensor> parameters() const override;
   std::vector<at::Tensor> buffers() const override;
+  std::vector<std::string> parameter_names() const override;
   void set_parameter_data(size_t i, const at::Tensor& data) override;
   bool is_training() const override;
   std::unique_ptr<LayerInstance> make_instance() override;

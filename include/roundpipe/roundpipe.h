@@ -106,9 +106,29 @@ class RoundPipe {
                                          const LossFn& loss_fn, bool return_outputs = false,
                                          const RunConfig& config = {});
 
-  // Waits for all background work and adds the gradients accumulated since
-  // the last synchronize() into the parameters' .grad().
+  // Waits for all background work (pending steps included), publishes the
+  // latest master weights into the model, and adds the gradients of calls no
+  // step() consumed into the parameters' .grad().
   void synchronize();
+
+  // The optimizer's master copies (optim_dtype) of the parameters that
+  // require grad, created on first use; shared parameters appear once,
+  // frozen ones not at all. Build the optimizer on these.
+  std::vector<at::Tensor> optim_parameters();
+  // The same, named "<layer index>.<parameter name in the layer>".
+  std::vector<std::pair<std::string, at::Tensor>> optim_named_parameters();
+
+  // Queues an optimizer step on the optimizer thread: the gradients of the
+  // calls since the last step are added into the masters' .grad(), then
+  // step_fn runs (typically optimizer.step(); optimizer.zero_grad()), then
+  // the masters are published into the model's weights, parameter by
+  // parameter in forward order, each as soon as no running job still reads
+  // the old value. Async (default): returns at once, and the next calls run
+  // on the weights of the update before this one (exactly one step of
+  // staleness). Sync: returns after publishing, so the next call sees this
+  // step. An exception thrown by step_fn reaches the caller (async: at the
+  // next step(), call or synchronize()).
+  void step(std::function<void()> step_fn, bool is_async = true);
 
   std::vector<at::Tensor> parameters() const;  // unique, in layer order
   int num_layers() const;

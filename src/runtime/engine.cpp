@@ -56,9 +56,27 @@ struct CallState {
   std::mutex recompute_mu;
   std::map<std::pair<int, int>, c10::IValue> recompute_data;
 
-  // Parameter gradients this call produced; they join the engine's
-  // accumulators only when the whole call succeeded.
+  // Parameter gradients this call produced (host-task thread), taken by a
+  // step() or synchronize() once the whole call succeeded.
   std::map<int, at::Tensor> param_grads;
+  int64_t weights_version = 0;  // the optimizer version its uploads read
+
+  // Jobs and host tasks of this call still to run.
+  std::mutex work_mu;
+  std::condition_variable work_cv;
+  int outstanding = 0;
+  void begin_work() {
+    std::lock_guard<std::mutex> lock(work_mu);
+    ++outstanding;
+  }
+  void end_work() {
+    std::lock_guard<std::mutex> lock(work_mu);
+    if (--outstanding == 0) work_cv.notify_all();
+  }
+  void wait_idle() {
+    std::unique_lock<std::mutex> lock(work_mu);
+    work_cv.wait(lock, [&] { return outstanding == 0; });
+  }
 
   std::atomic<bool> aborted{false};
   std::mutex error_mu;
@@ -121,8 +139,9 @@ struct Job {
         << range.end - 1 << ")";
     return out.str();
   }
+  std::vector<int> param_ids;  // unique parameters of the stage, set at dispatch
+  bool reads_released = false;
   // Filled by the worker: this stage's parameters on its device.
-  std::vector<int> param_ids;
   std::vector<at::Tensor> device_params;
   EventPtr params_ready;
 };
@@ -312,6 +331,15 @@ void HostTasks::drain() {
   }
 }
 
+void HostTasks::rethrow_failure() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (error_) {
+    auto error = error_;
+    error_ = nullptr;
+    std::rethrow_exception(error);
+  }
+}
+
 void HostTasks::loop() {
   for (;;) {
     std::pair<EventPtr, std::function<void()>> task;
@@ -382,7 +410,7 @@ class Worker {
         std::lock_guard<std::mutex> lock(mu_);
         jobs_.pop_front();
       }
-      engine_.job_finished();
+      engine_.job_finished(*job);
     }
   }
 
@@ -403,7 +431,7 @@ void Worker::prefetch_next() {
     if (jobs_.size() < 2) return;
     next = jobs_[1];
   }
-  if (next->params_ready || next->call->aborted) return;
+  if (next->params_ready || next->call->aborted || !engine_.params_published(*next)) return;
   ensure_params(*next);
 }
 
@@ -419,15 +447,24 @@ Engine::Engine(std::vector<LayerPtr> layers, RoundPipeOptions options)
   TORCH_CHECK(!layers_.empty(), name_, ": the model has no layers; wrap a non-empty Sequential");
   // The unique parameters: tied weights are one entry shared by several layers.
   std::unordered_map<const c10::TensorImpl*, int> ids;
-  for (const auto& layer : layers_) {
+  for (size_t l = 0; l < layers_.size(); ++l) {
+    const auto& layer = layers_[l];
     std::vector<int> layer_ids;
     int64_t bytes = 0;
-    for (const auto& p : layer->parameters()) {
+    const auto names = layer->parameter_names();
+    const auto layer_params = layer->parameters();
+    for (size_t i = 0; i < layer_params.size(); ++i) {
+      const auto& p = layer_params[i];
       TORCH_CHECK(p.device().is_cpu(), name_,
                   ": parameters must be on the CPU (the model's home); ", "found one on ",
                   p.device(), " in ", layer->type_name(), ". Call .to(torch::kCPU) first.");
       auto [it, inserted] = ids.emplace(p.unsafeGetTensorImpl(), static_cast<int>(params_.size()));
-      if (inserted) params_.push_back({p, at::Tensor()});
+      if (inserted) {
+        ParamEntry entry;
+        entry.home = p;
+        entry.name = std::to_string(l) + "." + (i < names.size() ? names[i] : std::to_string(i));
+        params_.push_back(std::move(entry));
+      }
       layer_ids.push_back(it->second);
       bytes += p.nbytes();
     }
@@ -526,10 +563,38 @@ void Engine::release_instance(int layer, std::unique_ptr<LayerInstance> instance
   free_instances_[layer].push_back(std::move(instance));
 }
 
-void Engine::job_finished() {
+void Engine::job_finished(Job& job) {
+  release_reads(job);
+  job.call->end_work();
   std::lock_guard<std::mutex> lock(inflight_mu_);
   --inflight_;
   inflight_cv_.notify_all();
+}
+
+void Engine::release_reads(Job& job) {
+  if (job.reads_released) return;
+  job.reads_released = true;
+  std::lock_guard<std::mutex> lock(versions_mu_);
+  for (int id : job.param_ids) --params_[id].reads[job.call->weights_version];
+  versions_cv_.notify_all();
+}
+
+bool Engine::params_published(const Job& job) {
+  std::lock_guard<std::mutex> lock(versions_mu_);
+  for (int id : job.param_ids) {
+    if (params_[id].published < job.call->weights_version) return false;
+  }
+  return true;
+}
+
+void Engine::wait_params_published(const Job& job) {
+  std::unique_lock<std::mutex> lock(versions_mu_);
+  versions_cv_.wait(lock, [&] {
+    for (int id : job.param_ids) {
+      if (params_[id].published < job.call->weights_version) return false;
+    }
+    return true;
+  });
 }
 
 void Engine::fence() {
@@ -538,20 +603,116 @@ void Engine::fence() {
     inflight_cv_.wait(lock, [&] { return inflight_ == 0; });
   }
   host_tasks_.drain();
-  auto calls = std::move(background_calls_);
-  background_calls_.clear();
-  for (auto& call : calls) finish_call(*call);
-  for (auto& call : calls) call->rethrow_if_failed();
+  optimizer_.rethrow_failure();
+  // A training call that failed in the background is reported once, here.
+  for (auto it = unconsumed_calls_.begin(); it != unconsumed_calls_.end(); ++it) {
+    if ((*it)->aborted) {
+      auto failed = *it;
+      unconsumed_calls_.erase(it);
+      failed->rethrow_if_failed();
+    }
+  }
 }
 
-void Engine::finish_call(CallState& call) {
-  if (call.aborted) return;  // a failed call leaves no gradients behind
-  for (auto& [id, grad] : call.param_grads) {
-    auto& acc = params_[id].grad_accum;
-    acc = acc.defined() ? acc.add_(grad) : grad;
+std::map<int, at::Tensor> Engine::take_call_grads(std::vector<std::shared_ptr<CallState>> calls) {
+  std::map<int, at::Tensor> grads;
+  for (auto& call : calls) call->wait_idle();
+  for (auto& call : calls) call->rethrow_if_failed();  // a failed call contributes nothing
+  for (auto& call : calls) {
+    for (auto& [id, g] : call->param_grads) {
+      auto& sum = grads[id];
+      sum = sum.defined() ? sum.add_(g) : g;
+    }
+    call->param_grads.clear();
   }
-  call.param_grads.clear();
+  return grads;
 }
+
+void Engine::ensure_masters() {
+  const bool missing = std::any_of(params_.begin(), params_.end(), [](const ParamEntry& e) {
+    return e.home.requires_grad() && !e.master.defined();
+  });
+  if (!missing) return;
+  optimizer_.drain();  // the homes must hold the weights the masters start from
+  for (auto& entry : params_) {
+    if (!entry.home.requires_grad() || entry.master.defined()) continue;
+    const auto dtype = options_.optim_dtype.value_or(entry.home.scalar_type());
+    entry.master = entry.home.detach().to(dtype, /*non_blocking=*/false, /*copy=*/true);
+    entry.master.requires_grad_(true);
+  }
+}
+
+std::vector<at::Tensor> Engine::optim_parameters() {
+  std::vector<at::Tensor> out;
+  for (auto& [name, master] : optim_named_parameters()) out.push_back(master);
+  return out;
+}
+
+std::vector<std::pair<std::string, at::Tensor>> Engine::optim_named_parameters() {
+  ensure_masters();
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  for (auto& entry : params_) {
+    if (entry.master.defined()) out.emplace_back(entry.name, entry.master);
+  }
+  return out;
+}
+
+void Engine::publish(int64_t version) {
+  for (auto& entry : params_) {
+    {
+      std::unique_lock<std::mutex> lock(versions_mu_);
+      versions_cv_.wait(lock, [&] {
+        for (const auto& [v, n] : entry.reads) {
+          if (v < version && n > 0) return false;
+        }
+        return true;
+      });
+    }
+    if (entry.master.defined()) {
+      c10::NoGradGuard no_grad;
+      entry.home.copy_(entry.master);
+    }
+    std::lock_guard<std::mutex> lock(versions_mu_);
+    entry.published = version;
+    std::erase_if(entry.reads, [&](const auto& r) { return r.first < version && r.second == 0; });
+    versions_cv_.notify_all();
+  }
+}
+
+void Engine::step(std::function<void()> step_fn, bool is_async) {
+  TORCH_CHECK(step_fn, name_, ": step() needs a step function");
+  optimizer_.rethrow_failure();
+  ensure_masters();
+  auto calls = std::move(unconsumed_calls_);
+  unconsumed_calls_.clear();
+  const int64_t update = updates_++;
+  // Async: the next calls run on the weights of the update before this one
+  // (one step of staleness); sync: on this step's result.
+  version_for_new_calls_ = is_async ? update : update + 1;
+  optimizer_.post(nullptr, [this, calls = std::move(calls), step_fn = std::move(step_fn), update,
+                            is_async]() mutable {
+    if (pending_publish_ >= 0) {
+      publish(pending_publish_);  // the previous update, now that its readers are known
+      pending_publish_ = -1;
+    }
+    auto grads = take_call_grads(std::move(calls));
+    for (auto& [id, g] : grads) {
+      auto& master = params_[id].master;
+      if (!master.defined()) continue;
+      auto& grad = master.mutable_grad();
+      grad = grad.defined() ? grad.add_(g.to(master.scalar_type()))
+                            : g.to(master.scalar_type(), false, /*copy=*/true);
+    }
+    step_fn();
+    if (is_async) {
+      pending_publish_ = update + 1;
+    } else {
+      publish(update + 1);
+    }
+  });
+  if (!is_async) optimizer_.drain();
+}
+
 
 void Engine::dispatch(const std::shared_ptr<CallState>& call, int kind, const LayerRange& range,
                       int stage_index) {
@@ -560,6 +721,17 @@ void Engine::dispatch(const std::shared_ptr<CallState>& call, int kind, const La
   job->kind = kind;
   job->range = range;
   job->stage_index = stage_index;
+  std::set<int> seen;
+  for (int l = range.begin; l < range.end; ++l) {
+    for (int id : layer_param_ids_[l]) {
+      if (seen.insert(id).second) job->param_ids.push_back(id);
+    }
+  }
+  {
+    std::lock_guard<std::mutex> lock(versions_mu_);
+    for (int id : job->param_ids) ++params_[id].reads[call->weights_version];
+  }
+  call->begin_work();
   {
     std::lock_guard<std::mutex> lock(inflight_mu_);
     ++inflight_;
@@ -570,19 +742,19 @@ void Engine::dispatch(const std::shared_ptr<CallState>& call, int kind, const La
 void Worker::ensure_params(Job& job) {
   if (job.params_ready) return;
   auto& engine = engine_;
+  engine.wait_params_published(job);
   std::vector<at::Tensor> host;
-  std::set<int> seen;
-  for (int l = job.range.begin; l < job.range.end; ++l) {
-    for (int id : engine.layer_param_ids_[l]) {
-      if (seen.insert(id).second) {
-        job.param_ids.push_back(id);
-        host.push_back(engine.params_[id].home);
-      }
-    }
-  }
+  for (int id : job.param_ids) host.push_back(engine.params_[id].home);
   auto [copies, event] = device_->upload(Queue::kParamUpload, host, nullptr);
   job.device_params = std::move(copies);
   job.params_ready = event;
+  // Once the copies have read the home tensors, the optimizer may publish.
+  job.reads_released = true;
+  engine.host_tasks_.post(event, [&engine, ids = job.param_ids, version = job.call->weights_version] {
+    std::lock_guard<std::mutex> lock(engine.versions_mu_);
+    for (int id : ids) --engine.params_[id].reads[version];
+    engine.versions_cv_.notify_all();
+  });
 }
 
 // ---------------------------------------------------------------- stage jobs
@@ -849,11 +1021,13 @@ struct StageRunner {
     }
     if (grads.empty()) return;
     auto [host, event] = device.download(grads);
+    job.call->begin_work();
     engine.host_tasks_.post(event, [call = job.call, ids, host] {
       for (size_t i = 0; i < ids.size(); ++i) {
         auto& acc = call->param_grads[ids[i]];
         acc = acc.defined() ? acc.add_(host[i]) : host[i];
       }
+      call->end_work();
     });
   }
 
@@ -919,6 +1093,7 @@ std::shared_ptr<CallState> Engine::start_call(const c10::IValue& input, const Ru
   call->n = *call->config.num_microbatch;
   call->grain = *call->config.recompute_grain;
   call->preserve_rng = *call->config.preserve_rng_state;
+  call->weights_version = version_for_new_calls_;
   TORCH_CHECK(call->n >= 1, name_, ": num_microbatch must be at least 1, got ", call->n);
   call->plan = call->config.execute_plan ? *call->config.execute_plan : default_plan(fused);
   call->plan.validate(num_layers(), fused);
@@ -1105,13 +1280,8 @@ void Engine::run_backward_pass(const std::shared_ptr<CallState>& call) {
   for (size_t i = 0; i < plan.backward.size(); ++i) {
     dispatch(call, kBackwardJob, plan.backward[i], static_cast<int>(i));
   }
-  // Wait for this call's backward jobs (the shallowest one last).
-  {
-    std::unique_lock<std::mutex> lock(inflight_mu_);
-    inflight_cv_.wait(lock, [&] { return inflight_ == 0; });
-  }
-  host_tasks_.drain();
-  finish_call(*call);
+  // Wait for this call's backward jobs and gradient downloads.
+  call->wait_idle();
   call->rethrow_if_failed();
 }
 
@@ -1161,6 +1331,7 @@ c10::IValue Engine::forward(const c10::IValue& input, const RunConfig& config) {
   // input does (parameter gradients go to RoundPipe's own accumulators).
   auto anchor = at::empty({0}).requires_grad_(true);
   auto connected = PipelineFunction::apply(handle, anchor, at::TensorList(inputs), flat_merged);
+  unconsumed_calls_.push_back(call);  // its gradients come with its backward
   return to_output_device(replace_tensors(merged, connected));
 }
 
@@ -1193,9 +1364,9 @@ ForwardBackwardResult Engine::forward_backward(const c10::IValue& input, const c
     dispatch(call, kBackwardJob, plan.backward[i], static_cast<int>(i));
   }
   auto losses = collect(call, call->losses);
-  // From here the call's backward stages run on in the background; fence()
-  // reports their errors.
-  background_calls_.push_back(call);
+  // From here the call's backward stages run on in the background; fence(),
+  // step() and synchronize() report their errors.
+  unconsumed_calls_.push_back(call);
   ForwardBackwardResult result;
   at::Tensor total = losses[0].toTensor().clone();
   for (size_t m = 1; m < losses.size(); ++m) total.add_(losses[m].toTensor());
@@ -1214,16 +1385,22 @@ ForwardBackwardResult Engine::forward_backward(const c10::IValue& input, const c
 }
 
 void Engine::synchronize() {
-  fence();
-  for (auto& entry : params_) {
-    if (!entry.grad_accum.defined()) continue;
-    auto& grad = entry.home.mutable_grad();
-    if (grad.defined()) {
-      grad.add_(entry.grad_accum);
-    } else {
-      grad = entry.grad_accum;
-    }
-    entry.grad_accum = at::Tensor();
+  {
+    std::unique_lock<std::mutex> lock(inflight_mu_);
+    inflight_cv_.wait(lock, [&] { return inflight_ == 0; });
+  }
+  host_tasks_.drain();
+  optimizer_.drain();
+  if (pending_publish_ >= 0) {
+    publish(pending_publish_);
+    version_for_new_calls_ = pending_publish_;
+    pending_publish_ = -1;
+  }
+  auto calls = std::move(unconsumed_calls_);
+  unconsumed_calls_.clear();
+  for (auto& [id, g] : take_call_grads(std::move(calls))) {
+    auto& grad = params_[id].home.mutable_grad();
+    grad = grad.defined() ? grad.add_(g) : g;
   }
 }
 

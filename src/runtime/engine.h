@@ -44,8 +44,14 @@ struct Slot {
 
 // A unique parameter (tied weights appear once).
 struct ParamEntry {
-  at::Tensor home;        // CPU tensor, the model's own parameter
-  at::Tensor grad_accum;  // summed gradients since the last synchronize()
+  at::Tensor home;    // CPU tensor, the model's own parameter (what uploads read)
+  std::string name;   // "<layer>.<name in the layer>" of its first use
+  at::Tensor master;  // optim_dtype copy the optimizer updates (trainable only)
+  // Weight versions: `published` is the number of optimizer updates the home
+  // tensor reflects; `reads[v]` counts dispatched jobs that will read version v
+  // and have not finished their upload. Publishing v+1 waits for reads <= v.
+  int64_t published = 0;
+  std::map<int64_t, int> reads;
 };
 
 // Runs host work in order once the event it waits for has completed
@@ -57,6 +63,8 @@ class HostTasks {
   void post(EventPtr event, std::function<void()> task);
   // Waits until every posted task ran; rethrows the first failure.
   void drain();
+  // Rethrows (once) a failure of a task that already ran, without waiting.
+  void rethrow_failure();
 
  private:
   void loop();
@@ -79,6 +87,9 @@ class Engine {
                                          const LossFn& loss_fn, bool return_outputs,
                                          const RunConfig& config);
   void synchronize();
+  void step(std::function<void()> step_fn, bool is_async);
+  std::vector<at::Tensor> optim_parameters();
+  std::vector<std::pair<std::string, at::Tensor>> optim_named_parameters();
 
   std::vector<at::Tensor> parameters() const;
   int num_layers() const { return static_cast<int>(layers_.size()); }
@@ -89,7 +100,11 @@ class Engine {
 
   // Used by workers and the autograd function.
   void run_job(Job& job, Worker& worker);
-  void job_finished();
+  void job_finished(Job& job);
+  // Weight-version fences for the parameters a job uploads.
+  bool params_published(const Job& job);
+  void wait_params_published(const Job& job);
+  void release_reads(Job& job);
   void run_backward_pass(const std::shared_ptr<CallState>& call);
   std::unique_ptr<LayerInstance> acquire_instance(int layer, Device& device);
   void release_instance(int layer, std::unique_ptr<LayerInstance> instance);
@@ -105,8 +120,13 @@ class Engine {
   // Waits for every job and host task of earlier calls; rethrows an error a
   // background backward pass left behind.
   void fence();
-  // Adds a finished call's parameter gradients to the accumulators.
-  void finish_call(CallState& call);
+  // Waits for `calls` to finish and sums their parameter gradients; throws
+  // the first call's error (a failed call contributes nothing).
+  std::map<int, at::Tensor> take_call_grads(std::vector<std::shared_ptr<CallState>> calls);
+  void ensure_masters();
+  // Copies the masters into the home tensors as version v, parameter by
+  // parameter in forward order, each once no job still reads an older one.
+  void publish(int64_t version);
   std::vector<c10::IValue> collect(const std::shared_ptr<CallState>& call,
                                    std::vector<std::shared_ptr<Slot>>& slots);
 
@@ -127,7 +147,15 @@ class Engine {
   std::mutex inflight_mu_;
   std::condition_variable inflight_cv_;
   int inflight_ = 0;
-  std::vector<std::shared_ptr<CallState>> background_calls_;
+  // Training calls whose gradients no step() or synchronize() took yet.
+  std::vector<std::shared_ptr<CallState>> unconsumed_calls_;
+
+  std::mutex versions_mu_;
+  std::condition_variable versions_cv_;
+  HostTasks optimizer_;              // the optimizer thread
+  int64_t updates_ = 0;              // step() calls so far
+  int64_t version_for_new_calls_ = 0;  // weights a new call reads
+  int64_t pending_publish_ = -1;     // async: masters hold this version, homes not yet
 };
 
 }  // namespace roundpipe::detail

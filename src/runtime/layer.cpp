@@ -124,6 +124,9 @@ std::vector<at::Tensor> TorchModuleLayer::parameters() const {
 std::vector<at::Tensor> TorchModuleLayer::buffers() const {
   return module_.ptr()->buffers(/*recurse=*/true);
 }
+std::vector<std::string> TorchModuleLayer::parameter_names() const {
+  return module_.ptr()->named_parameters(/*recurse=*/true).keys();
+}
 void TorchModuleLayer::set_parameter_data(size_t i, const at::Tensor& data) {
   auto params = parameters();
   TORCH_CHECK(i < params.size(), "parameter index ", i, " out of range");

@@ -1,0 +1,60 @@
+// A fast Adam/AdamW for CPU tensors: one vectorised, multithreaded pass over
+// all parameters at once (AVX-512 / AVX2 / baseline clones chosen at load time
+// by the CPU). Numerically it follows torch::optim::Adam (and AdamW with
+// decoupled weight decay) operation by operation.
+#pragma once
+
+#include <torch/optim/adam.h>
+
+#include <vector>
+
+namespace roundpipe::optim {
+
+struct AdamConfig {
+  double lr = 1e-3;
+  double beta1 = 0.9;
+  double beta2 = 0.999;
+  double eps = 1e-8;
+  double weight_decay = 0;
+  bool amsgrad = false;
+  bool maximize = false;
+  bool decoupled_weight_decay = false;  // true: AdamW
+
+  AdamConfig& set_lr(double v) { lr = v; return *this; }
+  AdamConfig& set_betas(double b1, double b2) { beta1 = b1; beta2 = b2; return *this; }
+  AdamConfig& set_eps(double v) { eps = v; return *this; }
+  AdamConfig& set_weight_decay(double v) { weight_decay = v; return *this; }
+  AdamConfig& set_amsgrad(bool v) { amsgrad = v; return *this; }
+  AdamConfig& set_maximize(bool v) { maximize = v; return *this; }
+  AdamConfig& set_decoupled_weight_decay(bool v) { decoupled_weight_decay = v; return *this; }
+};
+
+// Derives from torch::optim::Adam so that its state (AdamParamState) and
+// options serialize with torch::save / torch::load like LibTorch's own Adam.
+// `maximize` and `decoupled_weight_decay` are not part of LibTorch's
+// AdamOptions; RoundPipe's checkpoints store them beside the state.
+class Adam : public torch::optim::Adam {
+ public:
+  Adam(std::vector<at::Tensor> params, AdamConfig config = {});
+
+  // One update of every parameter with a gradient. fp32 contiguous
+  // parameters take the fast kernel; others the plain ATen composition.
+  at::Tensor step(LossClosure closure = nullptr) override;
+
+  // The fused path for fp32 masters of fp16/bf16 weights: in one pass over
+  // memory, reads the low-precision gradient `grads[i]`, updates the moments
+  // and `params[i]` (an fp32 master this optimizer owns), and writes the
+  // updated value as low precision into `low_precision_out[i]`. Gives the
+  // same numbers as: params[i].grad = grads[i].float(); step();
+  // low_precision_out[i].copy_(params[i]).
+  void fused_step(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
+                  const std::vector<at::Tensor>& low_precision_out);
+
+  const AdamConfig& config() const { return config_; }
+  void set_lr(double lr);
+
+ private:
+  AdamConfig config_;
+};
+
+}  // namespace roundpipe::optim

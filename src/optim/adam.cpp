@@ -1,0 +1,199 @@
+#include "roundpipe/optim/adam.h"
+
+#include <ATen/Parallel.h>
+#include <ATen/ops/zeros_like.h>
+#include <c10/util/Exception.h>
+
+#include <cmath>
+
+#include "optim/adam_kernel.h"
+
+namespace roundpipe::optim {
+namespace {
+
+constexpr int64_t kChunk = 1 << 15;  // elements per task: big enough to amortise, small to balance
+
+torch::optim::AdamOptions torch_options(const AdamConfig& c) {
+  return torch::optim::AdamOptions(c.lr)
+      .betas({c.beta1, c.beta2})
+      .eps(c.eps)
+      .weight_decay(c.weight_decay)
+      .amsgrad(c.amsgrad);
+}
+
+// One parameter's share of an update: its tensors and scalars.
+struct Work {
+  float* param;
+  const void* grad;
+  at::ScalarType grad_type;
+  float* exp_avg;
+  float* exp_avg_sq;
+  float* max_exp_avg_sq;
+  void* out;  // low-precision copy to write (fused), or null
+  int64_t numel;
+  kernel::AdamScalars scalars;
+};
+
+void run_chunk(const Work& w, int64_t begin, int64_t end) {
+  const int64_t n = end - begin;
+  float* vmax = w.max_exp_avg_sq ? w.max_exp_avg_sq + begin : nullptr;
+  switch (w.grad_type) {
+    case at::kFloat:
+      kernel::adam_f32(w.param + begin, static_cast<const float*>(w.grad) + begin,
+                       w.exp_avg + begin, w.exp_avg_sq + begin, vmax, n, w.scalars);
+      break;
+    case at::kHalf:
+      kernel::adam_f16(w.param + begin, static_cast<const c10::Half*>(w.grad) + begin,
+                       w.exp_avg + begin, w.exp_avg_sq + begin, vmax,
+                       static_cast<c10::Half*>(w.out) + begin, n, w.scalars);
+      break;
+    case at::kBFloat16:
+      kernel::adam_bf16(w.param + begin, static_cast<const c10::BFloat16*>(w.grad) + begin,
+                        w.exp_avg + begin, w.exp_avg_sq + begin, vmax,
+                        static_cast<c10::BFloat16*>(w.out) + begin, n, w.scalars);
+      break;
+    default:
+      TORCH_CHECK(false, "roundpipe Adam kernel: unsupported gradient dtype ", w.grad_type);
+  }
+}
+
+// All chunks of all parameters in one parallel loop.
+void run_all(const std::vector<Work>& works) {
+  std::vector<std::pair<int, int64_t>> chunks;  // (work, start)
+  for (size_t i = 0; i < works.size(); ++i) {
+    for (int64_t start = 0; start < works[i].numel; start += kChunk) chunks.emplace_back(i, start);
+  }
+  at::parallel_for(0, static_cast<int64_t>(chunks.size()), 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t c = lo; c < hi; ++c) {
+      const auto& w = works[chunks[c].first];
+      run_chunk(w, chunks[c].second, std::min(w.numel, chunks[c].second + kChunk));
+    }
+  });
+}
+
+}  // namespace
+
+Adam::Adam(std::vector<at::Tensor> params, AdamConfig config)
+    : torch::optim::Adam(std::move(params), torch_options(config)), config_(config) {
+  TORCH_CHECK(config.lr >= 0, "Adam: invalid learning rate ", config.lr);
+  TORCH_CHECK(config.eps >= 0, "Adam: invalid eps ", config.eps);
+  TORCH_CHECK(config.beta1 >= 0 && config.beta1 < 1 && config.beta2 >= 0 && config.beta2 < 1,
+              "Adam: betas must lie in [0, 1), got (", config.beta1, ", ", config.beta2, ")");
+  TORCH_CHECK(config.weight_decay >= 0, "Adam: invalid weight_decay ", config.weight_decay);
+}
+
+void Adam::set_lr(double lr) {
+  config_.lr = lr;
+  for (auto& group : param_groups()) static_cast<torch::optim::AdamOptions&>(group.options()).lr(lr);
+}
+
+at::Tensor Adam::step(LossClosure closure) {
+  at::NoGradGuard no_grad;
+  at::Tensor loss;
+  if (closure) {
+    at::AutoGradMode enable_grad(true);
+    loss = closure();
+  }
+  std::vector<at::Tensor> params, grads, outs;
+  for (auto& group : param_groups()) {
+    for (auto& p : group.params()) {
+      if (!p.grad().defined()) continue;
+      params.push_back(p);
+      grads.push_back(p.grad());
+      outs.emplace_back();
+    }
+  }
+  fused_step(params, grads, outs);
+  return loss;
+}
+
+void Adam::fused_step(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
+                      const std::vector<at::Tensor>& low_precision_out) {
+  TORCH_CHECK(params.size() == grads.size() && params.size() == low_precision_out.size(),
+              "Adam::fused_step: params, grads and outputs differ in count");
+  at::NoGradGuard no_grad;
+  const auto& group_options = static_cast<const torch::optim::AdamOptions&>(param_groups().front().options());
+  const double lr = group_options.lr();
+  const auto [beta1, beta2] = group_options.betas();
+  const double eps = group_options.eps(), wd = group_options.weight_decay();
+  const bool amsgrad = group_options.amsgrad();
+  std::vector<Work> works;
+  for (size_t i = 0; i < params.size(); ++i) {
+    const auto& p = params[i];
+    const auto& g = grads[i];
+    const auto& out = low_precision_out[i];
+    TORCH_CHECK(g.sizes() == p.sizes(), "Adam: gradient of shape ", g.sizes(),
+                " for a parameter of shape ", p.sizes());
+    auto key = p.unsafeGetTensorImpl();
+    auto it = state_.find(key);
+    if (it == state_.end()) {
+      auto state = std::make_unique<torch::optim::AdamParamState>();
+      state->step(0);
+      state->exp_avg(at::zeros_like(p, at::MemoryFormat::Contiguous));
+      state->exp_avg_sq(at::zeros_like(p, at::MemoryFormat::Contiguous));
+      if (amsgrad) state->max_exp_avg_sq(at::zeros_like(p, at::MemoryFormat::Contiguous));
+      it = state_.emplace(key, std::move(state)).first;
+    }
+    auto& state = static_cast<torch::optim::AdamParamState&>(*it->second);
+    state.step(state.step() + 1);
+    const double bc1 = 1 - std::pow(beta1, state.step());
+    const double bc2 = 1 - std::pow(beta2, state.step());
+    const bool fast = p.scalar_type() == at::kFloat && p.is_contiguous() && p.device().is_cpu() &&
+                      state.exp_avg().is_contiguous() && state.exp_avg_sq().is_contiguous() &&
+                      g.is_contiguous() &&
+                      (g.scalar_type() == at::kFloat ||
+                       (out.defined() && out.scalar_type() == g.scalar_type() && out.is_contiguous())) &&
+                      (!out.defined() || out.sizes() == p.sizes());
+    if (!fast) {
+      // The plain ATen composition, as torch::optim::Adam / AdamW do it.
+      auto grad = g.to(p.scalar_type());
+      if (config_.maximize) grad = -grad;
+      if (config_.decoupled_weight_decay) {
+        p.mul_(1 - lr * wd);
+      } else if (wd != 0) {
+        grad = grad.add(p, wd);
+      }
+      state.exp_avg().mul_(beta1).add_(grad, 1 - beta1);
+      state.exp_avg_sq().mul_(beta2).addcmul_(grad, grad, 1 - beta2);
+      at::Tensor denom;
+      if (amsgrad) {
+        at::maximum_out(state.max_exp_avg_sq(), state.max_exp_avg_sq(), state.exp_avg_sq());
+        denom = (state.max_exp_avg_sq().sqrt() / std::sqrt(bc2)).add_(eps);
+      } else {
+        denom = (state.exp_avg_sq().sqrt() / std::sqrt(bc2)).add_(eps);
+      }
+      p.addcdiv_(state.exp_avg(), denom, -lr / bc1);
+      if (out.defined()) out.copy_(p);
+      continue;
+    }
+    Work w;
+    w.param = p.data_ptr<float>();
+    w.grad = g.data_ptr();
+    w.grad_type = g.scalar_type();
+    w.exp_avg = state.exp_avg().data_ptr<float>();
+    w.exp_avg_sq = state.exp_avg_sq().data_ptr<float>();
+    w.max_exp_avg_sq = amsgrad ? state.max_exp_avg_sq().data_ptr<float>() : nullptr;
+    w.out = out.defined() ? out.data_ptr() : nullptr;
+    w.numel = p.numel();
+    auto& s = w.scalars;
+    s.beta1 = static_cast<float>(beta1);
+    s.one_minus_beta1 = static_cast<float>(1 - beta1);
+    s.beta2 = static_cast<float>(beta2);
+    s.one_minus_beta2 = static_cast<float>(1 - beta2);
+    s.l2_decay = config_.decoupled_weight_decay ? 0.f : static_cast<float>(wd);
+    s.decoupled_keep = config_.decoupled_weight_decay ? static_cast<float>(1 - lr * wd) : 1.f;
+    s.grad_sign = config_.maximize ? -1.f : 1.f;
+    s.sqrt_bias_correction2 = static_cast<float>(std::sqrt(bc2));
+    s.eps = static_cast<float>(eps);
+    s.neg_step_size = static_cast<float>(-lr / bc1);
+    works.push_back(w);
+  }
+  run_all(works);
+  // A gradient in fp32 with a low-precision output: write it after the pass.
+  for (size_t i = 0; i < params.size(); ++i) {
+    const auto& out = low_precision_out[i];
+    if (out.defined() && grads[i].scalar_type() == at::kFloat) out.copy_(params[i]);
+  }
+}
+
+}  // namespace roundpipe::optim

@@ -1,0 +1,36 @@
+// The Adam inner loop over one contiguous chunk, for every combination the
+// optimizer needs. Internal header.
+#pragma once
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <cstdint>
+
+namespace roundpipe::optim::kernel {
+
+// Per-tensor scalars, all as the float values torch's composition uses.
+struct AdamScalars {
+  float beta1, one_minus_beta1;
+  float beta2, one_minus_beta2;
+  float l2_decay;        // weight_decay for Adam, 0 for AdamW
+  float decoupled_keep;  // 1 - lr * weight_decay for AdamW, 1 for Adam
+  float grad_sign;       // -1 with maximize
+  float sqrt_bias_correction2;
+  float eps;
+  float neg_step_size;  // -lr / (1 - beta1^step)
+};
+
+// grad: fp32, fp16 or bf16; low_precision_out: null, or the weight to write
+// in the gradient's low-precision type.
+void adam_f32(float* param, const float* grad, float* exp_avg, float* exp_avg_sq,
+              float* max_exp_avg_sq, int64_t n, const AdamScalars& s);
+void adam_f16(float* param, const c10::Half* grad, float* exp_avg, float* exp_avg_sq,
+              float* max_exp_avg_sq, c10::Half* out, int64_t n, const AdamScalars& s);
+void adam_bf16(float* param, const c10::BFloat16* grad, float* exp_avg, float* exp_avg_sq,
+               float* max_exp_avg_sq, c10::BFloat16* out, int64_t n, const AdamScalars& s);
+
+// Which instruction set the loaded clones run with.
+const char* adam_kernel_isa();
+
+}  // namespace roundpipe::optim::kernel
