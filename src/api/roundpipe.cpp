@@ -62,3 +62,15 @@ std::optional<c10::ScalarType> RoundPipe::optim_dtype() const {
 }
 
 }  // namespace roundpipe
+
+namespace roundpipe {
+
+void RoundPipe::step(std::function<void()> step_fn, bool is_async) {
+  engine_->step(std::move(step_fn), is_async);
+}
+std::vector<at::Tensor> RoundPipe::optim_parameters() { return engine_->optim_parameters(); }
+std::vector<std::pair<std::string, at::Tensor>> RoundPipe::optim_named_parameters() {
+  return engine_->optim_named_parameters();
+}
+
+}  // namespace roundpipe

@@ -703,12 +703,20 @@ void Engine::step(std::function<void()> step_fn, bool is_async) {
       grad = grad.defined() ? grad.add_(g.to(master.scalar_type()))
                             : g.to(master.scalar_type(), false, /*copy=*/true);
     }
-    step_fn();
+    // Calls already wait for this version: publish it even when step_fn
+    // throws (the masters hold whatever step_fn left), then report.
+    std::exception_ptr error;
+    try {
+      step_fn();
+    } catch (...) {
+      error = std::current_exception();
+    }
     if (is_async) {
       pending_publish_ = update + 1;
     } else {
       publish(update + 1);
     }
+    if (error) std::rethrow_exception(error);
   });
   if (!is_async) optimizer_.drain();
 }
