@@ -18,6 +18,7 @@
 #include "roundpipe/execute_plan.h"
 #include "roundpipe/layer.h"
 #include "roundpipe/microbatch.h"
+#include "roundpipe/optim/adam.h"
 #include "roundpipe/recompute.h"
 #include "roundpipe/run_config.h"
 
@@ -129,6 +130,11 @@ class RoundPipe {
   // step. An exception thrown by step_fn reaches the caller (async: at the
   // next step(), call or synchronize()).
   void step(std::function<void()> step_fn, bool is_async = true);
+  // The fused fast path: `adam` (built on optim_parameters(), fp32 masters)
+  // updates each master from the low-precision gradient and writes the new
+  // low-precision weight in the same pass over memory. Same numbers and the
+  // same staleness as step([&] { adam.step(); adam.zero_grad(); }, is_async).
+  void step(optim::Adam& adam, bool is_async = true);
 
   std::vector<at::Tensor> parameters() const;  // unique, in layer order
   int num_layers() const;

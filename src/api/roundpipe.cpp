@@ -68,6 +68,7 @@ namespace roundpipe {
 void RoundPipe::step(std::function<void()> step_fn, bool is_async) {
   engine_->step(std::move(step_fn), is_async);
 }
+void RoundPipe::step(optim::Adam& adam, bool is_async) { engine_->step_fused(adam, is_async); }
 std::vector<at::Tensor> RoundPipe::optim_parameters() { return engine_->optim_parameters(); }
 std::vector<std::pair<std::string, at::Tensor>> RoundPipe::optim_named_parameters() {
   return engine_->optim_named_parameters();

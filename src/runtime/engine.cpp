@@ -668,7 +668,12 @@ void Engine::publish(int64_t version) {
         return true;
       });
     }
-    if (entry.master.defined()) {
+    if (entry.staged) {
+      auto previous = entry.home.detach();
+      entry.home.set_data(entry.staging);
+      entry.staging = previous;  // reused by the next fused async step
+      entry.staged = false;
+    } else if (entry.master.defined()) {
       c10::NoGradGuard no_grad;
       entry.home.copy_(entry.master);
     }
@@ -679,8 +684,57 @@ void Engine::publish(int64_t version) {
   }
 }
 
+void Engine::publish_version_only(int64_t version) {
+  std::lock_guard<std::mutex> lock(versions_mu_);
+  for (auto& entry : params_) entry.published = version;
+  versions_cv_.notify_all();
+}
+
 void Engine::step(std::function<void()> step_fn, bool is_async) {
   TORCH_CHECK(step_fn, name_, ": step() needs a step function");
+  queue_step(
+      [this, step_fn = std::move(step_fn)](std::map<int, at::Tensor>& grads) {
+        for (auto& [id, g] : grads) {
+          auto& master = params_[id].master;
+          if (!master.defined()) continue;
+          auto& grad = master.mutable_grad();
+          grad = grad.defined() ? grad.add_(g.to(master.scalar_type()))
+                                : g.to(master.scalar_type(), false, /*copy=*/true);
+        }
+        step_fn();
+      },
+      is_async, /*fused=*/false);
+}
+
+void Engine::step_fused(optim::Adam& adam, bool is_async) {
+  queue_step(
+      [this, &adam, is_async](std::map<int, at::Tensor>& grads) {
+        std::vector<at::Tensor> masters, lowp_grads, outs;
+        for (auto& [id, g] : grads) {
+          auto& entry = params_[id];
+          if (!entry.master.defined()) continue;
+          masters.push_back(entry.master);
+          lowp_grads.push_back(g);
+          if (is_async) {
+            // The next calls still read the current weights: write the new
+            // ones aside, publish() swaps them in.
+            if (!entry.staging.defined()) {
+              entry.staging = at::empty_like(entry.home, at::MemoryFormat::Contiguous);
+              if (entry.home.is_pinned()) entry.staging = entry.staging.pin_memory();
+            }
+            entry.staged = true;
+            outs.push_back(entry.staging);
+          } else {
+            outs.push_back(entry.home);  // sync: no call runs, write in place
+          }
+        }
+        adam.fused_step(masters, lowp_grads, outs);
+      },
+      is_async, /*fused=*/true);
+}
+
+void Engine::queue_step(std::function<void(std::map<int, at::Tensor>&)> update_masters,
+                        bool is_async, bool fused) {
   optimizer_.rethrow_failure();
   ensure_masters();
   auto calls = std::move(unconsumed_calls_);
@@ -689,30 +743,25 @@ void Engine::step(std::function<void()> step_fn, bool is_async) {
   // Async: the next calls run on the weights of the update before this one
   // (one step of staleness); sync: on this step's result.
   version_for_new_calls_ = is_async ? update : update + 1;
-  optimizer_.post(nullptr, [this, calls = std::move(calls), step_fn = std::move(step_fn), update,
-                            is_async]() mutable {
+  optimizer_.post(nullptr, [this, calls = std::move(calls), update_masters = std::move(update_masters),
+                            update, is_async, fused]() mutable {
     if (pending_publish_ >= 0) {
       publish(pending_publish_);  // the previous update, now that its readers are known
       pending_publish_ = -1;
     }
     auto grads = take_call_grads(std::move(calls));
-    for (auto& [id, g] : grads) {
-      auto& master = params_[id].master;
-      if (!master.defined()) continue;
-      auto& grad = master.mutable_grad();
-      grad = grad.defined() ? grad.add_(g.to(master.scalar_type()))
-                            : g.to(master.scalar_type(), false, /*copy=*/true);
-    }
-    // Calls already wait for this version: publish it even when step_fn
-    // throws (the masters hold whatever step_fn left), then report.
+    // Calls already wait for this version: publish it even when the update
+    // throws (the masters hold whatever it left), then report.
     std::exception_ptr error;
     try {
-      step_fn();
+      update_masters(grads);
     } catch (...) {
       error = std::current_exception();
     }
     if (is_async) {
       pending_publish_ = update + 1;
+    } else if (fused) {
+      publish_version_only(update + 1);  // the fused pass wrote the weights
     } else {
       publish(update + 1);
     }

@@ -15,6 +15,7 @@
 #include <thread>
 #include <vector>
 
+#include "roundpipe/optim/adam.h"
 #include "roundpipe/roundpipe.h"
 
 namespace roundpipe::detail {
@@ -52,6 +53,10 @@ struct ParamEntry {
   // and have not finished their upload. Publishing v+1 waits for reads <= v.
   int64_t published = 0;
   std::map<int64_t, int> reads;
+  // Fused async steps write the next low-precision weight here; publishing
+  // swaps it in as the home storage (the old storage becomes the next staging).
+  at::Tensor staging;
+  bool staged = false;
 };
 
 // Runs host work in order once the event it waits for has completed
@@ -88,6 +93,7 @@ class Engine {
                                          const RunConfig& config);
   void synchronize();
   void step(std::function<void()> step_fn, bool is_async);
+  void step_fused(optim::Adam& adam, bool is_async);
   std::vector<at::Tensor> optim_parameters();
   std::vector<std::pair<std::string, at::Tensor>> optim_named_parameters();
 
@@ -127,6 +133,11 @@ class Engine {
   // Copies the masters into the home tensors as version v, parameter by
   // parameter in forward order, each once no job still reads an older one.
   void publish(int64_t version);
+  void publish_version_only(int64_t version);
+  // Queues one optimizer step; `update_masters` runs on the optimizer thread
+  // with the summed gradients of the calls since the last step.
+  void queue_step(std::function<void(std::map<int, at::Tensor>&)> update_masters, bool is_async,
+                  bool fused);
   std::vector<c10::IValue> collect(const std::shared_ptr<CallState>& call,
                                    std::vector<std::shared_ptr<Slot>>& slots);
 

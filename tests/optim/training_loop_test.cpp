@@ -169,3 +169,134 @@ INSTANTIATE_TEST_SUITE_P(AllBackends, OptimizerLoopTest, ::testing::ValuesIn(bac
 
 }  // namespace
 }  // namespace roundpipe::testing
+
+#include <roundpipe/optim/grad_scaler.h>
+
+namespace roundpipe::testing {
+namespace {
+
+class FusedStepTest : public ::testing::TestWithParam<std::string> {};
+
+// step(adam) (one fused pass) against step([&] { adam.step(); ... }) on a
+// bf16 model with fp32 masters: the same weights and masters, bit for bit,
+// in sync and async mode.
+TEST_P(FusedStepTest, FusedPathEqualsTheGeneralPath) {
+  for (bool is_async : {false, true}) {
+    SCOPED_TRACE(is_async ? "async" : "sync");
+    auto general_model = make_model(ModelKind::kMlp), fused_model = make_model(ModelKind::kMlp);
+    general_model->to(at::kBFloat16);
+    fused_model->to(at::kBFloat16);
+    auto options = RoundPipeOptions().set_devices(GetParam()).set_optim_dtype(at::kFloat);
+    RoundPipe general(general_model, options), fused(fused_model, options);
+    optim::Adam general_adam(general.optim_parameters(), adam_config());
+    optim::Adam fused_adam(fused.optim_parameters(), adam_config());
+    for (int step = 0; step < kSteps; ++step) {
+      auto [x, y] = batch(step);
+      x = x.to(at::kBFloat16);
+      y = y.to(at::kBFloat16);
+      auto l1 = general.forward_backward(x, y, mse).loss;
+      auto l2 = fused.forward_backward(x, y, mse).loss;
+      EXPECT_TRUE(at::equal(l1, l2)) << "loss at step " << step;
+      general.step([&] {
+        general_adam.step();
+        general_adam.zero_grad();
+      }, is_async);
+      fused.step(fused_adam, is_async);
+    }
+    general.synchronize();
+    fused.synchronize();
+    auto a = general_model->parameters(), b = fused_model->parameters();
+    auto ma = general.optim_parameters(), mb = fused.optim_parameters();
+    for (size_t i = 0; i < a.size(); ++i) {
+      EXPECT_TRUE(at::equal(a[i], b[i])) << "weight " << i;
+      EXPECT_TRUE(at::equal(ma[i], mb[i])) << "master " << i;
+      EXPECT_EQ(a[i].scalar_type(), at::kBFloat16);
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(AllBackends, FusedStepTest, ::testing::ValuesIn(backends()),
+                         [](const auto& info) { return backend_test_name(info.param); });
+
+// GradScaler: an injected inf skips exactly that step, and the scale follows
+// torch's GradScaler rules with the documented one-iteration lag.
+class GradScalerTest : public ::testing::TestWithParam<std::tuple<std::string, bool>> {};
+
+TEST_P(GradScalerTest, SkipsOverflowingStepsAndFollowsTheScaleRules) {
+  const auto& [backend, is_async] = GetParam();
+  const c10::Device dev = oracle_device(backend);
+  const int steps = 7;
+  const std::set<int> overflow = {2, 3};
+  auto model = make_model(ModelKind::kMlp), ref = make_model(ModelKind::kMlp);
+  ref->to(dev);
+  RoundPipe pipe(model, RoundPipeOptions().set_devices(backend));
+  optim::Adam adam(pipe.optim_parameters(), adam_config());
+  optim::GradScaler scaler(optim::GradScalerOptions().set_init_scale(1024).set_growth_interval(2));
+  std::vector<double> used_scales;
+  for (int step = 0; step < steps; ++step) {
+    auto [x, y] = batch(step);
+    const bool inject = overflow.count(step) > 0;
+    used_scales.push_back(scaler.get_scale());
+    pipe.forward_backward(x, y, [&, inject](const c10::IValue& out, const c10::IValue& label) {
+      auto loss = scaler.scale(mse(out, label));
+      return inject ? loss * std::numeric_limits<float>::infinity() : loss;
+    });
+    pipe.step([&] {
+      scaler.step(adam);
+      adam.zero_grad();
+    }, is_async);
+    scaler.update();
+  }
+  pipe.synchronize();
+  // The expected trajectory: update u applies step u-1's finding.
+  double scale = 1024;
+  int tracker = 0;
+  std::vector<double> expected = {scale};
+  for (int u = 0; u + 1 < steps; ++u) {
+    if (u >= 1) {
+      if (overflow.count(u - 1)) {
+        scale *= 0.5;
+        tracker = 0;
+      } else if (++tracker == 2) {
+        scale *= 2;
+        tracker = 0;
+      }
+    }
+    expected.push_back(scale);
+  }
+  EXPECT_EQ(used_scales, expected);
+  for (int step = 0; step < steps; ++step) EXPECT_EQ(scaler.found_inf(step), overflow.count(step) > 0);
+  // The weights: plain training that skips the overflowing steps (with the
+  // async one-step delay where it applies).
+  std::vector<at::Tensor> masters;
+  for (const auto& p : ref->parameters()) masters.push_back(p.detach().clone().requires_grad_(true));
+  torch::optim::Adam ref_adam(masters, torch_adam_options());
+  const int n = pipe.devices().size() + 1;
+  for (int step = 0; step < steps; ++step) {
+    auto [x, y] = batch(step);
+    auto params = ref->parameters();
+    for (auto& p : params) p.mutable_grad() = at::Tensor();
+    plain_loss(ref, x, y, n, dev).backward();
+    std::vector<at::Tensor> before;
+    for (size_t i = 0; i < masters.size(); ++i) {
+      before.push_back(masters[i].detach().clone());
+      masters[i].mutable_grad() = params[i].grad().clone();
+    }
+    if (!overflow.count(step)) ref_adam.step();
+    ref_adam.zero_grad();
+    torch::NoGradGuard no_grad;
+    for (size_t i = 0; i < params.size(); ++i) params[i].copy_(is_async ? before[i] : masters[i]);
+  }
+  auto p = model->parameters();
+  for (size_t i = 0; i < p.size(); ++i) EXPECT_TENSOR_NEAR(p[i], masters[i], 1e-5, "weight " << i);
+}
+
+INSTANTIATE_TEST_SUITE_P(AllBackends, GradScalerTest,
+                         ::testing::Combine(::testing::ValuesIn(backends()), ::testing::Bool()),
+                         [](const auto& info) {
+                           return backend_test_name(std::get<0>(info.param)) +
+                                  (std::get<1>(info.param) ? "_async" : "_sync");
+                         });
+
+}  // namespace
+}  // namespace roundpipe::testing
