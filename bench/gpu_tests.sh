@@ -2,7 +2,7 @@
 # On the GPU machine: build from source against its torch and run the whole
 # test suite with the CUDA backend beside the simulated ones; then the demo on
 # the GPU. Logs go to $OUT (or ./gpu-out). Run from the repository root,
-# carrying .deps (scripts/vendor_gtest.sh) when the machine lacks GoogleTest.
+# carrying .deps (scripts/vendor_deps.sh) when the machine lacks GoogleTest.
 set -uo pipefail
 out="${OUT:-$PWD/gpu-out}"; mkdir -p "$out"
 export PYTHON="${PYTHON:-python3}"

@@ -42,6 +42,7 @@ class Layer {
   virtual std::vector<at::Tensor> buffers() const = 0;
   // Names of the parameters, in the order of parameters() ("inner.weight").
   virtual std::vector<std::string> parameter_names() const = 0;
+  virtual std::vector<std::string> buffer_names() const = 0;
   // Replaces the home tensor of parameter/buffer i (e.g. with a pinned copy).
   virtual void set_parameter_data(size_t i, const at::Tensor& data) = 0;
   virtual bool is_training() const = 0;
@@ -60,6 +61,7 @@ class TorchModuleLayer final : public Layer {
   std::vector<at::Tensor> parameters() const override;
   std::vector<at::Tensor> buffers() const override;
   std::vector<std::string> parameter_names() const override;
+  std::vector<std::string> buffer_names() const override;
   void set_parameter_data(size_t i, const at::Tensor& data) override;
   bool is_training() const override;
   std::unique_ptr<LayerInstance> make_instance() override;

@@ -19,6 +19,7 @@
 #include "roundpipe/layer.h"
 #include "roundpipe/microbatch.h"
 #include "roundpipe/optim/adam.h"
+#include "roundpipe/optim/grad_scaler.h"
 #include "roundpipe/recompute.h"
 #include "roundpipe/run_config.h"
 
@@ -134,9 +135,14 @@ class RoundPipe {
   // updates each master from the low-precision gradient and writes the new
   // low-precision weight in the same pass over memory. Same numbers and the
   // same staleness as step([&] { adam.step(); adam.zero_grad(); }, is_async).
-  void step(optim::Adam& adam, bool is_async = true);
+  // With a GradScaler, the gradients are unscaled and checked first and the
+  // step is skipped on inf/NaN, as scaler.step(adam) would.
+  void step(optim::Adam& adam, bool is_async = true, optim::GradScaler* scaler = nullptr);
 
   std::vector<at::Tensor> parameters() const;  // unique, in layer order
+  // Named "<layer index>.<name in the layer>" (tied weights: first use).
+  std::vector<std::pair<std::string, at::Tensor>> named_parameters() const;
+  std::vector<std::pair<std::string, at::Tensor>> named_buffers() const;
   int num_layers() const;
   const DevicePool& devices() const;
   const std::string& name() const;

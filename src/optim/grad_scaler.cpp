@@ -24,15 +24,24 @@ at::Tensor GradScaler::scale(const at::Tensor& loss) const {
 }
 
 bool GradScaler::step(torch::optim::Optimizer& optimizer) {
+  std::vector<at::Tensor> grads;
+  for (auto& group : optimizer.param_groups()) {
+    for (auto& p : group.params()) {
+      if (p.grad().defined()) grads.push_back(p.grad());
+    }
+  }
+  return step(grads, [&] { optimizer.step(); });
+}
+
+bool GradScaler::step(const std::vector<at::Tensor>& grads, const std::function<void()>& update) {
   if (!options_.enabled) {
-    optimizer.step();
+    update();
     return true;
   }
   double scale;
-  int64_t index;
   {
     std::unique_lock<std::mutex> lock(mu_);
-    index = static_cast<int64_t>(found_inf_.size());
+    const auto index = static_cast<int64_t>(found_inf_.size());
     TORCH_CHECK(index < static_cast<int64_t>(scales_.size()),
                 "GradScaler::step: more steps than iterations; call update() after every "
                 "RoundPipe step");
@@ -42,15 +51,12 @@ bool GradScaler::step(torch::optim::Optimizer& optimizer) {
   {
     c10::NoGradGuard no_grad;
     const double inverse = 1.0 / scale;
-    for (auto& group : optimizer.param_groups()) {
-      for (auto& p : group.params()) {
-        if (!p.grad().defined()) continue;
-        p.mutable_grad().mul_(inverse);
-        finite = finite && at::isfinite(p.grad()).all().item<bool>();
-      }
+    for (const auto& g : grads) {
+      const_cast<at::Tensor&>(g).mul_(inverse);
+      finite = finite && at::isfinite(g).all().item<bool>();
     }
   }
-  if (finite) optimizer.step();
+  if (finite) update();
   std::lock_guard<std::mutex> lock(mu_);
   found_inf_.push_back(!finite);
   cv_.notify_all();

@@ -516,6 +516,24 @@ std::vector<at::Tensor> Engine::parameters() const {
   return out;
 }
 
+std::vector<std::pair<std::string, at::Tensor>> Engine::named_parameters() const {
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  for (const auto& p : params_) out.emplace_back(p.name, p.home);
+  return out;
+}
+
+std::vector<std::pair<std::string, at::Tensor>> Engine::named_buffers() const {
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  for (size_t l = 0; l < layers_.size(); ++l) {
+    const auto names = layers_[l]->buffer_names();
+    const auto buffers = layers_[l]->buffers();
+    for (size_t i = 0; i < buffers.size(); ++i) {
+      out.emplace_back(std::to_string(l) + "." + names.at(i), buffers[i]);
+    }
+  }
+  return out;
+}
+
 ExecutePlan Engine::default_plan(bool fused) const {
   return ExecutePlan::from_layer_costs(layer_bytes_, pool_.size(), fused);
 }
@@ -706,9 +724,9 @@ void Engine::step(std::function<void()> step_fn, bool is_async) {
       is_async, /*fused=*/false);
 }
 
-void Engine::step_fused(optim::Adam& adam, bool is_async) {
+void Engine::step_fused(optim::Adam& adam, bool is_async, optim::GradScaler* scaler) {
   queue_step(
-      [this, &adam, is_async](std::map<int, at::Tensor>& grads) {
+      [this, &adam, is_async, scaler](std::map<int, at::Tensor>& grads) {
         std::vector<at::Tensor> masters, lowp_grads, outs;
         for (auto& [id, g] : grads) {
           auto& entry = params_[id];
@@ -728,7 +746,12 @@ void Engine::step_fused(optim::Adam& adam, bool is_async) {
             outs.push_back(entry.home);  // sync: no call runs, write in place
           }
         }
-        adam.fused_step(masters, lowp_grads, outs);
+        auto update = [&] { adam.fused_step(masters, lowp_grads, outs); };
+        if (scaler == nullptr) {
+          update();
+        } else if (!scaler->step(lowp_grads, update)) {
+          for (auto& [id, g] : grads) params_[id].staged = false;  // skipped: nothing new to publish
+        }
       },
       is_async, /*fused=*/true);
 }

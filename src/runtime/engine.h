@@ -93,11 +93,13 @@ class Engine {
                                          const RunConfig& config);
   void synchronize();
   void step(std::function<void()> step_fn, bool is_async);
-  void step_fused(optim::Adam& adam, bool is_async);
+  void step_fused(optim::Adam& adam, bool is_async, optim::GradScaler* scaler);
   std::vector<at::Tensor> optim_parameters();
   std::vector<std::pair<std::string, at::Tensor>> optim_named_parameters();
 
   std::vector<at::Tensor> parameters() const;
+  std::vector<std::pair<std::string, at::Tensor>> named_parameters() const;
+  std::vector<std::pair<std::string, at::Tensor>> named_buffers() const;
   int num_layers() const { return static_cast<int>(layers_.size()); }
   const DevicePool& pool() const { return pool_; }
   const std::string& name() const { return name_; }

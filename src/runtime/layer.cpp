@@ -127,6 +127,9 @@ std::vector<at::Tensor> TorchModuleLayer::buffers() const {
 std::vector<std::string> TorchModuleLayer::parameter_names() const {
   return module_.ptr()->named_parameters(/*recurse=*/true).keys();
 }
+std::vector<std::string> TorchModuleLayer::buffer_names() const {
+  return module_.ptr()->named_buffers(/*recurse=*/true).keys();
+}
 void TorchModuleLayer::set_parameter_data(size_t i, const at::Tensor& data) {
   auto params = parameters();
   TORCH_CHECK(i < params.size(), "parameter index ", i, " out of range");

@@ -16,6 +16,7 @@
 #include <torch/optim/optimizer.h>
 
 #include <condition_variable>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <string>
@@ -47,6 +48,9 @@ class GradScaler {
   // used, checks them for inf/NaN, and runs optimizer.step() only when all
   // are finite. Returns whether it stepped. Call once per RoundPipe step.
   bool step(torch::optim::Optimizer& optimizer);
+  // The same for gradients held elsewhere (RoundPipe's fused Adam path):
+  // unscales `grads` in place and runs `update` only when all are finite.
+  bool step(const std::vector<at::Tensor>& grads, const std::function<void()>& update);
   // Advances the scale from the finding of the step before the latest one.
   void update();
 

@@ -1,0 +1,28 @@
+// Training checkpoints: model weights and buffers, master weights, Adam
+// state, GradScaler state and the CPU random state, in one directory of
+// safetensors and JSON files, written atomically.
+#pragma once
+
+#include <string>
+
+#include "roundpipe/optim/adam.h"
+#include "roundpipe/optim/grad_scaler.h"
+#include "roundpipe/roundpipe.h"
+
+namespace roundpipe {
+
+// Synchronizes `pipe` (pending steps published), then writes `dir`. The new
+// checkpoint is built in a temporary directory and moved into place; a crash
+// at any moment leaves either the previous checkpoint or the new one
+// (load_checkpoint finds the previous one under "<dir>.previous" when the
+// crash fell between the two renames). `adam` and `scaler` may be null.
+void save_checkpoint(const std::string& dir, RoundPipe& pipe, optim::Adam* adam,
+                     optim::GradScaler* scaler);
+
+// Restores what save_checkpoint wrote into a RoundPipe over the same model
+// architecture (and an Adam built on its optim_parameters()). Names, shapes
+// and dtypes are checked, and a mismatch names the tensor.
+void load_checkpoint(const std::string& dir, RoundPipe& pipe, optim::Adam* adam,
+                     optim::GradScaler* scaler);
+
+}  // namespace roundpipe
