@@ -13,3 +13,5 @@ cd build-gpu
 ctest --output-on-failure -j 4 --timeout 600 2>&1 | tee "$out/ctest.log" | tail -15
 ROUNDPIPE_TEST_BACKENDS="cuda" ./tests/roundpipe_tests --gtest_filter='*cuda*' 2>&1 | tee "$out/cuda_only.log" | tail -4
 ROUNDPIPE_DEVICES=cuda ./roundpipe-demo 40 2>&1 | tee "$out/demo.log" | tail -6
+# The CPU optimizer benchmark on this machine's host CPU.
+./roundpipe-optim-bench --benchmark_color=false 2>&1 | tee "$out/optim_bench.log" | tail -9

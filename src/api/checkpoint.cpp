@@ -34,8 +34,8 @@ nlohmann::json read_json(const fs::path& path) {
 }
 
 // Copies each saved tensor into the live tensor of the same name.
-void restore(const safetensors::File& file, const std::vector<std::pair<std::string, at::Tensor>>& live,
-             const std::string& what) {
+void restore(const safetensors::File& file,
+             const std::vector<std::pair<std::string, at::Tensor>>& live, const std::string& what) {
   TORCH_CHECK(file.tensors.size() == live.size(), what, ": the checkpoint holds ",
               file.tensors.size(), " tensors, the model ", live.size(),
               ". Was it saved from another architecture?");
@@ -85,14 +85,19 @@ void save_checkpoint(const std::string& dir, RoundPipe& pipe, optim::Adam* adam,
       steps[name] = s.step();
       moments.emplace_back(name + ".exp_avg", s.exp_avg());
       moments.emplace_back(name + ".exp_avg_sq", s.exp_avg_sq());
-      if (s.max_exp_avg_sq().defined()) moments.emplace_back(name + ".max_exp_avg_sq", s.max_exp_avg_sq());
+      if (s.max_exp_avg_sq().defined())
+        moments.emplace_back(name + ".max_exp_avg_sq", s.max_exp_avg_sq());
     }
     safetensors::save_file((tmp / "optimizer.safetensors").string(), moments);
     const auto& c = adam->config();
-    meta["adam"] = {{"steps", steps},           {"lr", c.lr},
-                    {"beta1", c.beta1},         {"beta2", c.beta2},
-                    {"eps", c.eps},             {"weight_decay", c.weight_decay},
-                    {"amsgrad", c.amsgrad},     {"maximize", c.maximize},
+    meta["adam"] = {{"steps", steps},
+                    {"lr", c.lr},
+                    {"beta1", c.beta1},
+                    {"beta2", c.beta2},
+                    {"eps", c.eps},
+                    {"weight_decay", c.weight_decay},
+                    {"amsgrad", c.amsgrad},
+                    {"maximize", c.maximize},
                     {"decoupled_weight_decay", c.decoupled_weight_decay}};
   }
   if (scaler) meta["grad_scaler"] = scaler->state_dict();
@@ -134,7 +139,8 @@ void load_checkpoint(const std::string& dir, RoundPipe& pipe, optim::Adam* adam,
     TORCH_CHECK(a["amsgrad"].get<bool>() == c.amsgrad &&
                     a["decoupled_weight_decay"].get<bool>() == c.decoupled_weight_decay &&
                     a["maximize"].get<bool>() == c.maximize,
-                dir, ": the Adam options (amsgrad, decoupled_weight_decay, maximize) differ from "
+                dir,
+                ": the Adam options (amsgrad, decoupled_weight_decay, maximize) differ from "
                 "the checkpoint's");
     adam->set_lr(a["lr"].get<double>());
     const auto moments = safetensors::load_file((source / "optimizer.safetensors").string());

@@ -71,7 +71,9 @@ void RoundPipe::step(std::function<void()> step_fn, bool is_async) {
 void RoundPipe::step(optim::Adam& adam, bool is_async, optim::GradScaler* scaler) {
   engine_->step_fused(adam, is_async, scaler);
 }
-std::vector<at::Tensor> RoundPipe::optim_parameters() { return engine_->optim_parameters(); }
+std::vector<at::Tensor> RoundPipe::optim_parameters() {
+  return engine_->optim_parameters();
+}
 std::vector<std::pair<std::string, at::Tensor>> RoundPipe::named_parameters() const {
   return engine_->named_parameters();
 }

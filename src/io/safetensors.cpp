@@ -15,8 +15,8 @@ namespace {
 
 const std::vector<std::pair<std::string, at::ScalarType>>& dtype_names() {
   static const std::vector<std::pair<std::string, at::ScalarType>> names = {
-      {"F64", at::kDouble}, {"F32", at::kFloat},  {"F16", at::kHalf}, {"BF16", at::kBFloat16},
-      {"I64", at::kLong},   {"I32", at::kInt},    {"I16", at::kShort}, {"I8", at::kChar},
+      {"F64", at::kDouble}, {"F32", at::kFloat}, {"F16", at::kHalf},  {"BF16", at::kBFloat16},
+      {"I64", at::kLong},   {"I32", at::kInt},   {"I16", at::kShort}, {"I8", at::kChar},
       {"U8", at::kByte},    {"BOOL", at::kBool}};
   return names;
 }
@@ -115,35 +115,35 @@ std::vector<Entry> parse_header(const std::string& header, uint64_t data_bytes,
     }
     const auto& v = *it;
     const std::string where = what + ": tensor '" + it.key() + "'";
-    TORCH_CHECK(v.is_object() && v.contains("dtype") && v.contains("shape") &&
-                    v.contains("data_offsets"),
-                where, " needs dtype, shape and data_offsets");
+    TORCH_CHECK(
+        v.is_object() && v.contains("dtype") && v.contains("shape") && v.contains("data_offsets"),
+        where, " needs dtype, shape and data_offsets");
     TORCH_CHECK(v["dtype"].is_string(), where, ": dtype must be a string");
-    TORCH_CHECK(v["shape"].is_array() && v["data_offsets"].is_array() &&
-                    v["data_offsets"].size() == 2,
-                where, ": shape must be a list and data_offsets a pair");
+    TORCH_CHECK(
+        v["shape"].is_array() && v["data_offsets"].is_array() && v["data_offsets"].size() == 2,
+        where, ": shape must be a list and data_offsets a pair");
     Entry e;
     e.name = it.key();
     e.dtype = dtype_of(v["dtype"].get<std::string>(), where);
     uint64_t numel = 1;
     for (const auto& d : v["shape"]) {
-      TORCH_CHECK(d.is_number_unsigned() || (d.is_number_integer() && d.get<int64_t>() >= 0),
-                  where, ": shape entries must be non-negative integers");
+      TORCH_CHECK(d.is_number_unsigned() || (d.is_number_integer() && d.get<int64_t>() >= 0), where,
+                  ": shape entries must be non-negative integers");
       const uint64_t n = d.get<uint64_t>();
       TORCH_CHECK(n == 0 || numel <= (uint64_t{1} << 62) / n, where, ": shape is too large");
       numel *= n;
       e.shape.push_back(static_cast<int64_t>(n));
     }
     for (const auto& o : v["data_offsets"]) {
-      TORCH_CHECK(o.is_number_unsigned() || (o.is_number_integer() && o.get<int64_t>() >= 0),
-                  where, ": data_offsets must be non-negative integers");
+      TORCH_CHECK(o.is_number_unsigned() || (o.is_number_integer() && o.get<int64_t>() >= 0), where,
+                  ": data_offsets must be non-negative integers");
     }
     e.begin = v["data_offsets"][0].get<uint64_t>();
     e.end = v["data_offsets"][1].get<uint64_t>();
     TORCH_CHECK(e.begin <= e.end && e.end <= data_bytes, where, ": data_offsets [", e.begin, ", ",
                 e.end, ") lie outside the ", data_bytes, " data bytes (truncated file?)");
-    TORCH_CHECK(e.end - e.begin == numel * c10::elementSize(e.dtype), where, ": ",
-                e.end - e.begin, " bytes do not hold shape ", e.shape, " of ", v["dtype"]);
+    TORCH_CHECK(e.end - e.begin == numel * c10::elementSize(e.dtype), where, ": ", e.end - e.begin,
+                " bytes do not hold shape ", e.shape, " of ", v["dtype"]);
     entries.push_back(std::move(e));
   }
   return entries;

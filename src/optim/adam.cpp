@@ -84,7 +84,8 @@ Adam::Adam(std::vector<at::Tensor> params, AdamConfig config)
 
 void Adam::set_lr(double lr) {
   config_.lr = lr;
-  for (auto& group : param_groups()) static_cast<torch::optim::AdamOptions&>(group.options()).lr(lr);
+  for (auto& group : param_groups())
+    static_cast<torch::optim::AdamOptions&>(group.options()).lr(lr);
 }
 
 at::Tensor Adam::step(LossClosure closure) {
@@ -112,7 +113,8 @@ void Adam::fused_step(const std::vector<at::Tensor>& params, const std::vector<a
   TORCH_CHECK(params.size() == grads.size() && params.size() == low_precision_out.size(),
               "Adam::fused_step: params, grads and outputs differ in count");
   at::NoGradGuard no_grad;
-  const auto& group_options = static_cast<const torch::optim::AdamOptions&>(param_groups().front().options());
+  const auto& group_options =
+      static_cast<const torch::optim::AdamOptions&>(param_groups().front().options());
   const double lr = group_options.lr();
   const auto [beta1, beta2] = group_options.betas();
   const double eps = group_options.eps(), wd = group_options.weight_decay();
@@ -138,12 +140,13 @@ void Adam::fused_step(const std::vector<at::Tensor>& params, const std::vector<a
     state.step(state.step() + 1);
     const double bc1 = 1 - std::pow(beta1, state.step());
     const double bc2 = 1 - std::pow(beta2, state.step());
-    const bool fast = p.scalar_type() == at::kFloat && p.is_contiguous() && p.device().is_cpu() &&
-                      state.exp_avg().is_contiguous() && state.exp_avg_sq().is_contiguous() &&
-                      g.is_contiguous() &&
-                      (g.scalar_type() == at::kFloat ||
-                       (out.defined() && out.scalar_type() == g.scalar_type() && out.is_contiguous())) &&
-                      (!out.defined() || out.sizes() == p.sizes());
+    const bool fast =
+        p.scalar_type() == at::kFloat && p.is_contiguous() && p.device().is_cpu() &&
+        state.exp_avg().is_contiguous() && state.exp_avg_sq().is_contiguous() &&
+        g.is_contiguous() &&
+        (g.scalar_type() == at::kFloat ||
+         (out.defined() && out.scalar_type() == g.scalar_type() && out.is_contiguous())) &&
+        (!out.defined() || out.sizes() == p.sizes());
     if (!fast) {
       // The plain ATen composition, as torch::optim::Adam / AdamW do it.
       auto grad = g.to(p.scalar_type());

@@ -68,9 +68,8 @@ void GradScaler::update() {
   std::unique_lock<std::mutex> lock(mu_);
   const int64_t apply = updates_ - 1;  // the step before the latest one
   if (apply >= 0) {
-    const bool done = cv_.wait_for(lock, std::chrono::minutes(10), [&] {
-      return static_cast<int64_t>(found_inf_.size()) > apply;
-    });
+    const bool done = cv_.wait_for(lock, std::chrono::minutes(10),
+                                   [&] { return static_cast<int64_t>(found_inf_.size()) > apply; });
     TORCH_CHECK(done, "GradScaler::update(): step ", apply,
                 " never called scaler.step(optimizer); call it once in every step_fn");
     double scale = scales_.back();

@@ -750,7 +750,8 @@ void Engine::step_fused(optim::Adam& adam, bool is_async, optim::GradScaler* sca
         if (scaler == nullptr) {
           update();
         } else if (!scaler->step(lowp_grads, update)) {
-          for (auto& [id, g] : grads) params_[id].staged = false;  // skipped: nothing new to publish
+          for (auto& [id, g] : grads)
+            params_[id].staged = false;  // skipped: nothing new to publish
         }
       },
       is_async, /*fused=*/true);
@@ -766,33 +767,33 @@ void Engine::queue_step(std::function<void(std::map<int, at::Tensor>&)> update_m
   // Async: the next calls run on the weights of the update before this one
   // (one step of staleness); sync: on this step's result.
   version_for_new_calls_ = is_async ? update : update + 1;
-  optimizer_.post(nullptr, [this, calls = std::move(calls), update_masters = std::move(update_masters),
-                            update, is_async, fused]() mutable {
-    if (pending_publish_ >= 0) {
-      publish(pending_publish_);  // the previous update, now that its readers are known
-      pending_publish_ = -1;
-    }
-    auto grads = take_call_grads(std::move(calls));
-    // Calls already wait for this version: publish it even when the update
-    // throws (the masters hold whatever it left), then report.
-    std::exception_ptr error;
-    try {
-      update_masters(grads);
-    } catch (...) {
-      error = std::current_exception();
-    }
-    if (is_async) {
-      pending_publish_ = update + 1;
-    } else if (fused) {
-      publish_version_only(update + 1);  // the fused pass wrote the weights
-    } else {
-      publish(update + 1);
-    }
-    if (error) std::rethrow_exception(error);
-  });
+  optimizer_.post(
+      nullptr, [this, calls = std::move(calls), update_masters = std::move(update_masters), update,
+                is_async, fused]() mutable {
+        if (pending_publish_ >= 0) {
+          publish(pending_publish_);  // the previous update, now that its readers are known
+          pending_publish_ = -1;
+        }
+        auto grads = take_call_grads(std::move(calls));
+        // Calls already wait for this version: publish it even when the update
+        // throws (the masters hold whatever it left), then report.
+        std::exception_ptr error;
+        try {
+          update_masters(grads);
+        } catch (...) {
+          error = std::current_exception();
+        }
+        if (is_async) {
+          pending_publish_ = update + 1;
+        } else if (fused) {
+          publish_version_only(update + 1);  // the fused pass wrote the weights
+        } else {
+          publish(update + 1);
+        }
+        if (error) std::rethrow_exception(error);
+      });
   if (!is_async) optimizer_.drain();
 }
-
 
 void Engine::dispatch(const std::shared_ptr<CallState>& call, int kind, const LayerRange& range,
                       int stage_index) {
@@ -830,11 +831,12 @@ void Worker::ensure_params(Job& job) {
   job.params_ready = event;
   // Once the copies have read the home tensors, the optimizer may publish.
   job.reads_released = true;
-  engine.host_tasks_.post(event, [&engine, ids = job.param_ids, version = job.call->weights_version] {
-    std::lock_guard<std::mutex> lock(engine.versions_mu_);
-    for (int id : ids) --engine.params_[id].reads[version];
-    engine.versions_cv_.notify_all();
-  });
+  engine.host_tasks_.post(event,
+                          [&engine, ids = job.param_ids, version = job.call->weights_version] {
+                            std::lock_guard<std::mutex> lock(engine.versions_mu_);
+                            for (int id : ids) --engine.params_[id].reads[version];
+                            engine.versions_cv_.notify_all();
+                          });
 }
 
 // ---------------------------------------------------------------- stage jobs

@@ -32,8 +32,10 @@ void write_raw(const std::string& path, const std::string& header, const std::st
 TEST(Safetensors, RoundTripsEveryDtypeWithMetadata) {
   const auto path = temp_path("roundtrip.safetensors");
   safetensors::NamedTensors tensors;
-  for (auto dtype : {at::kFloat, at::kDouble, at::kHalf, at::kBFloat16, at::kLong, at::kInt, at::kByte, at::kBool}) {
-    tensors.emplace_back(std::string("t_") + c10::toString(dtype), (at::rand({3, 5}) * 10).to(dtype));
+  for (auto dtype : {at::kFloat, at::kDouble, at::kHalf, at::kBFloat16, at::kLong, at::kInt,
+                     at::kByte, at::kBool}) {
+    tensors.emplace_back(std::string("t_") + c10::toString(dtype),
+                         (at::rand({3, 5}) * 10).to(dtype));
   }
   tensors.emplace_back("empty", at::empty({0, 4}));
   tensors.emplace_back("scalar", at::scalar_tensor(2.5));
@@ -58,11 +60,13 @@ TEST(Safetensors, CorruptAndTruncatedFilesGiveClearErrors) {
   }
   write_raw(path, "{not json", "");
   EXPECT_NE(error_loading(path).find("not valid JSON"), std::string::npos);
-  write_raw(path, R"({"w":{"dtype":"F32","shape":[2,2],"data_offsets":[0,8]}})", std::string(16, '\0'));
+  write_raw(path, R"({"w":{"dtype":"F32","shape":[2,2],"data_offsets":[0,8]}})",
+            std::string(16, '\0'));
   EXPECT_NE(error_loading(path).find("do not hold shape"), std::string::npos);
   write_raw(path, R"({"w":{"dtype":"Q7","shape":[1],"data_offsets":[0,1]}})", std::string(1, '\0'));
   EXPECT_NE(error_loading(path).find("unsupported dtype 'Q7'"), std::string::npos);
-  write_raw(path, R"({"w":{"dtype":"F32","shape":[-1],"data_offsets":[0,4]}})", std::string(4, '\0'));
+  write_raw(path, R"({"w":{"dtype":"F32","shape":[-1],"data_offsets":[0,4]}})",
+            std::string(4, '\0'));
   EXPECT_NE(error_loading(path).find("non-negative"), std::string::npos);
   write_raw(path, R"({"w":{"dtype":"F32"}})", "");
   EXPECT_NE(error_loading(path).find("needs dtype, shape and data_offsets"), std::string::npos);

@@ -49,13 +49,17 @@ TEST(Adam, MatchesTorchOptimForEveryOptionCombination) {
                                .set_decoupled_weight_decay(c.decoupled));
     std::unique_ptr<torch::optim::Optimizer> reference;
     if (c.decoupled) {
-      reference = std::make_unique<torch::optim::AdamW>(
-          theirs, torch::optim::AdamWOptions(3e-3).betas({0.8, 0.95}).eps(1e-6).weight_decay(
-                      c.weight_decay).amsgrad(c.amsgrad));
+      reference = std::make_unique<torch::optim::AdamW>(theirs, torch::optim::AdamWOptions(3e-3)
+                                                                    .betas({0.8, 0.95})
+                                                                    .eps(1e-6)
+                                                                    .weight_decay(c.weight_decay)
+                                                                    .amsgrad(c.amsgrad));
     } else {
-      reference = std::make_unique<torch::optim::Adam>(
-          theirs, torch::optim::AdamOptions(3e-3).betas({0.8, 0.95}).eps(1e-6).weight_decay(
-                      c.weight_decay).amsgrad(c.amsgrad));
+      reference = std::make_unique<torch::optim::Adam>(theirs, torch::optim::AdamOptions(3e-3)
+                                                                   .betas({0.8, 0.95})
+                                                                   .eps(1e-6)
+                                                                   .weight_decay(c.weight_decay)
+                                                                   .amsgrad(c.amsgrad));
     }
     auto gen = at::detail::createCPUGenerator(7);
     for (int step = 0; step < 20; ++step) {
@@ -78,19 +82,23 @@ TEST(Adam, FusedLowPrecisionPathEqualsTheGeneralPath) {
   for (auto dtype : {at::kHalf, at::kBFloat16}) {
     for (bool amsgrad : {false, true}) {
       auto masters = make_params(3), general = make_params(3);
-      optim::AdamConfig config = optim::AdamConfig().set_lr(1e-2).set_amsgrad(amsgrad).set_weight_decay(0.01);
+      optim::AdamConfig config =
+          optim::AdamConfig().set_lr(1e-2).set_amsgrad(amsgrad).set_weight_decay(0.01);
       optim::Adam fused(masters, config), plain(general, config);
       std::vector<at::Tensor> outs;
-      for (const auto& m : masters) outs.push_back(at::empty(m.sizes(), at::TensorOptions().dtype(dtype)));
+      for (const auto& m : masters)
+        outs.push_back(at::empty(m.sizes(), at::TensorOptions().dtype(dtype)));
       auto gen = at::detail::createCPUGenerator(9);
       for (int step = 0; step < 5; ++step) {
         std::vector<at::Tensor> grads;
         for (const auto& m : masters) grads.push_back(at::randn(m.sizes(), gen).to(dtype));
         fused.fused_step(masters, grads, outs);
-        for (size_t i = 0; i < general.size(); ++i) general[i].mutable_grad() = grads[i].to(at::kFloat);
+        for (size_t i = 0; i < general.size(); ++i)
+          general[i].mutable_grad() = grads[i].to(at::kFloat);
         plain.step();
         for (size_t i = 0; i < general.size(); ++i) {
-          ASSERT_TRUE(at::equal(masters[i], general[i])) << dtype << " master " << i << " step " << step;
+          ASSERT_TRUE(at::equal(masters[i], general[i]))
+              << dtype << " master " << i << " step " << step;
           ASSERT_TRUE(at::equal(outs[i], general[i].to(dtype))) << dtype << " weight " << i;
         }
       }

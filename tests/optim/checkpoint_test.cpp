@@ -20,7 +20,8 @@ struct Trainer {
   std::unique_ptr<RoundPipe> pipe;
   std::unique_ptr<optim::Adam> adam;
   std::unique_ptr<optim::GradScaler> scaler;
-  Trainer(uint64_t seed, const std::string& backend) : model(make_model(ModelKind::kBatchNorm, seed)) {
+  Trainer(uint64_t seed, const std::string& backend)
+      : model(make_model(ModelKind::kBatchNorm, seed)) {
     pipe = std::make_unique<RoundPipe>(model, RoundPipeOptions().set_devices(backend));
     adam = std::make_unique<optim::Adam>(pipe->optim_parameters(),
                                          optim::AdamConfig().set_lr(1e-2).set_amsgrad(true));
@@ -29,9 +30,11 @@ struct Trainer {
   double train_step(int step) {
     auto x = make_input(ModelKind::kBatchNorm, 12, 500 + step);
     auto y = at::randn({12, 4}, at::detail::createCPUGenerator(600 + step));
-    auto loss = pipe->forward_backward(x, y, [&](const c10::IValue& o, const c10::IValue& l) {
-      return scaler->scale(mse(o, l));
-    }).loss;
+    auto loss = pipe->forward_backward(x, y,
+                                       [&](const c10::IValue& o, const c10::IValue& l) {
+                                         return scaler->scale(mse(o, l));
+                                       })
+                    .loss;
     pipe->step(*adam, /*is_async=*/true, scaler.get());  // the fused async path
     scaler->update();
     return loss.item<double>() / scaler->get_scale();

@@ -29,13 +29,16 @@ at::Tensor plain_loss(torch::nn::Sequential& model, const at::Tensor& x, const a
   int64_t start = 0;
   for (int m = 0; m < n; ++m) {
     const int64_t rows = kBatch / n + (m < kBatch % n ? 1 : 0);
-    loss = loss + mse(model->forward(x.to(dev).narrow(0, start, rows)), y.to(dev).narrow(0, start, rows));
+    loss = loss +
+           mse(model->forward(x.to(dev).narrow(0, start, rows)), y.to(dev).narrow(0, start, rows));
     start += rows;
   }
   return loss;
 }
 
-optim::AdamConfig adam_config() { return optim::AdamConfig().set_lr(2e-2).set_weight_decay(0.01); }
+optim::AdamConfig adam_config() {
+  return optim::AdamConfig().set_lr(2e-2).set_weight_decay(0.01);
+}
 torch::optim::AdamOptions torch_adam_options() {
   return torch::optim::AdamOptions(2e-2).weight_decay(0.01);
 }
@@ -53,10 +56,12 @@ TEST_P(OptimizerLoopTest, SyncStepEqualsPlainTrainingStepForStep) {
   for (int step = 0; step < kSteps; ++step) {
     auto [x, y] = batch(step);
     auto loss = pipe.forward_backward(x, y, mse).loss;
-    pipe.step([&] {
-      adam.step();
-      adam.zero_grad();
-    }, /*is_async=*/false);
+    pipe.step(
+        [&] {
+          adam.step();
+          adam.zero_grad();
+        },
+        /*is_async=*/false);
     auto ref_loss = plain_loss(ref, x, y, n, dev);
     ref_loss.backward();
     ref_adam.step();
@@ -79,7 +84,8 @@ TEST_P(OptimizerLoopTest, AsyncStepEqualsTheOneStepDelayOracle) {
   // The oracle: masters M updated by Adam with the gradient taken at the
   // weights W; W for iteration k+1 is M before update k (W_0 = W_1 = M_0).
   std::vector<at::Tensor> masters;
-  for (const auto& p : ref->parameters()) masters.push_back(p.detach().clone().requires_grad_(true));
+  for (const auto& p : ref->parameters())
+    masters.push_back(p.detach().clone().requires_grad_(true));
   torch::optim::Adam ref_adam(masters, torch_adam_options());
   const int n = pipe.devices().size() + 1;
   for (int step = 0; step < kSteps; ++step) {
@@ -161,7 +167,12 @@ TEST_P(OptimizerLoopTest, StepFunctionErrorsReachTheCaller) {
   }
   // Still usable.
   pipe.forward_backward(x, y, mse);
-  pipe.step([&] { adam.step(); adam.zero_grad(); }, false);
+  pipe.step(
+      [&] {
+        adam.step();
+        adam.zero_grad();
+      },
+      false);
 }
 
 INSTANTIATE_TEST_SUITE_P(AllBackends, OptimizerLoopTest, ::testing::ValuesIn(backends()),
@@ -197,10 +208,12 @@ TEST_P(FusedStepTest, FusedPathEqualsTheGeneralPath) {
       auto l1 = general.forward_backward(x, y, mse).loss;
       auto l2 = fused.forward_backward(x, y, mse).loss;
       EXPECT_TRUE(at::equal(l1, l2)) << "loss at step " << step;
-      general.step([&] {
-        general_adam.step();
-        general_adam.zero_grad();
-      }, is_async);
+      general.step(
+          [&] {
+            general_adam.step();
+            general_adam.zero_grad();
+          },
+          is_async);
       fused.step(fused_adam, is_async);
     }
     general.synchronize();
@@ -241,10 +254,12 @@ TEST_P(GradScalerTest, SkipsOverflowingStepsAndFollowsTheScaleRules) {
       auto loss = scaler.scale(mse(out, label));
       return inject ? loss * std::numeric_limits<float>::infinity() : loss;
     });
-    pipe.step([&] {
-      scaler.step(adam);
-      adam.zero_grad();
-    }, is_async);
+    pipe.step(
+        [&] {
+          scaler.step(adam);
+          adam.zero_grad();
+        },
+        is_async);
     scaler.update();
   }
   pipe.synchronize();
@@ -265,11 +280,13 @@ TEST_P(GradScalerTest, SkipsOverflowingStepsAndFollowsTheScaleRules) {
     expected.push_back(scale);
   }
   EXPECT_EQ(used_scales, expected);
-  for (int step = 0; step < steps; ++step) EXPECT_EQ(scaler.found_inf(step), overflow.count(step) > 0);
+  for (int step = 0; step < steps; ++step)
+    EXPECT_EQ(scaler.found_inf(step), overflow.count(step) > 0);
   // The weights: plain training that skips the overflowing steps (with the
   // async one-step delay where it applies).
   std::vector<at::Tensor> masters;
-  for (const auto& p : ref->parameters()) masters.push_back(p.detach().clone().requires_grad_(true));
+  for (const auto& p : ref->parameters())
+    masters.push_back(p.detach().clone().requires_grad_(true));
   torch::optim::Adam ref_adam(masters, torch_adam_options());
   const int n = pipe.devices().size() + 1;
   for (int step = 0; step < steps; ++step) {

@@ -20,13 +20,35 @@ struct AdamConfig {
   bool maximize = false;
   bool decoupled_weight_decay = false;  // true: AdamW
 
-  AdamConfig& set_lr(double v) { lr = v; return *this; }
-  AdamConfig& set_betas(double b1, double b2) { beta1 = b1; beta2 = b2; return *this; }
-  AdamConfig& set_eps(double v) { eps = v; return *this; }
-  AdamConfig& set_weight_decay(double v) { weight_decay = v; return *this; }
-  AdamConfig& set_amsgrad(bool v) { amsgrad = v; return *this; }
-  AdamConfig& set_maximize(bool v) { maximize = v; return *this; }
-  AdamConfig& set_decoupled_weight_decay(bool v) { decoupled_weight_decay = v; return *this; }
+  AdamConfig& set_lr(double v) {
+    lr = v;
+    return *this;
+  }
+  AdamConfig& set_betas(double b1, double b2) {
+    beta1 = b1;
+    beta2 = b2;
+    return *this;
+  }
+  AdamConfig& set_eps(double v) {
+    eps = v;
+    return *this;
+  }
+  AdamConfig& set_weight_decay(double v) {
+    weight_decay = v;
+    return *this;
+  }
+  AdamConfig& set_amsgrad(bool v) {
+    amsgrad = v;
+    return *this;
+  }
+  AdamConfig& set_maximize(bool v) {
+    maximize = v;
+    return *this;
+  }
+  AdamConfig& set_decoupled_weight_decay(bool v) {
+    decoupled_weight_decay = v;
+    return *this;
+  }
 };
 
 // Derives from torch::optim::Adam so that its state (AdamParamState) and

@@ -31,11 +31,26 @@ struct GradScalerOptions {
   int64_t growth_interval = 2000;
   bool enabled = true;
 
-  GradScalerOptions& set_init_scale(double v) { init_scale = v; return *this; }
-  GradScalerOptions& set_growth_factor(double v) { growth_factor = v; return *this; }
-  GradScalerOptions& set_backoff_factor(double v) { backoff_factor = v; return *this; }
-  GradScalerOptions& set_growth_interval(int64_t v) { growth_interval = v; return *this; }
-  GradScalerOptions& set_enabled(bool v) { enabled = v; return *this; }
+  GradScalerOptions& set_init_scale(double v) {
+    init_scale = v;
+    return *this;
+  }
+  GradScalerOptions& set_growth_factor(double v) {
+    growth_factor = v;
+    return *this;
+  }
+  GradScalerOptions& set_backoff_factor(double v) {
+    backoff_factor = v;
+    return *this;
+  }
+  GradScalerOptions& set_growth_interval(int64_t v) {
+    growth_interval = v;
+    return *this;
+  }
+  GradScalerOptions& set_enabled(bool v) {
+    enabled = v;
+    return *this;
+  }
 };
 
 class GradScaler {
@@ -67,8 +82,8 @@ class GradScaler {
   GradScalerOptions options_;
   mutable std::mutex mu_;
   std::condition_variable cv_;
-  std::vector<double> scales_;     // scales_[k]: the scale after k updates
-  std::vector<bool> found_inf_;    // per completed scaler.step
+  std::vector<double> scales_;   // scales_[k]: the scale after k updates
+  std::vector<bool> found_inf_;  // per completed scaler.step
   int64_t growth_tracker_ = 0;
   int64_t updates_ = 0;
 };
