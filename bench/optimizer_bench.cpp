@@ -10,6 +10,7 @@
 #include <ATen/Parallel.h>
 #include <benchmark/benchmark.h>
 #include <roundpipe/optim/adam.h>
+#include <roundpipe/parallel.h>
 #include <torch/optim/adamw.h>
 
 #include <cstdio>
@@ -53,14 +54,21 @@ __attribute__((noinline)) void update_range(float* __restrict a, const float* __
   for (int64_t i = 0; i < n; ++i) a[i] = a[i] * 0.999f + b[i];
 }
 
+// The same threads and chunking as the optimizer.
+constexpr int64_t kChunk = 1 << 15;
+int64_t chunks(int64_t n) {
+  return (n + kChunk - 1) / kChunk;
+}
+
 // STREAM triad: a = b + s * c (two reads and a write per element).
 void triad(benchmark::State& state) {
   const int64_t n = total_params();
   auto a = at::empty({n}), b = at::randn({n}), c = at::randn({n});
   for (auto _ : state) {
-    at::parallel_for(0, n, 1 << 16, [&](int64_t lo, int64_t hi) {
+    roundpipe::parallel_for_each(chunks(n), [&](int64_t i) {
+      const int64_t lo = i * kChunk, len = std::min(kChunk, n - lo);
       triad_range(a.data_ptr<float>() + lo, b.data_ptr<float>() + lo, c.data_ptr<float>() + lo,
-                  hi - lo);
+                  len);
     });
     benchmark::ClobberMemory();
   }
@@ -73,8 +81,9 @@ void update(benchmark::State& state) {
   const int64_t n = total_params();
   auto a = at::randn({n}), b = at::randn({n});
   for (auto _ : state) {
-    at::parallel_for(0, n, 1 << 16, [&](int64_t lo, int64_t hi) {
-      update_range(a.data_ptr<float>() + lo, b.data_ptr<float>() + lo, hi - lo);
+    roundpipe::parallel_for_each(chunks(n), [&](int64_t i) {
+      const int64_t lo = i * kChunk, len = std::min(kChunk, n - lo);
+      update_range(a.data_ptr<float>() + lo, b.data_ptr<float>() + lo, len);
     });
     benchmark::ClobberMemory();
   }
@@ -140,7 +149,8 @@ class SummaryReporter : public benchmark::ConsoleReporter {
 
 int main(int argc, char** argv) {
   benchmark::Initialize(&argc, argv);
-  std::printf("parameters: %lld, threads: %d\n", static_cast<long long>(total_params()),
+  std::printf("parameters: %lld, roundpipe threads: %d, ATen threads: %d\n",
+              static_cast<long long>(total_params()), roundpipe::parallel_threads(),
               at::get_num_threads());
   SummaryReporter reporter;
   benchmark::RunSpecifiedBenchmarks(&reporter);

@@ -1,12 +1,12 @@
 #include "roundpipe/optim/adam.h"
 
-#include <ATen/Parallel.h>
 #include <ATen/ops/zeros_like.h>
 #include <c10/util/Exception.h>
 
 #include <cmath>
 
 #include "optim/adam_kernel.h"
+#include "roundpipe/parallel.h"
 
 namespace roundpipe::optim {
 namespace {
@@ -63,11 +63,9 @@ void run_all(const std::vector<Work>& works) {
   for (size_t i = 0; i < works.size(); ++i) {
     for (int64_t start = 0; start < works[i].numel; start += kChunk) chunks.emplace_back(i, start);
   }
-  at::parallel_for(0, static_cast<int64_t>(chunks.size()), 1, [&](int64_t lo, int64_t hi) {
-    for (int64_t c = lo; c < hi; ++c) {
-      const auto& w = works[chunks[c].first];
-      run_chunk(w, chunks[c].second, std::min(w.numel, chunks[c].second + kChunk));
-    }
+  parallel_for_each(static_cast<int64_t>(chunks.size()), [&](int64_t c) {
+    const auto& w = works[chunks[c].first];
+    run_chunk(w, chunks[c].second, std::min(w.numel, chunks[c].second + kChunk));
   });
 }
 

@@ -3,6 +3,8 @@
 #include <gtest/gtest.h>
 #include <roundpipe/safetensors.h>
 
+#include <unistd.h>
+
 #include <filesystem>
 #include <fstream>
 
@@ -10,7 +12,9 @@ namespace roundpipe {
 namespace {
 
 std::string temp_path(const std::string& name) {
-  return (std::filesystem::temp_directory_path() / ("roundpipe_" + name)).string();
+  return (std::filesystem::temp_directory_path() /
+          ("roundpipe_" + std::to_string(::getpid()) + "_" + name))
+      .string();
 }
 
 std::string error_loading(const std::string& path) {

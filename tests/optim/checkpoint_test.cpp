@@ -4,6 +4,8 @@
 #include <roundpipe/checkpoint.h>
 #include <torch/nn/functional/loss.h>
 
+#include <unistd.h>
+
 #include <filesystem>
 
 #include "test_util.h"
@@ -43,8 +45,15 @@ struct Trainer {
 
 class CheckpointTest : public ::testing::TestWithParam<std::string> {};
 
+// A directory of this test process alone (ctest runs backends in parallel).
+std::string test_dir(const std::string& what) {
+  return (std::filesystem::temp_directory_path() /
+          ("roundpipe_" + what + "_" + std::to_string(::getpid())))
+      .string();
+}
+
 TEST_P(CheckpointTest, ResumingGivesTheSameNextLosses) {
-  const auto dir = (std::filesystem::temp_directory_path() / "roundpipe_ckpt_resume").string();
+  const auto dir = test_dir("ckpt_resume");
   std::filesystem::remove_all(dir);
   Trainer first(1, GetParam());
   for (int step = 0; step < 3; ++step) first.train_step(step);
@@ -67,7 +76,7 @@ TEST_P(CheckpointTest, ResumingGivesTheSameNextLosses) {
 }
 
 TEST_P(CheckpointTest, AnInterruptedSaveLeavesALoadableCheckpoint) {
-  const auto dir = (std::filesystem::temp_directory_path() / "roundpipe_ckpt_crash").string();
+  const auto dir = test_dir("ckpt_crash");
   std::filesystem::remove_all(dir);
   std::filesystem::remove_all(dir + ".previous");
   Trainer t(1, GetParam());
@@ -88,7 +97,7 @@ TEST_P(CheckpointTest, AnInterruptedSaveLeavesALoadableCheckpoint) {
 }
 
 TEST_P(CheckpointTest, LoadingIntoAnotherArchitectureNamesTheMismatch) {
-  const auto dir = (std::filesystem::temp_directory_path() / "roundpipe_ckpt_arch").string();
+  const auto dir = test_dir("ckpt_arch");
   Trainer t(1, GetParam());
   save_checkpoint(dir, *t.pipe, t.adam.get(), nullptr);
   auto model = make_model(ModelKind::kMlp);

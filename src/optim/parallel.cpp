@@ -1,0 +1,114 @@
+#include "roundpipe/parallel.h"
+
+#include <ATen/Parallel.h>
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdlib>
+#include <exception>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+namespace roundpipe {
+namespace {
+
+class Pool {
+ public:
+  explicit Pool(int threads) {
+    for (int t = 1; t < threads; ++t) workers_.emplace_back([this] { loop(); });
+    size_ = threads;
+  }
+  ~Pool() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+      cv_.notify_all();
+    }
+    for (auto& w : workers_) w.join();
+  }
+  int size() const { return size_; }
+
+  void run(int64_t count, const std::function<void(int64_t)>& fn) {
+    std::lock_guard<std::mutex> serial(run_mu_);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      fn_ = &fn;
+      count_ = count;
+      next_ = 0;
+      active_ = static_cast<int>(workers_.size());
+      error_ = nullptr;
+      ++generation_;
+      cv_.notify_all();
+    }
+    work();  // the caller works too
+    std::unique_lock<std::mutex> lock(mu_);
+    done_cv_.wait(lock, [&] { return active_ == 0; });
+    fn_ = nullptr;
+    if (error_) std::rethrow_exception(error_);
+  }
+
+ private:
+  void work() {
+    for (;;) {
+      const int64_t i = next_.fetch_add(1);
+      if (i >= count_) return;
+      try {
+        (*fn_)(i);
+      } catch (...) {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (!error_) error_ = std::current_exception();
+        next_ = count_;  // stop handing out work
+      }
+    }
+  }
+  void loop() {
+    uint64_t seen = 0;
+    for (;;) {
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        cv_.wait(lock, [&] { return stop_ || generation_ != seen; });
+        if (stop_) return;
+        seen = generation_;
+      }
+      work();
+      std::lock_guard<std::mutex> lock(mu_);
+      if (--active_ == 0) done_cv_.notify_all();
+    }
+  }
+
+  std::vector<std::thread> workers_;
+  int size_ = 1;
+  std::mutex run_mu_, mu_;
+  std::condition_variable cv_, done_cv_;
+  const std::function<void(int64_t)>* fn_ = nullptr;
+  std::atomic<int64_t> next_{0};
+  int64_t count_ = 0;
+  int active_ = 0;
+  uint64_t generation_ = 0;
+  bool stop_ = false;
+  std::exception_ptr error_;
+};
+
+Pool& pool() {
+  static Pool instance(parallel_threads());
+  return instance;
+}
+
+}  // namespace
+
+int parallel_threads() {
+  if (const char* env = std::getenv("ROUNDPIPE_CPU_THREADS")) return std::max(1, std::atoi(env));
+  return std::max(1, at::get_num_threads());
+}
+
+void parallel_for_each(int64_t count, const std::function<void(int64_t)>& fn) {
+  if (count <= 0) return;
+  if (count == 1) {
+    fn(0);
+    return;
+  }
+  pool().run(count, fn);
+}
+
+}  // namespace roundpipe
