@@ -30,4 +30,9 @@ if ! .venv/bin/python -c 'import torch, sys; sys.exit(torch.__version__.split("+
   .venv/bin/python -m pip install -q --upgrade pip
   .venv/bin/python -m pip install -q torch==2.11.0 numpy
 fi
+# The model-preset tests compare with HuggingFace transformers (CPU).
+if ! .venv/bin/python -c 'import transformers, sys; sys.exit(transformers.__version__ != "5.17.0")' 2>/dev/null; then
+  echo "[setup] installing transformers==5.17.0 into .venv (test oracle for the model presets)"
+  .venv/bin/python -m pip install -q transformers==5.17.0 safetensors
+fi
 echo "[setup] done: $(.venv/bin/python -c 'import torch; print("torch", torch.__version__)')"

@@ -1,0 +1,65 @@
+// Native Qwen3 and Llama (3.x) causal LMs, organised the way RoundPipe
+// schedules best: an input adapter (embedding, rotary cos/sin, masks), one
+// layer per decoder block, and an output adapter (final norm, lm_head, loss).
+//
+// The model's input is a tensor of token ids [batch, seq] or a tuple
+// (input_ids, attention_mask or None, labels or None); labels use -100 for
+// ignored positions and are shifted inside, as in HuggingFace. The output is
+// the mean loss over the labelled tokens when labels are given (computed
+// without materialising the [tokens, vocab] logits unless return_logits),
+// else the logits; with labels and return_logits, a tuple (loss, logits).
+#pragma once
+
+#include <torch/nn/modules/container/sequential.h>
+
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "roundpipe/models/config.h"
+
+namespace roundpipe::models {
+
+struct CausalLMOptions {
+  c10::ScalarType dtype = c10::kFloat;  // weights and compute dtype
+  bool return_logits = false;
+  int64_t loss_chunk_tokens = 2048;  // tokens per chunk of the fused linear + cross-entropy
+
+  CausalLMOptions& set_dtype(c10::ScalarType v) { dtype = v; return *this; }
+  CausalLMOptions& set_return_logits(bool v) { return_logits = v; return *this; }
+  CausalLMOptions& set_loss_chunk_tokens(int64_t v) { loss_chunk_tokens = v; return *this; }
+};
+
+class CausalLM {
+ public:
+  // A randomly initialised model of this config.
+  CausalLM(CausalLMConfig config, CausalLMOptions options = {});
+  // Loads config.json and the safetensors weights (single file or sharded
+  // with model.safetensors.index.json) of a HuggingFace checkpoint directory.
+  static CausalLM from_pretrained(const std::string& dir, CausalLMOptions options = {});
+  // Writes config.json and the weights (sharded past max_shard_bytes, with an
+  // index) in HuggingFace's layout, atomically.
+  void save_pretrained(const std::string& dir, int64_t max_shard_bytes = int64_t{5} << 30) const;
+
+  const CausalLMConfig& config() const { return config_; }
+  int64_t vocab_size() const { return config_.vocab_size; }
+  // Sequential(input adapter, decoder layers..., output adapter).
+  torch::nn::Sequential& sequential() { return sequential_; }
+  // The weights under their HuggingFace names (tied lm_head omitted).
+  std::vector<std::pair<std::string, at::Tensor>> hf_state_dict() const;
+  // The HuggingFace name of parameter `name` of layer `layer`.
+  std::string hf_name(size_t layer, const std::string& name) const;
+
+ private:
+  CausalLMConfig config_;
+  CausalLMOptions options_;
+  torch::nn::Sequential sequential_;
+};
+
+// Mean cross-entropy of (hidden @ weight^T) against labels (ignore -100),
+// chunked over tokens so the [tokens, vocab] logits never exist whole, in
+// forward or backward. hidden [N, D], weight [V, D], labels [N].
+at::Tensor chunked_linear_cross_entropy(const at::Tensor& hidden, const at::Tensor& weight,
+                                        const at::Tensor& labels, int64_t chunk_tokens);
+
+}  // namespace roundpipe::models

@@ -1,0 +1,43 @@
+// HuggingFace config.json for decoder-only causal LMs (Qwen3, Llama 3.x).
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+namespace roundpipe::models {
+
+struct RopeScaling {
+  std::string type = "default";  // "default" or "llama3"
+  double factor = 1.0;
+  double low_freq_factor = 1.0;
+  double high_freq_factor = 4.0;
+  int64_t original_max_position_embeddings = 8192;
+};
+
+struct CausalLMConfig {
+  std::string model_type;  // "qwen3" or "llama"
+  int64_t vocab_size = 0;
+  int64_t hidden_size = 0;
+  int64_t intermediate_size = 0;
+  int64_t num_hidden_layers = 0;
+  int64_t num_attention_heads = 0;
+  int64_t num_key_value_heads = 0;
+  int64_t head_dim = 0;
+  int64_t max_position_embeddings = 0;
+  double rms_norm_eps = 1e-6;
+  double rope_theta = 10000.0;
+  RopeScaling rope_scaling;
+  bool tie_word_embeddings = false;
+  bool attention_bias = false;
+  bool mlp_bias = false;
+  bool qk_norm = false;       // Qwen3: RMSNorm on each head's queries and keys
+  std::string torch_dtype;    // as written, e.g. "bfloat16"
+  std::string json;           // the whole file, kept for save_pretrained
+
+  // Parses and checks a config.json; errors name the file and the field.
+  static CausalLMConfig from_json_file(const std::string& path);
+  static CausalLMConfig from_json_string(const std::string& text, const std::string& what);
+  std::string to_json_string() const;
+};
+
+}  // namespace roundpipe::models

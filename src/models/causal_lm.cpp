@@ -1,0 +1,395 @@
+// Qwen3 / Llama modules (following HuggingFace transformers' definitions
+// operation by operation, so that logits and gradients match) and
+// HuggingFace checkpoint IO.
+#include "roundpipe/models/causal_lm.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+#include <torch/nn/cloneable.h>
+#include <torch/nn/modules/embedding.h>
+#include <torch/nn/modules/linear.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <nlohmann/json.hpp>
+
+#include "roundpipe/safetensors.h"
+
+namespace fs = std::filesystem;
+
+namespace roundpipe::models {
+namespace {
+
+// ---------------------------------------------------------------- modules
+
+struct RMSNormImpl : torch::nn::Cloneable<RMSNormImpl> {
+  int64_t dim;
+  double eps;
+  at::Tensor weight;
+  RMSNormImpl(int64_t d, double e) : dim(d), eps(e) { reset(); }
+  void reset() override { weight = register_parameter("weight", at::ones({dim})); }
+  at::Tensor forward(const at::Tensor& x) {
+    const auto dtype = x.scalar_type();
+    auto h = x.to(at::kFloat);
+    h = h * at::rsqrt(h.pow(2).mean(-1, /*keepdim=*/true) + eps);
+    return weight * h.to(dtype);
+  }
+};
+TORCH_MODULE(RMSNorm);
+
+// Inverse rotary frequencies, as transformers computes them (float32).
+at::Tensor inverse_frequencies(const CausalLMConfig& c) {
+  const int64_t dim = c.head_dim;
+  auto inv = 1.0 / at::pow(c.rope_theta, at::arange(0, dim, 2, at::kLong).to(at::kFloat) / dim);
+  if (c.rope_scaling.type != "llama3") return inv;
+  const auto& r = c.rope_scaling;
+  const double old_len = static_cast<double>(r.original_max_position_embeddings);
+  const double low_wavelen = old_len / r.low_freq_factor;
+  const double high_wavelen = old_len / r.high_freq_factor;
+  auto wavelen = 2 * M_PI / inv;
+  auto scaled = at::where(wavelen > low_wavelen, inv / r.factor, inv);
+  auto smooth = (old_len / wavelen - r.low_freq_factor) / (r.high_freq_factor - r.low_freq_factor);
+  auto smoothed = (1 - smooth) * scaled / r.factor + smooth * scaled;
+  auto medium = (wavelen < high_wavelen).logical_not() * (wavelen > low_wavelen).logical_not();
+  return at::where(medium, smoothed, scaled);
+}
+
+// Embedding, rotary tables and the attention mask, computed once per
+// microbatch and handed to every decoder layer in the tuple
+// (hidden, cos, sin, mask or None, labels or None).
+struct InputAdapterImpl : torch::nn::Cloneable<InputAdapterImpl> {
+  CausalLMConfig config;
+  torch::nn::Embedding embed_tokens{nullptr};
+  at::Tensor inv_freq;
+  explicit InputAdapterImpl(CausalLMConfig c) : config(std::move(c)) { reset(); }
+  void reset() override {
+    embed_tokens = register_module(
+        "embed_tokens", torch::nn::Embedding(config.vocab_size, config.hidden_size));
+    inv_freq = register_buffer("inv_freq", inverse_frequencies(config));
+  }
+  c10::IValue forward(c10::IValue input) {
+    at::Tensor ids, attention_mask, labels;
+    if (input.isTensor()) {
+      ids = input.toTensor();
+    } else {
+      TORCH_CHECK(input.isTuple(), "the model takes input_ids or a tuple (input_ids, "
+                  "attention_mask or None, labels or None)");
+      const auto& e = input.toTupleRef().elements();
+      TORCH_CHECK(!e.empty() && e[0].isTensor(), "the first input must be the input_ids tensor");
+      ids = e[0].toTensor();
+      if (e.size() > 1 && e[1].isTensor()) attention_mask = e[1].toTensor();
+      if (e.size() > 2 && e[2].isTensor()) labels = e[2].toTensor();
+    }
+    TORCH_CHECK(ids.dim() == 2, "input_ids must be [batch, sequence], got ", ids.sizes());
+    auto hidden = embed_tokens(ids);
+    const int64_t T = ids.size(1);
+    auto positions = at::arange(T, inv_freq.options());
+    auto freqs = positions.unsqueeze(1) * inv_freq.unsqueeze(0);  // [T, head_dim / 2]
+    auto emb = at::cat({freqs, freqs}, -1).unsqueeze(0);        // [1, T, head_dim]
+    auto cos = emb.cos().to(hidden.scalar_type());
+    auto sin = emb.sin().to(hidden.scalar_type());
+    c10::IValue mask;  // None: plain causal attention
+    if (attention_mask.defined()) {
+      auto causal = at::ones({T, T}, ids.options().dtype(at::kBool)).tril();
+      auto keys = attention_mask.to(at::kBool).view({ids.size(0), 1, 1, T});
+      mask = causal.view({1, 1, T, T}).logical_and(keys);  // [batch, 1, T, T], true = attend
+    }
+    return c10::ivalue::Tuple::create(
+        {hidden, cos, sin, mask, labels.defined() ? c10::IValue(labels) : c10::IValue()});
+  }
+};
+TORCH_MODULE(InputAdapter);
+
+at::Tensor rotate_half(const at::Tensor& x) {
+  auto halves = x.chunk(2, -1);
+  return at::cat({-halves[1], halves[0]}, -1);
+}
+
+torch::nn::Linear make_linear(int64_t in, int64_t out, bool bias) {
+  return torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(bias));
+}
+
+// Submodule and parameter names follow transformers', so that the state dict
+// maps one to one ("self_attn.q_proj.weight", "mlp.gate_proj.weight", ...).
+struct AttentionImpl : torch::nn::Cloneable<AttentionImpl> {
+  CausalLMConfig config;
+  torch::nn::Linear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, o_proj{nullptr};
+  RMSNorm q_norm{nullptr}, k_norm{nullptr};
+  explicit AttentionImpl(CausalLMConfig c) : config(std::move(c)) { reset(); }
+  void reset() override {
+    const auto& c = config;
+    q_proj = register_module("q_proj", make_linear(c.hidden_size, c.num_attention_heads * c.head_dim, c.attention_bias));
+    k_proj = register_module("k_proj", make_linear(c.hidden_size, c.num_key_value_heads * c.head_dim, c.attention_bias));
+    v_proj = register_module("v_proj", make_linear(c.hidden_size, c.num_key_value_heads * c.head_dim, c.attention_bias));
+    o_proj = register_module("o_proj", make_linear(c.num_attention_heads * c.head_dim, c.hidden_size, c.attention_bias));
+    if (c.qk_norm) {
+      q_norm = register_module("q_norm", RMSNorm(c.head_dim, c.rms_norm_eps));
+      k_norm = register_module("k_norm", RMSNorm(c.head_dim, c.rms_norm_eps));
+    }
+  }
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                     const std::optional<at::Tensor>& mask) {
+    const int64_t B = x.size(0), T = x.size(1), hd = config.head_dim;
+    auto q = q_proj(x).view({B, T, -1, hd});
+    auto k = k_proj(x).view({B, T, -1, hd});
+    auto v = v_proj(x).view({B, T, -1, hd}).transpose(1, 2);
+    if (config.qk_norm) {
+      q = q_norm(q);
+      k = k_norm(k);
+    }
+    q = q.transpose(1, 2);
+    k = k.transpose(1, 2);
+    q = q * cos + rotate_half(q) * sin;
+    k = k * cos + rotate_half(k) * sin;
+    auto attn = at::scaled_dot_product_attention(q, k, v, mask, 0.0, /*is_causal=*/!mask.has_value(),
+                                                 1.0 / std::sqrt(static_cast<double>(hd)),
+                                                 /*enable_gqa=*/true);
+    return o_proj(attn.transpose(1, 2).reshape({B, T, -1}));
+  }
+};
+TORCH_MODULE(Attention);
+
+struct MLPImpl : torch::nn::Cloneable<MLPImpl> {
+  CausalLMConfig config;
+  torch::nn::Linear gate_proj{nullptr}, up_proj{nullptr}, down_proj{nullptr};
+  explicit MLPImpl(CausalLMConfig c) : config(std::move(c)) { reset(); }
+  void reset() override {
+    const auto& c = config;
+    gate_proj = register_module("gate_proj", make_linear(c.hidden_size, c.intermediate_size, c.mlp_bias));
+    up_proj = register_module("up_proj", make_linear(c.hidden_size, c.intermediate_size, c.mlp_bias));
+    down_proj = register_module("down_proj", make_linear(c.intermediate_size, c.hidden_size, c.mlp_bias));
+  }
+  at::Tensor forward(const at::Tensor& x) { return down_proj(at::silu(gate_proj(x)) * up_proj(x)); }
+};
+TORCH_MODULE(MLP);
+
+struct DecoderLayerImpl : torch::nn::Cloneable<DecoderLayerImpl> {
+  CausalLMConfig config;
+  Attention self_attn{nullptr};
+  MLP mlp{nullptr};
+  RMSNorm input_layernorm{nullptr}, post_attention_layernorm{nullptr};
+  explicit DecoderLayerImpl(CausalLMConfig c) : config(std::move(c)) { reset(); }
+  void reset() override {
+    self_attn = register_module("self_attn", Attention(config));
+    mlp = register_module("mlp", MLP(config));
+    input_layernorm = register_module("input_layernorm", RMSNorm(config.hidden_size, config.rms_norm_eps));
+    post_attention_layernorm =
+        register_module("post_attention_layernorm", RMSNorm(config.hidden_size, config.rms_norm_eps));
+  }
+  c10::IValue forward(c10::IValue input) {
+    const auto& e = input.toTupleRef().elements();
+    auto h = e[0].toTensor();
+    std::optional<at::Tensor> mask;
+    if (e[3].isTensor()) mask = e[3].toTensor();
+    h = h + self_attn(input_layernorm(h), e[1].toTensor().unsqueeze(1), e[2].toTensor().unsqueeze(1), mask);
+    h = h + mlp(post_attention_layernorm(h));
+    return c10::ivalue::Tuple::create({h, e[1], e[2], e[3], e[4]});
+  }
+};
+TORCH_MODULE(DecoderLayer);
+
+// Final norm, lm_head and the loss. With tied embeddings the lm_head weight
+// is the input adapter's embedding tensor (registered here as "tied_weight",
+// so RoundPipe sees one parameter used by two layers).
+struct OutputAdapterImpl : torch::nn::Cloneable<OutputAdapterImpl> {
+  CausalLMConfig config;
+  CausalLMOptions options;
+  at::Tensor tied;  // the embedding weight when tied, else undefined
+  RMSNorm norm{nullptr};
+  torch::nn::Linear lm_head{nullptr};  // untied
+  at::Tensor weight;                   // lm_head's weight, or the tied embedding
+  OutputAdapterImpl(CausalLMConfig c, CausalLMOptions o, at::Tensor tied_weight)
+      : config(std::move(c)), options(o), tied(std::move(tied_weight)) {
+    reset();
+  }
+  void reset() override {
+    norm = register_module("norm", RMSNorm(config.hidden_size, config.rms_norm_eps));
+    if (tied.defined()) {
+      weight = register_parameter("tied_weight", tied);
+    } else {
+      lm_head = register_module("lm_head", make_linear(config.hidden_size, config.vocab_size, false));
+      weight = lm_head->weight;
+    }
+  }
+  // The copy gets tensors of its own (RoundPipe binds device copies into it).
+  std::shared_ptr<torch::nn::Module> clone(
+      const std::optional<c10::Device>& device = std::nullopt) const override {
+    auto copy = std::make_shared<OutputAdapterImpl>(
+        config, options, tied.defined() ? tied.detach().clone().requires_grad_() : at::Tensor());
+    c10::NoGradGuard no_grad;
+    if (!tied.defined()) copy->weight.copy_(weight);
+    copy->norm->weight.copy_(norm->weight);
+    copy->train(is_training());
+    return copy;
+  }
+  c10::IValue forward(c10::IValue input) {
+    const auto& e = input.toTupleRef().elements();
+    auto h = norm(e[0].toTensor());
+    if (!e[4].isTensor()) return at::linear(h, weight);
+    // HuggingFace's loss: labels shifted left, -100 ignored, mean over tokens.
+    auto labels = e[4].toTensor();
+    auto shifted = at::constant_pad_nd(labels, {0, 1}, -100).narrow(1, 1, labels.size(1));
+    const int64_t D = h.size(-1);
+    if (!options.return_logits) {
+      return chunked_linear_cross_entropy(h.reshape({-1, D}), weight, shifted.reshape({-1}),
+                                          options.loss_chunk_tokens);
+    }
+    auto logits = at::linear(h, weight);
+    auto loss = at::cross_entropy_loss(logits.to(at::kFloat).reshape({-1, logits.size(-1)}),
+                                       shifted.reshape({-1}), {}, at::Reduction::Mean, -100);
+    return c10::ivalue::Tuple::create({loss, logits});
+  }
+};
+TORCH_MODULE(OutputAdapter);
+
+// ---------------------------------------------------------------- IO
+
+std::map<std::string, std::string> weight_files(const fs::path& dir) {
+  std::map<std::string, std::string> files;  // tensor name -> file
+  const auto index = dir / "model.safetensors.index.json";
+  if (fs::exists(index)) {
+    std::ifstream in(index);
+    nlohmann::json j;
+    try {
+      j = nlohmann::json::parse(in);
+    } catch (const nlohmann::json::exception& e) {
+      TORCH_CHECK(false, index.string(), " is not valid JSON: ", e.what());
+    }
+    TORCH_CHECK(j.contains("weight_map") && j["weight_map"].is_object(), index.string(),
+                " has no weight_map");
+    for (auto it = j["weight_map"].begin(); it != j["weight_map"].end(); ++it) {
+      TORCH_CHECK(it->is_string(), index.string(), ": weight_map['", it.key(), "'] is not a file name");
+      files[it.key()] = (dir / it->get<std::string>()).string();
+    }
+    return files;
+  }
+  const auto single = dir / "model.safetensors";
+  TORCH_CHECK(fs::exists(single), "no weights in ", dir.string(),
+              ": expected model.safetensors or model.safetensors.index.json");
+  files[""] = single.string();
+  return files;
+}
+
+}  // namespace
+
+CausalLM::CausalLM(CausalLMConfig config, CausalLMOptions options)
+    : config_(std::move(config)), options_(options) {
+  InputAdapter input(config_);
+  sequential_->push_back(input);
+  for (int64_t i = 0; i < config_.num_hidden_layers; ++i) sequential_->push_back(DecoderLayer(config_));
+  sequential_->push_back(OutputAdapter(config_, options_,
+                                       config_.tie_word_embeddings ? input->embed_tokens->weight
+                                                                   : at::Tensor()));
+  // transformers' initialisation for new weights: normal(0, 0.02), norms 1.
+  c10::NoGradGuard no_grad;
+  for (auto& item : sequential_->named_parameters()) {
+    const auto& name = item.key();
+    if (name.size() >= 5 && name.substr(name.size() - 5) == ".bias") {
+      item.value().zero_();
+    } else if (name.find("norm") == std::string::npos) {
+      item.value().normal_(0, 0.02);
+    }
+  }
+  sequential_->to(options_.dtype);
+  input->inv_freq.set_data(inverse_frequencies(config_));  // rotary tables stay fp32
+}
+
+std::string CausalLM::hf_name(size_t layer, const std::string& name) const {
+  if (layer == 0) return "model." + name;
+  if (layer <= static_cast<size_t>(config_.num_hidden_layers)) {
+    return "model.layers." + std::to_string(layer - 1) + "." + name;
+  }
+  if (name == "tied_weight") return "lm_head.weight";
+  if (name == "lm_head.weight") return name;
+  return "model." + name;
+}
+
+std::vector<std::pair<std::string, at::Tensor>> CausalLM::hf_state_dict() const {
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  size_t layer = 0;
+  for (const auto& child : sequential_->children()) {
+    for (const auto& item : child->named_parameters()) {
+      if (item.key() == "tied_weight") continue;  // the embedding, saved once
+      out.emplace_back(hf_name(layer, item.key()), item.value());
+    }
+    ++layer;
+  }
+  return out;
+}
+
+CausalLM CausalLM::from_pretrained(const std::string& dir, CausalLMOptions options) {
+  auto config = CausalLMConfig::from_json_file((fs::path(dir) / "config.json").string());
+  CausalLM model(config, options);
+  const auto files = weight_files(dir);
+  std::map<std::string, safetensors::File> loaded;
+  auto tensor_named = [&](const std::string& name) -> at::Tensor {
+    std::string file = files.count("") ? files.at("") : "";
+    if (file.empty()) {
+      auto it = files.find(name);
+      TORCH_CHECK(it != files.end(), dir, ": the checkpoint has no tensor '", name, "'");
+      file = it->second;
+    }
+    auto& f = loaded[file];
+    if (f.tensors.empty()) f = safetensors::load_file(file);
+    for (const auto& [n, t] : f.tensors) {
+      if (n == name) return t;
+    }
+    TORCH_CHECK(false, dir, ": the checkpoint has no tensor '", name, "' (in ", file, ")");
+  };
+  c10::NoGradGuard no_grad;
+  for (auto& [name, p] : model.hf_state_dict()) {
+    auto t = tensor_named(name);
+    TORCH_CHECK(t.sizes() == p.sizes(), dir, ": '", name, "' has shape ", t.sizes(),
+                " in the checkpoint but the config gives ", p.sizes());
+    p.copy_(t);
+  }
+  return model;
+}
+
+void CausalLM::save_pretrained(const std::string& dir, int64_t max_shard_bytes) const {
+  const fs::path target(dir);
+  const fs::path tmp = target.string() + ".tmp-" + std::to_string(::getpid());
+  fs::remove_all(tmp);
+  fs::create_directories(tmp);
+  {
+    std::ofstream out(tmp / "config.json");
+    out << config_.to_json_string();
+  }
+  // Shards of at most max_shard_bytes (a larger single tensor gets its own).
+  std::vector<safetensors::NamedTensors> shards(1);
+  int64_t shard_bytes = 0, total = 0;
+  for (auto& [name, t] : hf_state_dict()) {
+    if (shard_bytes > 0 && shard_bytes + static_cast<int64_t>(t.nbytes()) > max_shard_bytes) {
+      shards.emplace_back();
+      shard_bytes = 0;
+    }
+    shards.back().emplace_back(name, t);
+    shard_bytes += t.nbytes();
+    total += t.nbytes();
+  }
+  const std::map<std::string, std::string> metadata = {{"format", "pt"}};
+  if (shards.size() == 1) {
+    safetensors::save_file((tmp / "model.safetensors").string(), shards[0], metadata);
+  } else {
+    nlohmann::ordered_json index = {{"metadata", {{"total_size", total}}},
+                                    {"weight_map", nlohmann::ordered_json::object()}};
+    for (size_t i = 0; i < shards.size(); ++i) {
+      char name[64];
+      std::snprintf(name, sizeof(name), "model-%05zu-of-%05zu.safetensors", i + 1, shards.size());
+      safetensors::save_file((tmp / name).string(), shards[i], metadata);
+      for (const auto& [tensor, t] : shards[i]) index["weight_map"][tensor] = name;
+    }
+    std::ofstream out(tmp / "model.safetensors.index.json");
+    out << index.dump(2);
+  }
+  const fs::path previous = target.string() + ".previous";
+  fs::remove_all(previous);
+  if (fs::exists(target)) fs::rename(target, previous);
+  fs::rename(tmp, target);
+  fs::remove_all(previous);
+}
+
+}  // namespace roundpipe::models

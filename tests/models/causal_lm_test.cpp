@@ -1,0 +1,185 @@
+// The native Qwen3 / Llama presets against HuggingFace transformers 5.17:
+// logits, loss and parameter gradients (fp32, relative error <= 1e-4), plain
+// and through RoundPipe, with and without padding, tied and untied
+// embeddings, Llama 3.1 rope scaling; save_pretrained read back by
+// transformers; config errors.
+#include <gtest/gtest.h>
+#include <roundpipe/models/causal_lm.h>
+#include <roundpipe/safetensors.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+
+#include "test_util.h"
+
+namespace roundpipe::testing {
+namespace {
+
+namespace fs = std::filesystem;
+constexpr double kTol = 1e-4;
+
+// Made once per test process by transformers (tests/models/hf_reference.py).
+const fs::path& reference_root() {
+  static const fs::path root = [] {
+    fs::path dir = fs::temp_directory_path() / ("roundpipe_hf_" + std::to_string(::getpid()));
+    const std::string cmd = std::string(ROUNDPIPE_PYTHON) + " " + ROUNDPIPE_SOURCE_DIR +
+                            "/tests/models/hf_reference.py make " + dir.string() + " > " +
+                            dir.string() + ".log 2>&1";
+    if (std::system(cmd.c_str()) != 0) {
+      std::ifstream log(dir.string() + ".log");
+      std::stringstream text;
+      text << log.rdbuf();
+      ADD_FAILURE() << "could not make the transformers reference (is transformers==5.17.0 "
+                       "installed? scripts/setup.sh installs it):\n"
+                    << text.str();
+    }
+    return dir;
+  }();
+  return root;
+}
+
+struct Case {
+  std::string name;
+  bool padded;
+};
+const std::vector<Case> kCases = {
+    {"qwen3", false}, {"qwen3_tied_padded", true}, {"llama_padded", true}, {"llama31_tied", false}};
+
+c10::IValue model_input(const safetensors::File& ref, bool padded) {
+  return c10::ivalue::Tuple::create({ref.get("input_ids"),
+                                     padded ? c10::IValue(ref.get("attention_mask")) : c10::IValue(),
+                                     ref.get("labels")});
+}
+
+void expect_grads(const models::CausalLM& model, const safetensors::File& ref) {
+  for (const auto& [name, p] : model.hf_state_dict()) {
+    EXPECT_TENSOR_NEAR(p.grad(), ref.get("grad." + name), kTol, "gradient of " << name);
+  }
+}
+
+class CausalLMTest : public ::testing::TestWithParam<Case> {};
+
+TEST_P(CausalLMTest, PlainModelMatchesTransformers) {
+  const auto dir = reference_root() / GetParam().name;
+  const auto ref = safetensors::load_file((dir / "reference.safetensors").string());
+  for (bool return_logits : {true, false}) {
+    SCOPED_TRACE(return_logits ? "logits + loss" : "fused chunked loss");
+    auto model = models::CausalLM::from_pretrained(
+        dir.string(), models::CausalLMOptions().set_return_logits(return_logits).set_loss_chunk_tokens(5));
+    auto out = model.sequential()->forward<c10::IValue>(model_input(ref, GetParam().padded));
+    at::Tensor loss;
+    if (return_logits) {
+      const auto& e = out.toTupleRef().elements();
+      loss = e[0].toTensor();
+      const auto logits = e[1].toTensor();
+      EXPECT_TENSOR_NEAR(logits, ref.get("logits"), kTol, "logits");
+    } else {
+      loss = out.toTensor();
+    }
+    EXPECT_TENSOR_NEAR(loss, ref.get("loss"), kTol, "loss");
+    loss.backward();
+    expect_grads(model, ref);
+  }
+}
+
+TEST_P(CausalLMTest, ThroughRoundPipeMatchesTransformers) {
+  const auto dir = reference_root() / GetParam().name;
+  const auto ref = safetensors::load_file((dir / "reference.safetensors").string());
+  for (const auto& backend : {std::string("sim:2,jitter_us=100"), std::string("sim:1")}) {
+    SCOPED_TRACE(backend);
+    auto model = models::CausalLM::from_pretrained(dir.string(),
+                                                   models::CausalLMOptions().set_return_logits(true));
+    RoundPipe pipe(model.sequential(), RoundPipeOptions().set_devices(backend));
+    // One microbatch: the loss is a mean over the batch's labelled tokens.
+    auto result = pipe.forward_backward(
+        model_input(ref, GetParam().padded), c10::IValue(),
+        [](const c10::IValue& out, const c10::IValue&) { return out.toTupleRef().elements()[0].toTensor(); },
+        /*return_outputs=*/true,
+        RunConfig().set_num_microbatch(1).set_execute_plan(
+            ExecutePlan::one_layer_per_stage(pipe.num_layers(), true)));
+    pipe.synchronize();
+    EXPECT_TENSOR_NEAR(result.loss, ref.get("loss"), kTol, "loss");
+    EXPECT_TENSOR_NEAR(result.output.toTupleRef().elements()[1].toTensor(), ref.get("logits"), kTol,
+                       "logits");
+    expect_grads(model, ref);
+    // Three microbatches: the logits do not depend on the split.
+    torch::NoGradGuard no_grad;
+    auto out = pipe.forward(model_input(ref, GetParam().padded), RunConfig().set_num_microbatch(3));
+    EXPECT_TENSOR_NEAR(out.toTupleRef().elements()[1].toTensor(), ref.get("logits"), kTol,
+                       "logits over 3 microbatches");
+  }
+}
+
+TEST_P(CausalLMTest, SavePretrainedLoadsInTransformers) {
+  const auto dir = reference_root() / GetParam().name;
+  auto model = models::CausalLM::from_pretrained(dir.string());
+  for (int64_t shard : {int64_t{5} << 30, int64_t{20000}}) {  // single file and sharded
+    const auto out = reference_root() / (GetParam().name + "_ours_" + std::to_string(shard));
+    model.save_pretrained(out.string(), shard);
+    EXPECT_EQ(fs::exists(out / "model.safetensors.index.json"), shard == 20000);
+    const std::string cmd = std::string(ROUNDPIPE_PYTHON) + " " + ROUNDPIPE_SOURCE_DIR +
+                            "/tests/models/hf_reference.py check " + out.string() + " " +
+                            dir.string() + " > " + out.string() + ".log 2>&1";
+    EXPECT_EQ(std::system(cmd.c_str()), 0) << "transformers rejected " << out;
+    // And ours reads it back identically.
+    auto again = models::CausalLM::from_pretrained(out.string());
+    auto a = model.hf_state_dict(), b = again.hf_state_dict();
+    ASSERT_EQ(a.size(), b.size());
+    for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(at::equal(a[i].second, b[i].second)) << a[i].first;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Presets, CausalLMTest, ::testing::ValuesIn(kCases),
+                         [](const auto& info) { return info.param.name; });
+
+std::string config_error(const std::string& json) {
+  try {
+    models::CausalLMConfig::from_json_string(json, "config.json");
+  } catch (const c10::Error& e) {
+    return e.what();
+  }
+  return "(accepted)";
+}
+
+TEST(CausalLMConfig, ErrorsNameTheFieldAndTheFix) {
+  EXPECT_NE(config_error("{").find("not valid JSON"), std::string::npos);
+  EXPECT_NE(config_error(R"({"model_type":"gpt2"})").find("supported presets: qwen3, llama"),
+            std::string::npos);
+  EXPECT_NE(config_error(R"({"model_type":"qwen3","vocab_size":10})").find("'hidden_size'"),
+            std::string::npos);
+  EXPECT_NE(config_error(R"({"model_type":"llama","vocab_size":"ten"})").find("wrong type"),
+            std::string::npos);
+  EXPECT_NE(config_error(R"({"model_type":"llama","vocab_size":10,"hidden_size":8,"intermediate_size":8,
+      "num_hidden_layers":1,"num_attention_heads":3,"num_key_value_heads":2})")
+                .find("multiple of num_key_value_heads"),
+            std::string::npos);
+  EXPECT_NE(config_error(R"({"model_type":"llama","vocab_size":10,"hidden_size":8,"intermediate_size":8,
+      "num_hidden_layers":1,"num_attention_heads":2,"rope_scaling":{"rope_type":"yarn"}})")
+                .find("not supported"),
+            std::string::npos);
+}
+
+TEST(CausalLMCheckpoint, MissingAndMismatchedWeightsGiveClearErrors) {
+  const auto dir = reference_root() / "qwen3";
+  const auto broken = reference_root() / "qwen3_broken";
+  fs::remove_all(broken);
+  fs::create_directories(broken);
+  fs::copy_file(dir / "config.json", broken / "config.json");
+  auto what = [&] {
+    try {
+      models::CausalLM::from_pretrained(broken.string());
+    } catch (const c10::Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("(loaded)");
+  };
+  EXPECT_NE(what().find("expected model.safetensors"), std::string::npos);
+  auto weights = safetensors::load_file((dir / "model.safetensors").string()).tensors;
+  weights.pop_back();
+  safetensors::save_file((broken / "model.safetensors").string(), weights);
+  EXPECT_NE(what().find("has no tensor"), std::string::npos) << what();
+}
+
+}  // namespace
+}  // namespace roundpipe::testing
