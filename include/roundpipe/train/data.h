@@ -1,0 +1,52 @@
+// Training data for roundpipe-train: JSONL datasets, a byte-level fallback
+// tokenizer, the built-in addition task, batching and greedy evaluation.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+namespace roundpipe::train {
+
+// One sequence; labels are aligned with input_ids (-100: not trained on).
+struct Example {
+  std::vector<int64_t> input_ids;
+  std::vector<int64_t> labels;
+};
+
+// Bytes as tokens: 0 = pad, 1 = bos, 2 = eos, byte b = b + 3 (vocab 259).
+struct ByteTokenizer {
+  static constexpr int64_t kPad = 0, kBos = 1, kEos = 2, kOffset = 3, kVocab = 259;
+  static std::vector<int64_t> encode(const std::string& text);
+  static std::string decode(const std::vector<int64_t>& ids);
+};
+
+// Lines of {"input_ids": [...], "labels": [...]?}, {"text": "..."} or
+// {"prompt": "...", "completion": "..."} (only the completion is trained
+// on). Sequences longer than max_tokens are cut. Errors name file and line.
+std::vector<Example> load_jsonl(const std::string& path, int64_t max_tokens, int64_t vocab_size);
+
+// "a+b=c" with zero-padded a, b < 10^digits and c of digits + 1 digits,
+// deterministic in seed; only the answer and eos are trained on.
+std::vector<Example> addition_task(int64_t count, int digits, uint64_t seed);
+
+// "abcde|edcba": reverse a random word of `length` letters from a..j.
+std::vector<Example> reversal_task(int64_t count, int length, uint64_t seed);
+
+struct Batch {
+  at::Tensor input_ids, attention_mask, labels;  // [batch, length], right padded
+  int64_t tokens = 0;                            // non-pad tokens
+};
+Batch collate(const std::vector<Example>& examples, const std::vector<int64_t>& order,
+              int64_t begin, int64_t count);
+
+// Exact-match accuracy of greedy answers on a task of fixed-length prompts
+// and answers (addition, reversal); `logits` maps input_ids [batch, length]
+// to logits [batch, length, vocab].
+double task_accuracy(const std::vector<Example>& examples,
+                         const std::function<at::Tensor(const at::Tensor&)>& logits);
+
+}  // namespace roundpipe::train

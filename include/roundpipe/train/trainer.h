@@ -1,0 +1,36 @@
+// The training loop behind roundpipe-train, as a library function so that
+// tests run exactly what the command runs.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+namespace roundpipe::train {
+
+struct TrainOptions {
+  std::string model, config = "configs/qwen3-tiny/config.json", data, task = "addition";
+  std::string output = "roundpipe-out", devices, dtype = "float32", pin = "alloc", recompute = "stage";
+  std::string checkpoint_dir;
+  int64_t batch_size = 64, seq_len = 512, steps = 0, epochs = 0, checkpoint_every = 0, log_every = 10;
+  int64_t train_examples = 20000, eval_examples = 500, loss_chunk = 2048;
+  int microbatches = 0, digits = 2, length = 6;
+  double lr = 3e-3, weight_decay = 0.01;
+  bool resume = false, sync_step = false;
+  uint64_t seed = 0;
+};
+
+struct TrainSummary {
+  int64_t steps = 0;
+  int64_t tokens = 0;
+  double seconds = 0;
+  double tokens_per_second = 0;
+  double first_loss = 0;  // smoothed loss after the first logged step
+  double final_loss = 0;  // smoothed loss at the end
+  double accuracy_before = -1, accuracy_after = -1;  // built-in tasks only
+};
+
+// Loads or builds the model, trains, prints progress to stdout, and saves a
+// HuggingFace checkpoint to options.output. Throws on errors.
+TrainSummary run_training(const TrainOptions& options);
+
+}  // namespace roundpipe::train

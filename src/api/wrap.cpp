@@ -1,0 +1,41 @@
+#include "roundpipe/wrap.h"
+
+#include <c10/util/Exception.h>
+
+namespace roundpipe {
+namespace {
+
+void check_preset_choice(const WrapOptions& options) {
+  TORCH_CHECK(options.use_sequential_preset.value_or(true),
+              "wrap_model_to_roundpipe: use_sequential_preset=false asks for automatic splitting, "
+              "which the C++ API does not offer; build a torch::nn::Sequential (input adapter, "
+              "blocks, output adapter) and pass it to RoundPipe, or use a preset (qwen3, llama)");
+}
+
+}  // namespace
+
+WrappedCausalLM::WrappedCausalLM(models::CausalLM model, RoundPipeOptions options)
+    : model_(std::move(model)) {
+  if (options.name.empty()) options.name = model_.config().model_type;
+  pipe_ = std::make_unique<RoundPipe>(model_.sequential(), std::move(options));
+}
+
+void WrappedCausalLM::save_pretrained(const std::string& dir) {
+  pipe_->synchronize();
+  model_.save_pretrained(dir);
+}
+
+std::unique_ptr<WrappedCausalLM> wrap_model_to_roundpipe(const std::string& checkpoint_dir,
+                                                         const WrapOptions& options) {
+  check_preset_choice(options);
+  return std::make_unique<WrappedCausalLM>(
+      models::CausalLM::from_pretrained(checkpoint_dir, options.model), options.roundpipe);
+}
+
+std::unique_ptr<WrappedCausalLM> wrap_model_to_roundpipe(models::CausalLM model,
+                                                         const WrapOptions& options) {
+  check_preset_choice(options);
+  return std::make_unique<WrappedCausalLM>(std::move(model), options.roundpipe);
+}
+
+}  // namespace roundpipe

@@ -1,0 +1,197 @@
+#include "roundpipe/train/data.h"
+
+#include <ATen/ops/cat.h>
+#include <ATen/ops/full.h>
+#include <ATen/ops/zeros.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <random>
+
+namespace roundpipe::train {
+
+std::vector<int64_t> ByteTokenizer::encode(const std::string& text) {
+  std::vector<int64_t> ids;
+  for (unsigned char c : text) ids.push_back(static_cast<int64_t>(c) + kOffset);
+  return ids;
+}
+
+std::string ByteTokenizer::decode(const std::vector<int64_t>& ids) {
+  std::string text;
+  for (int64_t id : ids) {
+    if (id >= kOffset && id < kVocab) text.push_back(static_cast<char>(id - kOffset));
+  }
+  return text;
+}
+
+std::vector<Example> load_jsonl(const std::string& path, int64_t max_tokens, int64_t vocab_size) {
+  std::ifstream in(path);
+  TORCH_CHECK(in.good(), "cannot open dataset ", path);
+  std::vector<Example> out;
+  std::string line;
+  int64_t number = 0;
+  while (std::getline(in, line)) {
+    ++number;
+    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
+    const std::string where = path + ":" + std::to_string(number);
+    nlohmann::json j;
+    try {
+      j = nlohmann::json::parse(line);
+    } catch (const nlohmann::json::exception& e) {
+      TORCH_CHECK(false, where, ": not valid JSON (", e.what(), ")");
+    }
+    Example ex;
+    if (j.contains("input_ids")) {
+      ex.input_ids = j["input_ids"].get<std::vector<int64_t>>();
+      ex.labels = j.contains("labels") ? j["labels"].get<std::vector<int64_t>>() : ex.input_ids;
+      TORCH_CHECK(ex.labels.size() == ex.input_ids.size(), where,
+                  ": labels and input_ids differ in length");
+    } else if (j.contains("text") || j.contains("prompt")) {
+      auto need_bytes = [&] {
+        TORCH_CHECK(vocab_size >= ByteTokenizer::kVocab, where, ": raw text needs the byte-level "
+                    "tokenizer (vocab >= 259) but the model's vocab is ", vocab_size,
+                    "; pre-tokenise the dataset into input_ids");
+      };
+      need_bytes();
+      ex.input_ids.push_back(ByteTokenizer::kBos);
+      ex.labels.push_back(-100);
+      if (j.contains("prompt")) {
+        for (int64_t id : ByteTokenizer::encode(j["prompt"].get<std::string>())) {
+          ex.input_ids.push_back(id);
+          ex.labels.push_back(-100);
+        }
+      }
+      const std::string text = j.contains("completion") ? j["completion"].get<std::string>()
+                               : j.contains("text")     ? j["text"].get<std::string>()
+                                                        : "";
+      for (int64_t id : ByteTokenizer::encode(text)) {
+        ex.input_ids.push_back(id);
+        ex.labels.push_back(id);
+      }
+      ex.input_ids.push_back(ByteTokenizer::kEos);
+      ex.labels.push_back(ByteTokenizer::kEos);
+    } else {
+      TORCH_CHECK(false, where, ": a line needs input_ids, text, or prompt and completion");
+    }
+    for (int64_t id : ex.input_ids) {
+      TORCH_CHECK(id >= 0 && id < vocab_size, where, ": token id ", id, " is outside the vocab (",
+                  vocab_size, ")");
+    }
+    if (static_cast<int64_t>(ex.input_ids.size()) > max_tokens) {
+      ex.input_ids.resize(max_tokens);
+      ex.labels.resize(max_tokens);
+    }
+    if (ex.input_ids.size() >= 2) out.push_back(std::move(ex));
+  }
+  TORCH_CHECK(!out.empty(), path, " holds no usable examples");
+  return out;
+}
+
+std::vector<Example> addition_task(int64_t count, int digits, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  int64_t limit = 1;
+  for (int i = 0; i < digits; ++i) limit *= 10;
+  auto padded = [](int64_t v, int width) {
+    std::string s = std::to_string(v);
+    return std::string(width - s.size(), '0') + s;
+  };
+  std::vector<Example> out;
+  for (int64_t i = 0; i < count; ++i) {
+    const int64_t a = static_cast<int64_t>(rng() % limit), b = static_cast<int64_t>(rng() % limit);
+    Example ex;
+    ex.input_ids.push_back(ByteTokenizer::kBos);
+    ex.labels.push_back(-100);
+    for (int64_t id : ByteTokenizer::encode(padded(a, digits) + "+" + padded(b, digits) + "=")) {
+      ex.input_ids.push_back(id);
+      ex.labels.push_back(-100);
+    }
+    for (int64_t id : ByteTokenizer::encode(padded(a + b, digits + 1))) {
+      ex.input_ids.push_back(id);
+      ex.labels.push_back(id);
+    }
+    ex.input_ids.push_back(ByteTokenizer::kEos);
+    ex.labels.push_back(ByteTokenizer::kEos);
+    out.push_back(std::move(ex));
+  }
+  return out;
+}
+
+std::vector<Example> reversal_task(int64_t count, int length, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::vector<Example> out;
+  for (int64_t i = 0; i < count; ++i) {
+    std::string word;
+    for (int c = 0; c < length; ++c) word.push_back(static_cast<char>('a' + rng() % 10));
+    Example ex;
+    ex.input_ids.push_back(ByteTokenizer::kBos);
+    ex.labels.push_back(-100);
+    for (int64_t id : ByteTokenizer::encode(word + "|")) {
+      ex.input_ids.push_back(id);
+      ex.labels.push_back(-100);
+    }
+    for (int64_t id : ByteTokenizer::encode(std::string(word.rbegin(), word.rend()))) {
+      ex.input_ids.push_back(id);
+      ex.labels.push_back(id);
+    }
+    ex.input_ids.push_back(ByteTokenizer::kEos);
+    ex.labels.push_back(ByteTokenizer::kEos);
+    out.push_back(std::move(ex));
+  }
+  return out;
+}
+
+Batch collate(const std::vector<Example>& examples, const std::vector<int64_t>& order,
+              int64_t begin, int64_t count) {
+  int64_t length = 0;
+  for (int64_t i = 0; i < count; ++i) {
+    length = std::max<int64_t>(length, examples[order[(begin + i) % order.size()]].input_ids.size());
+  }
+  Batch batch;
+  batch.input_ids = at::full({count, length}, ByteTokenizer::kPad, at::kLong);
+  batch.attention_mask = at::zeros({count, length}, at::kLong);
+  batch.labels = at::full({count, length}, -100, at::kLong);
+  auto ids = batch.input_ids.accessor<int64_t, 2>();
+  auto mask = batch.attention_mask.accessor<int64_t, 2>();
+  auto labels = batch.labels.accessor<int64_t, 2>();
+  for (int64_t i = 0; i < count; ++i) {
+    const auto& ex = examples[order[(begin + i) % order.size()]];
+    for (size_t t = 0; t < ex.input_ids.size(); ++t) {
+      ids[i][t] = ex.input_ids[t];
+      mask[i][t] = 1;
+      labels[i][t] = ex.labels[t];
+    }
+    batch.tokens += static_cast<int64_t>(ex.input_ids.size());
+  }
+  return batch;
+}
+
+double task_accuracy(const std::vector<Example>& examples,
+                         const std::function<at::Tensor(const at::Tensor&)>& logits) {
+  // Prompts and answers have fixed lengths in the task: decode all at once.
+  const auto& first = examples.front();
+  const int64_t prompt = std::find_if(first.labels.begin(), first.labels.end(),
+                                      [](int64_t l) { return l != -100; }) -
+                         first.labels.begin();
+  const int64_t answer = static_cast<int64_t>(first.input_ids.size()) - prompt - 1;  // without eos
+  const int64_t n = static_cast<int64_t>(examples.size());
+  auto ids = at::zeros({n, prompt}, at::kLong);
+  for (int64_t i = 0; i < n; ++i) {
+    for (int64_t t = 0; t < prompt; ++t) ids[i][t] = examples[i].input_ids[t];
+  }
+  for (int64_t step = 0; step < answer; ++step) {
+    auto next = logits(ids).select(1, ids.size(1) - 1).argmax(-1).to(at::kLong);
+    ids = at::cat({ids, next.unsqueeze(1)}, 1);
+  }
+  int64_t correct = 0;
+  auto got = ids.accessor<int64_t, 2>();
+  for (int64_t i = 0; i < n; ++i) {
+    bool ok = true;
+    for (int64_t t = 0; t < answer; ++t) ok = ok && got[i][prompt + t] == examples[i].input_ids[prompt + t];
+    correct += ok;
+  }
+  return static_cast<double>(correct) / static_cast<double>(n);
+}
+
+}  // namespace roundpipe::train

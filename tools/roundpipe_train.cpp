@@ -1,0 +1,48 @@
+// roundpipe-train: fine-tune a HuggingFace-format Qwen3/Llama checkpoint
+// (or a model built from a config.json) through RoundPipe, on a JSONL
+// dataset or a built-in task, with the asynchronous fused Adam, checkpoints
+// and resume; saves a HuggingFace checkpoint at the end.
+#include <roundpipe/train/trainer.h>
+
+#include <CLI/CLI.hpp>
+#include <cstdio>
+
+int main(int argc, char** argv) {
+  CLI::App app{"roundpipe-train: fine-tune a Qwen3/Llama checkpoint through RoundPipe"};
+  roundpipe::train::TrainOptions a;
+  app.add_option("--model", a.model, "HuggingFace checkpoint directory (config.json + safetensors)");
+  app.add_option("--config", a.config, "config.json for a randomly initialised model (without --model)");
+  app.add_option("--data", a.data, "JSONL dataset: input_ids[/labels], text, or prompt/completion");
+  app.add_option("--task", a.task, "built-in task when no --data: reverse or addition");
+  app.add_option("--length", a.length, "letters per word of the reverse task");
+  app.add_option("--digits", a.digits, "digits per operand of the addition task");
+  app.add_option("--train-examples", a.train_examples, "examples generated for the task");
+  app.add_option("--eval-examples", a.eval_examples, "held-out examples for the task");
+  app.add_option("--output", a.output, "where to save the trained HuggingFace checkpoint");
+  app.add_option("--batch-size", a.batch_size, "sequences per step");
+  app.add_option("--seq-len", a.seq_len, "maximum tokens per sequence");
+  app.add_option("--microbatches", a.microbatches, "microbatches per step (default: devices + 1)");
+  app.add_option("--lr", a.lr, "learning rate (AdamW)");
+  app.add_option("--weight-decay", a.weight_decay, "decoupled weight decay");
+  app.add_option("--steps", a.steps, "optimizer steps (default: one epoch)");
+  app.add_option("--epochs", a.epochs, "epochs (when --steps is not given)");
+  app.add_option("--dtype", a.dtype, "float32, bfloat16 or float16 (fp32 Adam masters always)");
+  app.add_option("--pin", a.pin, "pin_model: alloc, register or off");
+  app.add_option("--recompute", a.recompute, "recompute grain: stage or layer");
+  app.add_option("--devices", a.devices, "device spec: cuda, cuda:0,1, sim:N (default: $ROUNDPIPE_DEVICES or auto)");
+  app.add_option("--checkpoint-every", a.checkpoint_every, "save a training checkpoint every N steps");
+  app.add_option("--checkpoint-dir", a.checkpoint_dir, "training checkpoint directory (default: OUTPUT.ckpt)");
+  app.add_flag("--resume", a.resume, "resume from the training checkpoint if there is one");
+  app.add_flag("--sync-step", a.sync_step, "synchronous optimizer step (default: asynchronous)");
+  app.add_option("--loss-chunk", a.loss_chunk, "tokens per chunk of the fused linear + cross-entropy");
+  app.add_option("--log-every", a.log_every, "steps between progress lines");
+  app.add_option("--seed", a.seed, "random seed");
+  CLI11_PARSE(app, argc, argv);
+  try {
+    roundpipe::train::run_training(a);
+    return 0;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "roundpipe-train: error: %s\n", e.what());
+    return 1;
+  }
+}
