@@ -137,7 +137,11 @@ TrainSummary run_training(const TrainOptions& args) {
     }
     auto batch = roundpipe::train::collate(train, order, (step % steps_per_epoch) * args.batch_size,
                                            args.batch_size);
-    auto input = c10::ivalue::Tuple::create({batch.input_ids, batch.attention_mask, batch.labels});
+    // Without padding the mask is all ones: leave it out, so attention
+    // stays causal-only (flash attention on GPUs).
+    const bool padded = batch.tokens < batch.input_ids.numel();
+    auto input = c10::ivalue::Tuple::create(
+        {batch.input_ids, padded ? c10::IValue(batch.attention_mask) : c10::IValue(), batch.labels});
     auto result = pipe.forward_backward(input, c10::IValue(), [&](const c10::IValue& out, const c10::IValue&) {
       auto loss = out.toTensor();
       return scaler ? scaler->scale(loss) : loss;
