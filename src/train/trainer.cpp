@@ -125,7 +125,8 @@ TrainSummary run_training(const TrainOptions& args) {
   std::iota(order.begin(), order.end(), 0);
   const bool tty = ::isatty(STDOUT_FILENO);
   const auto start = Clock::now();
-  int64_t tokens = 0;
+  auto window_start = start;
+  int64_t tokens = 0, window_tokens = 0;
   double loss_avg = 0, last_loss = 0;
   bool first_logged = false;
   for (int64_t step = first_step; step < total_steps; ++step) {
@@ -152,12 +153,18 @@ TrainSummary run_training(const TrainOptions& args) {
     last_loss = result.loss.item<double>() / n / (scaler ? scaler->get_scale() : 1.0);
     loss_avg = step == first_step ? last_loss : 0.9 * loss_avg + 0.1 * last_loss;
     tokens += batch.tokens;
+    window_tokens += batch.tokens;
     const double elapsed = std::chrono::duration<double>(Clock::now() - start).count();
     const bool last = step + 1 == total_steps;
     if ((step + 1) % args.log_every == 0 || last) {
       if (!first_logged) summary.first_loss = loss_avg;
       first_logged = true;
-      const double rate = tokens / std::max(elapsed, 1e-9);
+      // Throughput of the steps since the last line (the first includes warm-up).
+      const auto now = Clock::now();
+      const double rate =
+          window_tokens / std::max(std::chrono::duration<double>(now - window_start).count(), 1e-9);
+      window_start = now;
+      window_tokens = 0;
       const double left = elapsed / (step + 1 - first_step) * (total_steps - step - 1);
       std::printf("%sstep %lld/%lld  loss %.4f  %.0f tokens/s  elapsed %s  ETA %s%s",
                   tty ? "\r" : "", static_cast<long long>(step + 1),
