@@ -62,7 +62,9 @@ int64_t chunks(int64_t n) {
 
 // Streaming arrays of 1 GiB at least, far beyond any L3 (the 16-core GPU
 // host has 300 MB), so the bound is main memory's.
-int64_t stream_elements() { return std::max<int64_t>(total_params(), int64_t{256} << 20); }
+int64_t stream_elements() {
+  return std::max<int64_t>(total_params(), int64_t{256} << 20);
+}
 
 // STREAM triad: a = b + s * c (two reads and a write per element).
 void triad(benchmark::State& state) {

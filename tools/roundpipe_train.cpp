@@ -10,8 +10,10 @@
 int main(int argc, char** argv) {
   CLI::App app{"roundpipe-train: fine-tune a Qwen3/Llama checkpoint through RoundPipe"};
   roundpipe::train::TrainOptions a;
-  app.add_option("--model", a.model, "HuggingFace checkpoint directory (config.json + safetensors)");
-  app.add_option("--config", a.config, "config.json for a randomly initialised model (without --model)");
+  app.add_option("--model", a.model,
+                 "HuggingFace checkpoint directory (config.json + safetensors)");
+  app.add_option("--config", a.config,
+                 "config.json for a randomly initialised model (without --model)");
   app.add_option("--data", a.data, "JSONL dataset: input_ids[/labels], text, or prompt/completion");
   app.add_option("--task", a.task, "built-in task when no --data: reverse or addition");
   app.add_option("--length", a.length, "letters per word of the reverse task");
@@ -29,12 +31,16 @@ int main(int argc, char** argv) {
   app.add_option("--dtype", a.dtype, "float32, bfloat16 or float16 (fp32 Adam masters always)");
   app.add_option("--pin", a.pin, "pin_model: alloc, register or off");
   app.add_option("--recompute", a.recompute, "recompute grain: stage or layer");
-  app.add_option("--devices", a.devices, "device spec: cuda, cuda:0,1, sim:N (default: $ROUNDPIPE_DEVICES or auto)");
-  app.add_option("--checkpoint-every", a.checkpoint_every, "save a training checkpoint every N steps");
-  app.add_option("--checkpoint-dir", a.checkpoint_dir, "training checkpoint directory (default: OUTPUT.ckpt)");
+  app.add_option("--devices", a.devices,
+                 "device spec: cuda, cuda:0,1, sim:N (default: $ROUNDPIPE_DEVICES or auto)");
+  app.add_option("--checkpoint-every", a.checkpoint_every,
+                 "save a training checkpoint every N steps");
+  app.add_option("--checkpoint-dir", a.checkpoint_dir,
+                 "training checkpoint directory (default: OUTPUT.ckpt)");
   app.add_flag("--resume", a.resume, "resume from the training checkpoint if there is one");
   app.add_flag("--sync-step", a.sync_step, "synchronous optimizer step (default: asynchronous)");
-  app.add_option("--loss-chunk", a.loss_chunk, "tokens per chunk of the fused linear + cross-entropy");
+  app.add_option("--loss-chunk", a.loss_chunk,
+                 "tokens per chunk of the fused linear + cross-entropy");
   app.add_option("--log-every", a.log_every, "steps between progress lines");
   app.add_option("--seed", a.seed, "random seed");
   CLI11_PARSE(app, argc, argv);

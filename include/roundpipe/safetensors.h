@@ -25,8 +25,10 @@ struct File {
 void save_file(const std::string& path, const NamedTensors& tensors,
                const std::map<std::string, std::string>& metadata = {});
 
-// Reads and validates a whole file. Truncated, corrupt or inconsistent
-// files throw a c10::Error naming the file and what is wrong.
+// Maps a file and validates its header: the tensors are read-only views of
+// the mapping (private: writes never reach the file), paged in when touched. Truncated,
+// corrupt or inconsistent files throw a c10::Error naming the file and what
+// is wrong.
 File load_file(const std::string& path);
 // Parses a header and checks it against a data section of `data_bytes`
 // (exposed for the fuzz target). Returns (name, dtype, shape, begin, end).

@@ -18,9 +18,18 @@ struct WrapOptions {
   models::CausalLMOptions model;  // dtype, return_logits, loss chunking
   RoundPipeOptions roundpipe;
 
-  WrapOptions& set_use_sequential_preset(bool v) { use_sequential_preset = v; return *this; }
-  WrapOptions& set_model(models::CausalLMOptions v) { model = v; return *this; }
-  WrapOptions& set_roundpipe(RoundPipeOptions v) { roundpipe = std::move(v); return *this; }
+  WrapOptions& set_use_sequential_preset(bool v) {
+    use_sequential_preset = v;
+    return *this;
+  }
+  WrapOptions& set_model(models::CausalLMOptions v) {
+    model = v;
+    return *this;
+  }
+  WrapOptions& set_roundpipe(RoundPipeOptions v) {
+    roundpipe = std::move(v);
+    return *this;
+  }
 };
 
 // A preset model wrapped in a RoundPipe; the original model's config,

@@ -1,8 +1,11 @@
 #include "roundpipe/safetensors.h"
 
 #include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
 #include <c10/util/Exception.h>
 #include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cstring>
@@ -150,27 +153,38 @@ std::vector<Entry> parse_header(const std::string& header, uint64_t data_bytes,
 }
 
 File load_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  TORCH_CHECK(in.good(), "cannot open safetensors file ", path);
-  in.seekg(0, std::ios::end);
-  const uint64_t size = static_cast<uint64_t>(in.tellg());
-  in.seekg(0);
-  TORCH_CHECK(size >= 8, path, ": too short for a safetensors file (", size, " bytes)");
-  unsigned char le[8];
-  in.read(reinterpret_cast<char*>(le), 8);
+  // Memory-mapped: the tensors are views of the mapping (kept alive by each
+  // tensor's deleter), so pages are read only when something touches them.
+  const int fd = ::open(path.c_str(), O_RDONLY);
+  TORCH_CHECK(fd >= 0, "cannot open safetensors file ", path, ": ", std::strerror(errno));
+  struct stat st;
+  if (::fstat(fd, &st) != 0) {
+    ::close(fd);
+    TORCH_CHECK(false, "cannot stat ", path, ": ", std::strerror(errno));
+  }
+  const uint64_t size = static_cast<uint64_t>(st.st_size);
+  if (size < 8) {
+    ::close(fd);
+    TORCH_CHECK(false, path, ": too short for a safetensors file (", size, " bytes)");
+  }
+  // Private and writable: a write to a view copies its page, never touches the file.
+  void* map = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE, fd, 0);
+  ::close(fd);
+  TORCH_CHECK(map != MAP_FAILED, "cannot map ", path, ": ", std::strerror(errno));
+  auto mapping = std::shared_ptr<void>(map, [size](void* p) { ::munmap(p, size); });
+  const auto* bytes = static_cast<const unsigned char*>(map);
   uint64_t length = 0;
-  for (int i = 0; i < 8; ++i) length |= static_cast<uint64_t>(le[i]) << (8 * i);
+  for (int i = 0; i < 8; ++i) length |= static_cast<uint64_t>(bytes[i]) << (8 * i);
   TORCH_CHECK(length <= size - 8, path, ": header length ", length, " exceeds the file (", size,
               " bytes; truncated or not safetensors)");
-  std::string header(length, '\0');
-  in.read(header.data(), static_cast<std::streamsize>(length));
+  const std::string header(reinterpret_cast<const char*>(bytes) + 8, length);
   File file;
   auto entries = parse_header(header, size - 8 - length, &file.metadata, path);
+  const unsigned char* data = bytes + 8 + length;
   for (const auto& e : entries) {
-    auto t = at::empty(e.shape, at::TensorOptions().dtype(e.dtype));
-    in.seekg(static_cast<std::streamoff>(8 + length + e.begin));
-    in.read(static_cast<char*>(t.data_ptr()), static_cast<std::streamsize>(e.end - e.begin));
-    TORCH_CHECK(in.good(), path, ": could not read tensor '", e.name, "'");
+    void* start = const_cast<unsigned char*>(data + e.begin);
+    auto t = at::from_blob(
+        start, e.shape, [mapping](void*) {}, at::TensorOptions().dtype(e.dtype));
     file.tensors.emplace_back(e.name, t);
   }
   return file;

@@ -66,8 +66,8 @@ struct InputAdapterImpl : torch::nn::Cloneable<InputAdapterImpl> {
   at::Tensor inv_freq;
   explicit InputAdapterImpl(CausalLMConfig c) : config(std::move(c)) { reset(); }
   void reset() override {
-    embed_tokens = register_module(
-        "embed_tokens", torch::nn::Embedding(config.vocab_size, config.hidden_size));
+    embed_tokens = register_module("embed_tokens",
+                                   torch::nn::Embedding(config.vocab_size, config.hidden_size));
     inv_freq = register_buffer("inv_freq", inverse_frequencies(config));
   }
   c10::IValue forward(c10::IValue input) {
@@ -75,7 +75,8 @@ struct InputAdapterImpl : torch::nn::Cloneable<InputAdapterImpl> {
     if (input.isTensor()) {
       ids = input.toTensor();
     } else {
-      TORCH_CHECK(input.isTuple(), "the model takes input_ids or a tuple (input_ids, "
+      TORCH_CHECK(input.isTuple(),
+                  "the model takes input_ids or a tuple (input_ids, "
                   "attention_mask or None, labels or None)");
       const auto& e = input.toTupleRef().elements();
       TORCH_CHECK(!e.empty() && e[0].isTensor(), "the first input must be the input_ids tensor");
@@ -88,7 +89,7 @@ struct InputAdapterImpl : torch::nn::Cloneable<InputAdapterImpl> {
     const int64_t T = ids.size(1);
     auto positions = at::arange(T, inv_freq.options());
     auto freqs = positions.unsqueeze(1) * inv_freq.unsqueeze(0);  // [T, head_dim / 2]
-    auto emb = at::cat({freqs, freqs}, -1).unsqueeze(0);        // [1, T, head_dim]
+    auto emb = at::cat({freqs, freqs}, -1).unsqueeze(0);          // [1, T, head_dim]
     auto cos = emb.cos().to(hidden.scalar_type());
     auto sin = emb.sin().to(hidden.scalar_type());
     c10::IValue mask;  // None: plain causal attention
@@ -121,10 +122,14 @@ struct AttentionImpl : torch::nn::Cloneable<AttentionImpl> {
   explicit AttentionImpl(CausalLMConfig c) : config(std::move(c)) { reset(); }
   void reset() override {
     const auto& c = config;
-    q_proj = register_module("q_proj", make_linear(c.hidden_size, c.num_attention_heads * c.head_dim, c.attention_bias));
-    k_proj = register_module("k_proj", make_linear(c.hidden_size, c.num_key_value_heads * c.head_dim, c.attention_bias));
-    v_proj = register_module("v_proj", make_linear(c.hidden_size, c.num_key_value_heads * c.head_dim, c.attention_bias));
-    o_proj = register_module("o_proj", make_linear(c.num_attention_heads * c.head_dim, c.hidden_size, c.attention_bias));
+    q_proj = register_module(
+        "q_proj", make_linear(c.hidden_size, c.num_attention_heads * c.head_dim, c.attention_bias));
+    k_proj = register_module(
+        "k_proj", make_linear(c.hidden_size, c.num_key_value_heads * c.head_dim, c.attention_bias));
+    v_proj = register_module(
+        "v_proj", make_linear(c.hidden_size, c.num_key_value_heads * c.head_dim, c.attention_bias));
+    o_proj = register_module(
+        "o_proj", make_linear(c.num_attention_heads * c.head_dim, c.hidden_size, c.attention_bias));
     if (c.qk_norm) {
       q_norm = register_module("q_norm", RMSNorm(c.head_dim, c.rms_norm_eps));
       k_norm = register_module("k_norm", RMSNorm(c.head_dim, c.rms_norm_eps));
@@ -144,9 +149,10 @@ struct AttentionImpl : torch::nn::Cloneable<AttentionImpl> {
     k = k.transpose(1, 2);
     q = q * cos + rotate_half(q) * sin;
     k = k * cos + rotate_half(k) * sin;
-    auto attn = at::scaled_dot_product_attention(q, k, v, mask, 0.0, /*is_causal=*/!mask.has_value(),
-                                                 1.0 / std::sqrt(static_cast<double>(hd)),
-                                                 /*enable_gqa=*/true);
+    auto attn =
+        at::scaled_dot_product_attention(q, k, v, mask, 0.0, /*is_causal=*/!mask.has_value(),
+                                         1.0 / std::sqrt(static_cast<double>(hd)),
+                                         /*enable_gqa=*/true);
     return o_proj(attn.transpose(1, 2).reshape({B, T, -1}));
   }
 };
@@ -158,9 +164,12 @@ struct MLPImpl : torch::nn::Cloneable<MLPImpl> {
   explicit MLPImpl(CausalLMConfig c) : config(std::move(c)) { reset(); }
   void reset() override {
     const auto& c = config;
-    gate_proj = register_module("gate_proj", make_linear(c.hidden_size, c.intermediate_size, c.mlp_bias));
-    up_proj = register_module("up_proj", make_linear(c.hidden_size, c.intermediate_size, c.mlp_bias));
-    down_proj = register_module("down_proj", make_linear(c.intermediate_size, c.hidden_size, c.mlp_bias));
+    gate_proj =
+        register_module("gate_proj", make_linear(c.hidden_size, c.intermediate_size, c.mlp_bias));
+    up_proj =
+        register_module("up_proj", make_linear(c.hidden_size, c.intermediate_size, c.mlp_bias));
+    down_proj =
+        register_module("down_proj", make_linear(c.intermediate_size, c.hidden_size, c.mlp_bias));
   }
   at::Tensor forward(const at::Tensor& x) { return down_proj(at::silu(gate_proj(x)) * up_proj(x)); }
 };
@@ -175,16 +184,18 @@ struct DecoderLayerImpl : torch::nn::Cloneable<DecoderLayerImpl> {
   void reset() override {
     self_attn = register_module("self_attn", Attention(config));
     mlp = register_module("mlp", MLP(config));
-    input_layernorm = register_module("input_layernorm", RMSNorm(config.hidden_size, config.rms_norm_eps));
-    post_attention_layernorm =
-        register_module("post_attention_layernorm", RMSNorm(config.hidden_size, config.rms_norm_eps));
+    input_layernorm =
+        register_module("input_layernorm", RMSNorm(config.hidden_size, config.rms_norm_eps));
+    post_attention_layernorm = register_module("post_attention_layernorm",
+                                               RMSNorm(config.hidden_size, config.rms_norm_eps));
   }
   c10::IValue forward(c10::IValue input) {
     const auto& e = input.toTupleRef().elements();
     auto h = e[0].toTensor();
     std::optional<at::Tensor> mask;
     if (e[3].isTensor()) mask = e[3].toTensor();
-    h = h + self_attn(input_layernorm(h), e[1].toTensor().unsqueeze(1), e[2].toTensor().unsqueeze(1), mask);
+    h = h + self_attn(input_layernorm(h), e[1].toTensor().unsqueeze(1),
+                      e[2].toTensor().unsqueeze(1), mask);
     h = h + mlp(post_attention_layernorm(h));
     return c10::ivalue::Tuple::create({h, e[1], e[2], e[3], e[4]});
   }
@@ -210,7 +221,8 @@ struct OutputAdapterImpl : torch::nn::Cloneable<OutputAdapterImpl> {
     if (tied.defined()) {
       weight = register_parameter("tied_weight", tied);
     } else {
-      lm_head = register_module("lm_head", make_linear(config.hidden_size, config.vocab_size, false));
+      lm_head =
+          register_module("lm_head", make_linear(config.hidden_size, config.vocab_size, false));
       weight = lm_head->weight;
     }
   }
@@ -261,7 +273,8 @@ std::map<std::string, std::string> weight_files(const fs::path& dir) {
     TORCH_CHECK(j.contains("weight_map") && j["weight_map"].is_object(), index.string(),
                 " has no weight_map");
     for (auto it = j["weight_map"].begin(); it != j["weight_map"].end(); ++it) {
-      TORCH_CHECK(it->is_string(), index.string(), ": weight_map['", it.key(), "'] is not a file name");
+      TORCH_CHECK(it->is_string(), index.string(), ": weight_map['", it.key(),
+                  "'] is not a file name");
       files[it.key()] = (dir / it->get<std::string>()).string();
     }
     return files;
@@ -279,10 +292,10 @@ CausalLM::CausalLM(CausalLMConfig config, CausalLMOptions options)
     : config_(std::move(config)), options_(options) {
   InputAdapter input(config_);
   sequential_->push_back(input);
-  for (int64_t i = 0; i < config_.num_hidden_layers; ++i) sequential_->push_back(DecoderLayer(config_));
-  sequential_->push_back(OutputAdapter(config_, options_,
-                                       config_.tie_word_embeddings ? input->embed_tokens->weight
-                                                                   : at::Tensor()));
+  for (int64_t i = 0; i < config_.num_hidden_layers; ++i)
+    sequential_->push_back(DecoderLayer(config_));
+  sequential_->push_back(OutputAdapter(
+      config_, options_, config_.tie_word_embeddings ? input->embed_tokens->weight : at::Tensor()));
   // transformers' initialisation for new weights: normal(0, 0.02), norms 1.
   c10::NoGradGuard no_grad;
   for (auto& item : sequential_->named_parameters()) {

@@ -53,8 +53,7 @@ CausalLMConfig CausalLMConfig::from_json_string(const std::string& text, const s
   c.intermediate_size = required<int64_t>(j, "intermediate_size", what);
   c.num_hidden_layers = required<int64_t>(j, "num_hidden_layers", what);
   c.num_attention_heads = required<int64_t>(j, "num_attention_heads", what);
-  c.num_key_value_heads =
-      optional<int64_t>(j, "num_key_value_heads", c.num_attention_heads, what);
+  c.num_key_value_heads = optional<int64_t>(j, "num_key_value_heads", c.num_attention_heads, what);
   c.head_dim = optional<int64_t>(j, "head_dim", c.hidden_size / c.num_attention_heads, what);
   c.max_position_embeddings = optional<int64_t>(j, "max_position_embeddings", 4096, what);
   c.rms_norm_eps = optional<double>(j, "rms_norm_eps", 1e-6, what);
@@ -62,13 +61,16 @@ CausalLMConfig CausalLMConfig::from_json_string(const std::string& text, const s
   c.attention_bias = optional<bool>(j, "attention_bias", false, what);
   c.mlp_bias = optional<bool>(j, "mlp_bias", false, what);
   c.qk_norm = c.model_type == "qwen3";
-  c.torch_dtype = optional<std::string>(j, "torch_dtype", optional<std::string>(j, "dtype", "float32", what), what);
+  c.torch_dtype = optional<std::string>(j, "torch_dtype",
+                                        optional<std::string>(j, "dtype", "float32", what), what);
   // Rotary parameters: transformers 5 writes "rope_parameters"; older files
   // "rope_theta" and "rope_scaling".
   nlohmann::json rope = nlohmann::json::object();
-  if (j.contains("rope_parameters") && j["rope_parameters"].is_object()) rope = j["rope_parameters"];
+  if (j.contains("rope_parameters") && j["rope_parameters"].is_object())
+    rope = j["rope_parameters"];
   if (j.contains("rope_scaling") && j["rope_scaling"].is_object()) rope.update(j["rope_scaling"]);
-  c.rope_theta = optional<double>(rope, "rope_theta", optional<double>(j, "rope_theta", 10000.0, what), what);
+  c.rope_theta =
+      optional<double>(rope, "rope_theta", optional<double>(j, "rope_theta", 10000.0, what), what);
   const std::string type = optional<std::string>(
       rope, "rope_type", optional<std::string>(rope, "type", "default", what), what);
   TORCH_CHECK(type == "default" || type == "llama3", what, ": rope type '", type,
@@ -76,22 +78,26 @@ CausalLMConfig CausalLMConfig::from_json_string(const std::string& text, const s
   c.rope_scaling.type = type;
   if (type == "llama3") {
     c.rope_scaling.factor = required<double>(rope, "factor", what + " rope_scaling");
-    c.rope_scaling.low_freq_factor = required<double>(rope, "low_freq_factor", what + " rope_scaling");
-    c.rope_scaling.high_freq_factor = required<double>(rope, "high_freq_factor", what + " rope_scaling");
+    c.rope_scaling.low_freq_factor =
+        required<double>(rope, "low_freq_factor", what + " rope_scaling");
+    c.rope_scaling.high_freq_factor =
+        required<double>(rope, "high_freq_factor", what + " rope_scaling");
     c.rope_scaling.original_max_position_embeddings =
         required<int64_t>(rope, "original_max_position_embeddings", what + " rope_scaling");
   }
   TORCH_CHECK(c.vocab_size > 0 && c.hidden_size > 0 && c.intermediate_size > 0 &&
-                  c.num_hidden_layers > 0 && c.num_attention_heads > 0 && c.num_key_value_heads > 0 &&
-                  c.head_dim > 0,
+                  c.num_hidden_layers > 0 && c.num_attention_heads > 0 &&
+                  c.num_key_value_heads > 0 && c.head_dim > 0,
               what, ": sizes must be positive");
-  TORCH_CHECK(c.num_attention_heads % c.num_key_value_heads == 0, what,
-              ": num_attention_heads (", c.num_attention_heads,
-              ") must be a multiple of num_key_value_heads (", c.num_key_value_heads, ")");
+  TORCH_CHECK(c.num_attention_heads % c.num_key_value_heads == 0, what, ": num_attention_heads (",
+              c.num_attention_heads, ") must be a multiple of num_key_value_heads (",
+              c.num_key_value_heads, ")");
   TORCH_CHECK(c.head_dim % 2 == 0, what, ": head_dim must be even for rotary embeddings");
   return c;
 }
 
-std::string CausalLMConfig::to_json_string() const { return json; }
+std::string CausalLMConfig::to_json_string() const {
+  return json;
+}
 
 }  // namespace roundpipe::models

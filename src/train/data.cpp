@@ -50,9 +50,10 @@ std::vector<Example> load_jsonl(const std::string& path, int64_t max_tokens, int
                   ": labels and input_ids differ in length");
     } else if (j.contains("text") || j.contains("prompt")) {
       auto need_bytes = [&] {
-        TORCH_CHECK(vocab_size >= ByteTokenizer::kVocab, where, ": raw text needs the byte-level "
-                    "tokenizer (vocab >= 259) but the model's vocab is ", vocab_size,
-                    "; pre-tokenise the dataset into input_ids");
+        TORCH_CHECK(vocab_size >= ByteTokenizer::kVocab, where,
+                    ": raw text needs the byte-level "
+                    "tokenizer (vocab >= 259) but the model's vocab is ",
+                    vocab_size, "; pre-tokenise the dataset into input_ids");
       };
       need_bytes();
       ex.input_ids.push_back(ByteTokenizer::kBos);
@@ -146,7 +147,8 @@ Batch collate(const std::vector<Example>& examples, const std::vector<int64_t>& 
               int64_t begin, int64_t count) {
   int64_t length = 0;
   for (int64_t i = 0; i < count; ++i) {
-    length = std::max<int64_t>(length, examples[order[(begin + i) % order.size()]].input_ids.size());
+    length =
+        std::max<int64_t>(length, examples[order[(begin + i) % order.size()]].input_ids.size());
   }
   Batch batch;
   batch.input_ids = at::full({count, length}, ByteTokenizer::kPad, at::kLong);
@@ -168,12 +170,12 @@ Batch collate(const std::vector<Example>& examples, const std::vector<int64_t>& 
 }
 
 double task_accuracy(const std::vector<Example>& examples,
-                         const std::function<at::Tensor(const at::Tensor&)>& logits) {
+                     const std::function<at::Tensor(const at::Tensor&)>& logits) {
   // Prompts and answers have fixed lengths in the task: decode all at once.
   const auto& first = examples.front();
-  const int64_t prompt = std::find_if(first.labels.begin(), first.labels.end(),
-                                      [](int64_t l) { return l != -100; }) -
-                         first.labels.begin();
+  const int64_t prompt =
+      std::find_if(first.labels.begin(), first.labels.end(), [](int64_t l) { return l != -100; }) -
+      first.labels.begin();
   const int64_t answer = static_cast<int64_t>(first.input_ids.size()) - prompt - 1;  // without eos
   const int64_t n = static_cast<int64_t>(examples.size());
   auto ids = at::zeros({n, prompt}, at::kLong);
@@ -188,7 +190,8 @@ double task_accuracy(const std::vector<Example>& examples,
   auto got = ids.accessor<int64_t, 2>();
   for (int64_t i = 0; i < n; ++i) {
     bool ok = true;
-    for (int64_t t = 0; t < answer; ++t) ok = ok && got[i][prompt + t] == examples[i].input_ids[prompt + t];
+    for (int64_t t = 0; t < answer; ++t)
+      ok = ok && got[i][prompt + t] == examples[i].input_ids[prompt + t];
     correct += ok;
   }
   return static_cast<double>(correct) / static_cast<double>(n);

@@ -40,36 +40,38 @@ TrainSummary run_training(const TrainOptions& args) {
   TrainSummary summary;
   torch::manual_seed(args.seed);
   const auto dtype = parse_dtype(args.dtype);
-  auto model_options = roundpipe::models::CausalLMOptions().set_dtype(dtype).set_loss_chunk_tokens(args.loss_chunk);
+  auto model_options =
+      roundpipe::models::CausalLMOptions().set_dtype(dtype).set_loss_chunk_tokens(args.loss_chunk);
   roundpipe::RunConfig run_config;
   if (args.microbatches > 0) run_config.set_num_microbatch(args.microbatches);
   run_config.set_recompute_grain(args.recompute == "layer" ? roundpipe::RecomputeGrain::kLayer
                                                            : roundpipe::RecomputeGrain::kStage);
   TORCH_CHECK(args.recompute == "layer" || args.recompute == "stage",
               "--recompute must be stage or layer");
-  auto options = roundpipe::WrapOptions().set_model(model_options).set_roundpipe(
-      roundpipe::RoundPipeOptions()
-          .set_devices(args.devices)
-          .set_pin_model(roundpipe::pin_mode_from_string(args.pin))
-          .set_optim_dtype(c10::kFloat)
-          .set_model_run_config(run_config));
+  auto options = roundpipe::WrapOptions()
+                     .set_model(model_options)
+                     .set_roundpipe(roundpipe::RoundPipeOptions()
+                                        .set_devices(args.devices)
+                                        .set_pin_model(roundpipe::pin_mode_from_string(args.pin))
+                                        .set_optim_dtype(c10::kFloat)
+                                        .set_model_run_config(run_config));
   const auto start_load = Clock::now();
-  auto wrapped = args.model.empty()
-                     ? roundpipe::wrap_model_to_roundpipe(
-                           roundpipe::models::CausalLM(
-                               roundpipe::models::CausalLMConfig::from_json_file(args.config),
-                               model_options),
-                           options)
-                     : roundpipe::wrap_model_to_roundpipe(args.model, options);
+  auto wrapped =
+      args.model.empty()
+          ? roundpipe::wrap_model_to_roundpipe(
+                roundpipe::models::CausalLM(
+                    roundpipe::models::CausalLMConfig::from_json_file(args.config), model_options),
+                options)
+          : roundpipe::wrap_model_to_roundpipe(args.model, options);
   auto& pipe = wrapped->pipe();
   const auto& config = wrapped->config();
   int64_t params = 0;
   for (const auto& p : pipe.parameters()) params += p.numel();
-  std::printf("roundpipe-train: %s, %lld layers, %.1fM parameters (%s), %d device(s) %s, loaded in %.1fs\n",
-              config.model_type.c_str(), static_cast<long long>(config.num_hidden_layers),
-              params / 1e6, args.dtype.c_str(), pipe.devices().size(),
-              pipe.devices().at(0)->name().c_str(),
-              std::chrono::duration<double>(Clock::now() - start_load).count());
+  std::printf(
+      "roundpipe-train: %s, %lld layers, %.1fM parameters (%s), %d device(s) %s, loaded in %.1fs\n",
+      config.model_type.c_str(), static_cast<long long>(config.num_hidden_layers), params / 1e6,
+      args.dtype.c_str(), pipe.devices().size(), pipe.devices().at(0)->name().c_str(),
+      std::chrono::duration<double>(Clock::now() - start_load).count());
 
   // Data.
   std::vector<roundpipe::train::Example> train, held_out;
@@ -87,13 +89,15 @@ TrainSummary run_training(const TrainOptions& args) {
     train = make(args.train_examples, args.seed + 1);
     held_out = make(args.eval_examples, args.seed + 1000003);
   }
-  const int64_t steps_per_epoch = std::max<int64_t>(1, static_cast<int64_t>(train.size()) / args.batch_size);
-  const int64_t total_steps = args.steps > 0 ? args.steps
+  const int64_t steps_per_epoch =
+      std::max<int64_t>(1, static_cast<int64_t>(train.size()) / args.batch_size);
+  const int64_t total_steps = args.steps > 0    ? args.steps
                               : args.epochs > 0 ? args.epochs * steps_per_epoch
                                                 : steps_per_epoch;
-  std::printf("data: %zu training examples%s, batch %lld, %lld steps\n", train.size(),
-              held_out.empty() ? "" : (", " + std::to_string(held_out.size()) + " held out").c_str(),
-              static_cast<long long>(args.batch_size), static_cast<long long>(total_steps));
+  std::printf(
+      "data: %zu training examples%s, batch %lld, %lld steps\n", train.size(),
+      held_out.empty() ? "" : (", " + std::to_string(held_out.size()) + " held out").c_str(),
+      static_cast<long long>(args.batch_size), static_cast<long long>(total_steps));
 
   auto logits_of = [&](const at::Tensor& ids) {
     torch::NoGradGuard no_grad;
@@ -106,14 +110,16 @@ TrainSummary run_training(const TrainOptions& args) {
     std::printf("held-out accuracy before training: %.1f%%\n", 100 * accuracy_before);
   }
 
-  roundpipe::optim::Adam adam(pipe.optim_parameters(),
-                              roundpipe::optim::AdamConfig().set_lr(args.lr).set_weight_decay(
-                                  args.weight_decay).set_decoupled_weight_decay(true));
+  roundpipe::optim::Adam adam(pipe.optim_parameters(), roundpipe::optim::AdamConfig()
+                                                           .set_lr(args.lr)
+                                                           .set_weight_decay(args.weight_decay)
+                                                           .set_decoupled_weight_decay(true));
   std::unique_ptr<roundpipe::optim::GradScaler> scaler;
   if (dtype == c10::kHalf) scaler = std::make_unique<roundpipe::optim::GradScaler>();
 
   int64_t first_step = 0;
-  const std::string ckpt = args.checkpoint_dir.empty() ? args.output + ".ckpt" : args.checkpoint_dir;
+  const std::string ckpt =
+      args.checkpoint_dir.empty() ? args.output + ".ckpt" : args.checkpoint_dir;
   if (args.resume && (fs::exists(ckpt) || fs::exists(ckpt + ".previous"))) {
     roundpipe::load_checkpoint(ckpt, pipe, &adam, scaler.get());
     std::ifstream in((fs::exists(ckpt) ? ckpt : ckpt + ".previous") + "/train_state.txt");
@@ -142,11 +148,13 @@ TrainSummary run_training(const TrainOptions& args) {
     // stays causal-only (flash attention on GPUs).
     const bool padded = batch.tokens < batch.input_ids.numel();
     auto input = c10::ivalue::Tuple::create(
-        {batch.input_ids, padded ? c10::IValue(batch.attention_mask) : c10::IValue(), batch.labels});
-    auto result = pipe.forward_backward(input, c10::IValue(), [&](const c10::IValue& out, const c10::IValue&) {
-      auto loss = out.toTensor();
-      return scaler ? scaler->scale(loss) : loss;
-    });
+        {batch.input_ids, padded ? c10::IValue(batch.attention_mask) : c10::IValue(),
+         batch.labels});
+    auto result = pipe.forward_backward(input, c10::IValue(),
+                                        [&](const c10::IValue& out, const c10::IValue&) {
+                                          auto loss = out.toTensor();
+                                          return scaler ? scaler->scale(loss) : loss;
+                                        });
     pipe.step(adam, /*is_async=*/!args.sync_step, scaler.get());
     if (scaler) scaler->update();
     const int n = args.microbatches > 0 ? args.microbatches : pipe.devices().size() + 1;
@@ -197,6 +205,5 @@ TrainSummary run_training(const TrainOptions& args) {
   std::printf("saved a HuggingFace checkpoint to %s\n", args.output.c_str());
   return summary;
 }
-
 
 }  // namespace roundpipe::train

@@ -13,9 +13,11 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const std::string header(reinterpret_cast<const char*>(data) + 8, size - 8);
   std::map<std::string, std::string> metadata;
   try {
-    auto entries = roundpipe::safetensors::parse_header(header, data_bytes % (1 << 20), &metadata, "fuzz");
+    auto entries =
+        roundpipe::safetensors::parse_header(header, data_bytes % (1 << 20), &metadata, "fuzz");
     for (const auto& e : entries) {
-      if (e.begin > e.end || e.end > data_bytes % (1 << 20)) __builtin_trap();  // accepted out of bounds
+      if (e.begin > e.end || e.end > data_bytes % (1 << 20))
+        __builtin_trap();  // accepted out of bounds
     }
   } catch (const c10::Error&) {
   }

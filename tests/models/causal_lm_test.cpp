@@ -47,9 +47,9 @@ const std::vector<Case> kCases = {
     {"qwen3", false}, {"qwen3_tied_padded", true}, {"llama_padded", true}, {"llama31_tied", false}};
 
 c10::IValue model_input(const safetensors::File& ref, bool padded) {
-  return c10::ivalue::Tuple::create({ref.get("input_ids"),
-                                     padded ? c10::IValue(ref.get("attention_mask")) : c10::IValue(),
-                                     ref.get("labels")});
+  return c10::ivalue::Tuple::create(
+      {ref.get("input_ids"), padded ? c10::IValue(ref.get("attention_mask")) : c10::IValue(),
+       ref.get("labels")});
 }
 
 void expect_grads(const models::CausalLM& model, const safetensors::File& ref) {
@@ -66,7 +66,8 @@ TEST_P(CausalLMTest, PlainModelMatchesTransformers) {
   for (bool return_logits : {true, false}) {
     SCOPED_TRACE(return_logits ? "logits + loss" : "fused chunked loss");
     auto model = models::CausalLM::from_pretrained(
-        dir.string(), models::CausalLMOptions().set_return_logits(return_logits).set_loss_chunk_tokens(5));
+        dir.string(),
+        models::CausalLMOptions().set_return_logits(return_logits).set_loss_chunk_tokens(5));
     auto out = model.sequential()->forward<c10::IValue>(model_input(ref, GetParam().padded));
     at::Tensor loss;
     if (return_logits) {
@@ -88,13 +89,15 @@ TEST_P(CausalLMTest, ThroughRoundPipeMatchesTransformers) {
   const auto ref = safetensors::load_file((dir / "reference.safetensors").string());
   for (const auto& backend : {std::string("sim:2,jitter_us=100"), std::string("sim:1")}) {
     SCOPED_TRACE(backend);
-    auto model = models::CausalLM::from_pretrained(dir.string(),
-                                                   models::CausalLMOptions().set_return_logits(true));
+    auto model = models::CausalLM::from_pretrained(
+        dir.string(), models::CausalLMOptions().set_return_logits(true));
     RoundPipe pipe(model.sequential(), RoundPipeOptions().set_devices(backend));
     // One microbatch: the loss is a mean over the batch's labelled tokens.
     auto result = pipe.forward_backward(
         model_input(ref, GetParam().padded), c10::IValue(),
-        [](const c10::IValue& out, const c10::IValue&) { return out.toTupleRef().elements()[0].toTensor(); },
+        [](const c10::IValue& out, const c10::IValue&) {
+          return out.toTupleRef().elements()[0].toTensor();
+        },
         /*return_outputs=*/true,
         RunConfig().set_num_microbatch(1).set_execute_plan(
             ExecutePlan::one_layer_per_stage(pipe.num_layers(), true)));
@@ -126,7 +129,8 @@ TEST_P(CausalLMTest, SavePretrainedLoadsInTransformers) {
     auto again = models::CausalLM::from_pretrained(out.string());
     auto a = model.hf_state_dict(), b = again.hf_state_dict();
     ASSERT_EQ(a.size(), b.size());
-    for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(at::equal(a[i].second, b[i].second)) << a[i].first;
+    for (size_t i = 0; i < a.size(); ++i)
+      EXPECT_TRUE(at::equal(a[i].second, b[i].second)) << a[i].first;
   }
 }
 
@@ -150,14 +154,16 @@ TEST(CausalLMConfig, ErrorsNameTheFieldAndTheFix) {
             std::string::npos);
   EXPECT_NE(config_error(R"({"model_type":"llama","vocab_size":"ten"})").find("wrong type"),
             std::string::npos);
-  EXPECT_NE(config_error(R"({"model_type":"llama","vocab_size":10,"hidden_size":8,"intermediate_size":8,
+  EXPECT_NE(
+      config_error(R"({"model_type":"llama","vocab_size":10,"hidden_size":8,"intermediate_size":8,
       "num_hidden_layers":1,"num_attention_heads":3,"num_key_value_heads":2})")
-                .find("multiple of num_key_value_heads"),
-            std::string::npos);
-  EXPECT_NE(config_error(R"({"model_type":"llama","vocab_size":10,"hidden_size":8,"intermediate_size":8,
+          .find("multiple of num_key_value_heads"),
+      std::string::npos);
+  EXPECT_NE(
+      config_error(R"({"model_type":"llama","vocab_size":10,"hidden_size":8,"intermediate_size":8,
       "num_hidden_layers":1,"num_attention_heads":2,"rope_scaling":{"rope_type":"yarn"}})")
-                .find("not supported"),
-            std::string::npos);
+          .find("not supported"),
+      std::string::npos);
 }
 
 TEST(CausalLMCheckpoint, MissingAndMismatchedWeightsGiveClearErrors) {
@@ -179,6 +185,66 @@ TEST(CausalLMCheckpoint, MissingAndMismatchedWeightsGiveClearErrors) {
   weights.pop_back();
   safetensors::save_file((broken / "model.safetensors").string(), weights);
   EXPECT_NE(what().find("has no tensor"), std::string::npos) << what();
+}
+
+}  // namespace
+}  // namespace roundpipe::testing
+
+#include <roundpipe/wrap.h>
+
+namespace roundpipe::testing {
+namespace {
+
+TEST(WrapModel, PresetFromACheckpointKeepsTheOriginalModelsAttributes) {
+  const auto dir = reference_root() / "qwen3_tied_padded";
+  auto wrapped = wrap_model_to_roundpipe(
+      dir.string(), WrapOptions().set_roundpipe(RoundPipeOptions().set_devices("sim:2")));
+  EXPECT_EQ(wrapped->config().model_type, "qwen3");
+  EXPECT_EQ(wrapped->vocab_size(), 97);
+  EXPECT_EQ(wrapped->pipe().num_layers(), 3 + 2);  // input adapter, 3 blocks, output adapter
+  EXPECT_EQ(wrapped->pipe().name(), "qwen3");
+  // One training step through the wrapper, then save_pretrained publishes it.
+  const auto ref = safetensors::load_file((dir / "reference.safetensors").string());
+  optim::Adam adam(wrapped->pipe().optim_parameters(), optim::AdamConfig().set_lr(1e-2));
+  wrapped->pipe().forward_backward(
+      model_input(ref, true), c10::IValue(),
+      [](const c10::IValue& out, const c10::IValue&) { return out.toTensor(); });
+  wrapped->pipe().step(adam);
+  const auto out = reference_root() / "wrapped_saved";
+  wrapped->save_pretrained(out.string());
+  auto reloaded = models::CausalLM::from_pretrained(out.string());
+  auto before = models::CausalLM::from_pretrained(dir.string());
+  EXPECT_FALSE(at::equal(reloaded.hf_state_dict()[0].second, before.hf_state_dict()[0].second))
+      << "the saved weights include the step";
+}
+
+TEST(WrapModel, PresetChoicesAndUnknownTypes) {
+  const auto dir = reference_root() / "qwen3";
+  auto what = [](auto&& fn) {
+    try {
+      fn();
+    } catch (const c10::Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("(wrapped)");
+  };
+  EXPECT_NE(what([&] {
+              wrap_model_to_roundpipe(dir.string(), WrapOptions().set_use_sequential_preset(false));
+            }).find("automatic splitting"),
+            std::string::npos);
+  const auto other = reference_root() / "gpt2_like";
+  fs::create_directories(other);
+  std::ofstream(other / "config.json") << R"({"model_type": "gpt2", "vocab_size": 10})";
+  EXPECT_NE(what([&] {
+              wrap_model_to_roundpipe(other.string());
+            }).find("supported presets: qwen3, llama"),
+            std::string::npos);
+  EXPECT_EQ(what([&] {
+              wrap_model_to_roundpipe(dir.string(),
+                                      WrapOptions().set_use_sequential_preset(true).set_roundpipe(
+                                          RoundPipeOptions().set_devices("sim:1")));
+            }),
+            "(wrapped)");
 }
 
 }  // namespace

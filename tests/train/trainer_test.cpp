@@ -17,7 +17,8 @@ namespace {
 namespace fs = std::filesystem;
 
 std::string temp(const std::string& name) {
-  return (fs::temp_directory_path() / ("roundpipe_train_" + std::to_string(::getpid()) + "_" + name))
+  return (fs::temp_directory_path() /
+          ("roundpipe_train_" + std::to_string(::getpid()) + "_" + name))
       .string();
 }
 
@@ -60,17 +61,22 @@ TEST(Trainer, ResumingContinuesExactly) {
   auto a = models::CausalLM::from_pretrained(through.output).hf_state_dict();
   auto b = models::CausalLM::from_pretrained(resumed.output).hf_state_dict();
   ASSERT_EQ(a.size(), b.size());
-  for (size_t i = 0; i < a.size(); ++i) EXPECT_TENSOR_NEAR(b[i].second, a[i].second, 1e-6, a[i].first);
+  for (size_t i = 0; i < a.size(); ++i)
+    EXPECT_TENSOR_NEAR(b[i].second, a[i].second, 1e-6, a[i].first);
 }
 
 TEST(TrainData, JsonlFormatsAndErrors) {
   const auto path = temp("data.jsonl");
   {
     std::ofstream out(path);
-    out << R"({"input_ids": [1, 5, 6, 2]})" << "\n\n"
-        << R"({"input_ids": [1, 5, 6], "labels": [-100, 5, 6]})" << "\n"
-        << R"({"text": "hi"})" << "\n"
-        << R"({"prompt": "a", "completion": "b"})" << "\n";
+    out << R"({"input_ids": [1, 5, 6, 2]})"
+        << "\n\n"
+        << R"({"input_ids": [1, 5, 6], "labels": [-100, 5, 6]})"
+        << "\n"
+        << R"({"text": "hi"})"
+        << "\n"
+        << R"({"prompt": "a", "completion": "b"})"
+        << "\n";
   }
   auto examples = train::load_jsonl(path, 16, 300);
   ASSERT_EQ(examples.size(), 4u);
@@ -88,7 +94,8 @@ TEST(TrainData, JsonlFormatsAndErrors) {
     return std::string("(loaded)");
   };
   EXPECT_NE(error_of("{oops", 300).find(":1: not valid JSON"), std::string::npos);
-  EXPECT_NE(error_of(R"({"input_ids": [1, 999]})", 300).find("outside the vocab"), std::string::npos);
+  EXPECT_NE(error_of(R"({"input_ids": [1, 999]})", 300).find("outside the vocab"),
+            std::string::npos);
   EXPECT_NE(error_of(R"({"text": "x"})", 100).find("byte-level tokenizer"), std::string::npos);
   EXPECT_NE(error_of(R"({"other": 1})", 300).find("needs input_ids, text"), std::string::npos);
 }

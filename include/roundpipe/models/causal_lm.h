@@ -25,9 +25,18 @@ struct CausalLMOptions {
   bool return_logits = false;
   int64_t loss_chunk_tokens = 2048;  // tokens per chunk of the fused linear + cross-entropy
 
-  CausalLMOptions& set_dtype(c10::ScalarType v) { dtype = v; return *this; }
-  CausalLMOptions& set_return_logits(bool v) { return_logits = v; return *this; }
-  CausalLMOptions& set_loss_chunk_tokens(int64_t v) { loss_chunk_tokens = v; return *this; }
+  CausalLMOptions& set_dtype(c10::ScalarType v) {
+    dtype = v;
+    return *this;
+  }
+  CausalLMOptions& set_return_logits(bool v) {
+    return_logits = v;
+    return *this;
+  }
+  CausalLMOptions& set_loss_chunk_tokens(int64_t v) {
+    loss_chunk_tokens = v;
+    return *this;
+  }
 };
 
 class CausalLM {

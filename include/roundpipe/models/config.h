@@ -30,9 +30,9 @@ struct CausalLMConfig {
   bool tie_word_embeddings = false;
   bool attention_bias = false;
   bool mlp_bias = false;
-  bool qk_norm = false;       // Qwen3: RMSNorm on each head's queries and keys
-  std::string torch_dtype;    // as written, e.g. "bfloat16"
-  std::string json;           // the whole file, kept for save_pretrained
+  bool qk_norm = false;     // Qwen3: RMSNorm on each head's queries and keys
+  std::string torch_dtype;  // as written, e.g. "bfloat16"
+  std::string json;         // the whole file, kept for save_pretrained
 
   // Parses and checks a config.json; errors name the file and the field.
   static CausalLMConfig from_json_file(const std::string& path);

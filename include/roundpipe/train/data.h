@@ -47,6 +47,6 @@ Batch collate(const std::vector<Example>& examples, const std::vector<int64_t>& 
 // and answers (addition, reversal); `logits` maps input_ids [batch, length]
 // to logits [batch, length, vocab].
 double task_accuracy(const std::vector<Example>& examples,
-                         const std::function<at::Tensor(const at::Tensor&)>& logits);
+                     const std::function<at::Tensor(const at::Tensor&)>& logits);
 
 }  // namespace roundpipe::train

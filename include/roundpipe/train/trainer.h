@@ -9,9 +9,11 @@ namespace roundpipe::train {
 
 struct TrainOptions {
   std::string model, config = "configs/qwen3-tiny/config.json", data, task = "addition";
-  std::string output = "roundpipe-out", devices, dtype = "float32", pin = "alloc", recompute = "stage";
+  std::string output = "roundpipe-out", devices, dtype = "float32", pin = "alloc",
+              recompute = "stage";
   std::string checkpoint_dir;
-  int64_t batch_size = 64, seq_len = 512, steps = 1000, epochs = 0, checkpoint_every = 0, log_every = 10;
+  int64_t batch_size = 64, seq_len = 512, steps = 1000, epochs = 0, checkpoint_every = 0,
+          log_every = 10;
   int64_t train_examples = 20000, eval_examples = 500, loss_chunk = 2048;
   int microbatches = 0, digits = 2, length = 4;
   double lr = 3e-4, weight_decay = 0.01;
@@ -24,8 +26,8 @@ struct TrainSummary {
   int64_t tokens = 0;
   double seconds = 0;
   double tokens_per_second = 0;
-  double first_loss = 0;  // smoothed loss after the first logged step
-  double final_loss = 0;  // smoothed loss at the end
+  double first_loss = 0;                             // smoothed loss after the first logged step
+  double final_loss = 0;                             // smoothed loss at the end
   double accuracy_before = -1, accuracy_after = -1;  // built-in tasks only
 };
 
