@@ -28,8 +28,17 @@ void WrappedCausalLM::save_pretrained(const std::string& dir) {
 std::unique_ptr<WrappedCausalLM> wrap_model_to_roundpipe(const std::string& checkpoint_dir,
                                                          const WrapOptions& options) {
   check_preset_choice(options);
+  // With pinned copies wanted and GPUs to feed, load the checkpoint straight
+  // into pinned memory instead of pinning a second copy afterwards.
+  auto model_options = options.model;
+  const std::string spec =
+      options.roundpipe.devices.empty() ? default_device_spec() : options.roundpipe.devices;
+  if (options.roundpipe.pin_model == PinMode::kAlloc && options.roundpipe.device_list.empty() &&
+      spec.rfind("sim", 0) != 0 && cuda_device_count() > 0) {
+    model_options.pin_memory = true;
+  }
   return std::make_unique<WrappedCausalLM>(
-      models::CausalLM::from_pretrained(checkpoint_dir, options.model), options.roundpipe);
+      models::CausalLM::from_pretrained(checkpoint_dir, model_options), options.roundpipe);
 }
 
 std::unique_ptr<WrappedCausalLM> wrap_model_to_roundpipe(models::CausalLM model,

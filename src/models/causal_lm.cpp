@@ -14,6 +14,7 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <set>
 #include <nlohmann/json.hpp>
 
 #include "roundpipe/safetensors.h"
@@ -308,6 +309,13 @@ CausalLM::CausalLM(CausalLMConfig config, CausalLMOptions options)
   }
   sequential_->to(options_.dtype);
   input->inv_freq.set_data(inverse_frequencies(config_));  // rotary tables stay fp32
+  if (options_.pin_memory) {
+    // Tied weights are one tensor: pin each once.
+    std::set<const c10::TensorImpl*> done;
+    for (auto& p : sequential_->parameters()) {
+      if (done.insert(p.unsafeGetTensorImpl()).second) p.set_data(p.pin_memory());
+    }
+  }
 }
 
 std::string CausalLM::hf_name(size_t layer, const std::string& name) const {

@@ -87,7 +87,9 @@ TEST_P(CausalLMTest, PlainModelMatchesTransformers) {
 TEST_P(CausalLMTest, ThroughRoundPipeMatchesTransformers) {
   const auto dir = reference_root() / GetParam().name;
   const auto ref = safetensors::load_file((dir / "reference.safetensors").string());
-  for (const auto& backend : {std::string("sim:2,jitter_us=100"), std::string("sim:1")}) {
+  std::vector<std::string> backends = {"sim:2,jitter_us=100", "sim:1"};
+  if (cuda_device_count() > 0) backends.push_back("cuda");
+  for (const auto& backend : backends) {
     SCOPED_TRACE(backend);
     auto model = models::CausalLM::from_pretrained(
         dir.string(), models::CausalLMOptions().set_return_logits(true));
@@ -216,6 +218,13 @@ TEST(WrapModel, PresetFromACheckpointKeepsTheOriginalModelsAttributes) {
   auto before = models::CausalLM::from_pretrained(dir.string());
   EXPECT_FALSE(at::equal(reloaded.hf_state_dict()[0].second, before.hf_state_dict()[0].second))
       << "the saved weights include the step";
+}
+
+TEST(WrapModel, LoadsStraightIntoPinnedMemoryForGpus) {
+  if (cuda_device_count() == 0) GTEST_SKIP() << "needs a GPU";
+  auto wrapped = wrap_model_to_roundpipe((reference_root() / "llama_padded").string(),
+                                         WrapOptions().set_roundpipe(RoundPipeOptions().set_devices("cuda")));
+  for (const auto& p : wrapped->pipe().parameters()) EXPECT_TRUE(p.is_pinned());
 }
 
 TEST(WrapModel, PresetChoicesAndUnknownTypes) {

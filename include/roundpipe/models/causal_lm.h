@@ -24,6 +24,10 @@ struct CausalLMOptions {
   c10::ScalarType dtype = c10::kFloat;  // weights and compute dtype
   bool return_logits = false;
   int64_t loss_chunk_tokens = 2048;  // tokens per chunk of the fused linear + cross-entropy
+  // Allocate the weights in pinned host memory, so that from_pretrained
+  // copies the mapped checkpoint straight into memory the GPUs upload from
+  // (RoundPipe's pin_model=alloc then keeps it as is). Needs CUDA.
+  bool pin_memory = false;
 
   CausalLMOptions& set_dtype(c10::ScalarType v) {
     dtype = v;
