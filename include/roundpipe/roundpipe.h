@@ -129,7 +129,9 @@ class RoundPipe {
   // on the weights of the update before this one (exactly one step of
   // staleness). Sync: returns after publishing, so the next call sees this
   // step. An exception thrown by step_fn reaches the caller (async: at the
-  // next step(), call or synchronize()).
+  // next step(), call or synchronize()). What step_fn (or the Adam of the
+  // fused step) refers to must outlive the step: synchronize() before
+  // destroying it.
   void step(std::function<void()> step_fn, bool is_async = true);
   // The fused fast path: `adam` (built on optim_parameters(), fp32 masters)
   // updates each master from the low-precision gradient and writes the new

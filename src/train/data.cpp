@@ -26,6 +26,28 @@ std::string ByteTokenizer::decode(const std::vector<int64_t>& ids) {
   return text;
 }
 
+namespace {
+
+// bos, the prompt (not trained on), the completion, eos.
+Example prompt_completion(const std::string& prompt, const std::string& completion) {
+  Example ex;
+  ex.input_ids.push_back(ByteTokenizer::kBos);
+  ex.labels.push_back(-100);
+  for (int64_t id : ByteTokenizer::encode(prompt)) {
+    ex.input_ids.push_back(id);
+    ex.labels.push_back(-100);
+  }
+  for (int64_t id : ByteTokenizer::encode(completion)) {
+    ex.input_ids.push_back(id);
+    ex.labels.push_back(id);
+  }
+  ex.input_ids.push_back(ByteTokenizer::kEos);
+  ex.labels.push_back(ByteTokenizer::kEos);
+  return ex;
+}
+
+}  // namespace
+
 std::vector<Example> load_jsonl(const std::string& path, int64_t max_tokens, int64_t vocab_size) {
   std::ifstream in(path);
   TORCH_CHECK(in.good(), "cannot open dataset ", path);
@@ -49,30 +71,15 @@ std::vector<Example> load_jsonl(const std::string& path, int64_t max_tokens, int
       TORCH_CHECK(ex.labels.size() == ex.input_ids.size(), where,
                   ": labels and input_ids differ in length");
     } else if (j.contains("text") || j.contains("prompt")) {
-      auto need_bytes = [&] {
-        TORCH_CHECK(vocab_size >= ByteTokenizer::kVocab, where,
-                    ": raw text needs the byte-level "
-                    "tokenizer (vocab >= 259) but the model's vocab is ",
-                    vocab_size, "; pre-tokenise the dataset into input_ids");
-      };
-      need_bytes();
-      ex.input_ids.push_back(ByteTokenizer::kBos);
-      ex.labels.push_back(-100);
-      if (j.contains("prompt")) {
-        for (int64_t id : ByteTokenizer::encode(j["prompt"].get<std::string>())) {
-          ex.input_ids.push_back(id);
-          ex.labels.push_back(-100);
-        }
-      }
+      TORCH_CHECK(vocab_size >= ByteTokenizer::kVocab, where,
+                  ": raw text needs the byte-level tokenizer (vocab >= 259) but the model's vocab "
+                  "is ",
+                  vocab_size, "; pre-tokenise the dataset into input_ids");
+      const std::string prompt = j.contains("prompt") ? j["prompt"].get<std::string>() : "";
       const std::string text = j.contains("completion") ? j["completion"].get<std::string>()
                                : j.contains("text")     ? j["text"].get<std::string>()
                                                         : "";
-      for (int64_t id : ByteTokenizer::encode(text)) {
-        ex.input_ids.push_back(id);
-        ex.labels.push_back(id);
-      }
-      ex.input_ids.push_back(ByteTokenizer::kEos);
-      ex.labels.push_back(ByteTokenizer::kEos);
+      ex = prompt_completion(prompt, text);
     } else {
       TORCH_CHECK(false, where, ": a line needs input_ids, text, or prompt and completion");
     }
@@ -101,20 +108,8 @@ std::vector<Example> addition_task(int64_t count, int digits, uint64_t seed) {
   std::vector<Example> out;
   for (int64_t i = 0; i < count; ++i) {
     const int64_t a = static_cast<int64_t>(rng() % limit), b = static_cast<int64_t>(rng() % limit);
-    Example ex;
-    ex.input_ids.push_back(ByteTokenizer::kBos);
-    ex.labels.push_back(-100);
-    for (int64_t id : ByteTokenizer::encode(padded(a, digits) + "+" + padded(b, digits) + "=")) {
-      ex.input_ids.push_back(id);
-      ex.labels.push_back(-100);
-    }
-    for (int64_t id : ByteTokenizer::encode(padded(a + b, digits + 1))) {
-      ex.input_ids.push_back(id);
-      ex.labels.push_back(id);
-    }
-    ex.input_ids.push_back(ByteTokenizer::kEos);
-    ex.labels.push_back(ByteTokenizer::kEos);
-    out.push_back(std::move(ex));
+    out.push_back(prompt_completion(padded(a, digits) + "+" + padded(b, digits) + "=",
+                                    padded(a + b, digits + 1)));
   }
   return out;
 }
@@ -125,20 +120,7 @@ std::vector<Example> reversal_task(int64_t count, int length, uint64_t seed) {
   for (int64_t i = 0; i < count; ++i) {
     std::string word;
     for (int c = 0; c < length; ++c) word.push_back(static_cast<char>('a' + rng() % 10));
-    Example ex;
-    ex.input_ids.push_back(ByteTokenizer::kBos);
-    ex.labels.push_back(-100);
-    for (int64_t id : ByteTokenizer::encode(word + "|")) {
-      ex.input_ids.push_back(id);
-      ex.labels.push_back(-100);
-    }
-    for (int64_t id : ByteTokenizer::encode(std::string(word.rbegin(), word.rend()))) {
-      ex.input_ids.push_back(id);
-      ex.labels.push_back(id);
-    }
-    ex.input_ids.push_back(ByteTokenizer::kEos);
-    ex.labels.push_back(ByteTokenizer::kEos);
-    out.push_back(std::move(ex));
+    out.push_back(prompt_completion(word + "|", std::string(word.rbegin(), word.rend())));
   }
   return out;
 }

@@ -222,8 +222,9 @@ TEST(WrapModel, PresetFromACheckpointKeepsTheOriginalModelsAttributes) {
 
 TEST(WrapModel, LoadsStraightIntoPinnedMemoryForGpus) {
   if (cuda_device_count() == 0) GTEST_SKIP() << "needs a GPU";
-  auto wrapped = wrap_model_to_roundpipe((reference_root() / "llama_padded").string(),
-                                         WrapOptions().set_roundpipe(RoundPipeOptions().set_devices("cuda")));
+  auto wrapped =
+      wrap_model_to_roundpipe((reference_root() / "llama_padded").string(),
+                              WrapOptions().set_roundpipe(RoundPipeOptions().set_devices("cuda")));
   for (const auto& p : wrapped->pipe().parameters()) EXPECT_TRUE(p.is_pinned());
 }
 
