@@ -74,6 +74,12 @@ class TorchModuleLayer final : public Layer {
   torch::nn::AnyModule module_;
 };
 
+// True on a thread while RoundPipe makes a layer's device instance with the
+// module's clone(): the instance's tensors are replaced by device copies at
+// once, so a module's reset()/clone() may allocate without initialising or
+// copying (the presets do; for large layers this saves seconds and memory).
+bool making_layer_instance();
+
 // One layer per child of `sequential`.
 std::vector<LayerPtr> layers_of(const torch::nn::Sequential& sequential);
 

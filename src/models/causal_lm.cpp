@@ -6,8 +6,6 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 #include <torch/nn/cloneable.h>
-#include <torch/nn/modules/embedding.h>
-#include <torch/nn/modules/linear.h>
 #include <unistd.h>
 
 #include <cmath>
@@ -17,6 +15,7 @@
 #include <nlohmann/json.hpp>
 #include <set>
 
+#include "roundpipe/layer.h"
 #include "roundpipe/safetensors.h"
 
 namespace fs = std::filesystem;
@@ -25,6 +24,48 @@ namespace roundpipe::models {
 namespace {
 
 // ---------------------------------------------------------------- modules
+
+// Weights are allocated uninitialised: a new model is initialised by
+// CausalLM's constructor (as transformers does), a loaded one overwritten,
+// and a RoundPipe instance rebound to device copies.
+struct LinearImpl : torch::nn::Cloneable<LinearImpl> {
+  int64_t in, out;
+  bool has_bias;
+  at::Tensor weight, bias;
+  LinearImpl(int64_t i, int64_t o, bool b) : in(i), out(o), has_bias(b) { reset(); }
+  void reset() override {
+    weight = register_parameter("weight", at::empty({out, in}));
+    if (has_bias) bias = register_parameter("bias", at::empty({out}));
+  }
+  at::Tensor forward(const at::Tensor& x) { return at::linear(x, weight, bias); }
+};
+TORCH_MODULE(Linear);
+
+struct EmbeddingImpl : torch::nn::Cloneable<EmbeddingImpl> {
+  int64_t count, dim;
+  at::Tensor weight;
+  EmbeddingImpl(int64_t n, int64_t d) : count(n), dim(d) { reset(); }
+  void reset() override { weight = register_parameter("weight", at::empty({count, dim})); }
+  at::Tensor forward(const at::Tensor& ids) { return at::embedding(weight, ids); }
+};
+TORCH_MODULE(Embedding);
+
+// A copy of `self` built by `make` (uninitialised), with the original's
+// tensors copied in, except for a RoundPipe instance, whose tensors are
+// replaced anyway.
+template <typename Make>
+std::shared_ptr<torch::nn::Module> copy_module(const torch::nn::Module& self, Make make) {
+  auto copy = make();
+  if (!making_layer_instance()) {
+    c10::NoGradGuard no_grad;
+    auto src = self.parameters(), dst = copy->parameters();
+    for (size_t i = 0; i < src.size(); ++i) dst[i].copy_(src[i]);
+    auto bsrc = self.buffers(), bdst = copy->buffers();
+    for (size_t i = 0; i < bsrc.size(); ++i) bdst[i].copy_(bsrc[i]);
+  }
+  copy->train(self.is_training());
+  return copy;
+}
 
 struct RMSNormImpl : torch::nn::Cloneable<RMSNormImpl> {
   int64_t dim;
@@ -63,13 +104,17 @@ at::Tensor inverse_frequencies(const CausalLMConfig& c) {
 // (hidden, cos, sin, mask or None, labels or None).
 struct InputAdapterImpl : torch::nn::Cloneable<InputAdapterImpl> {
   CausalLMConfig config;
-  torch::nn::Embedding embed_tokens{nullptr};
+  Embedding embed_tokens{nullptr};
   at::Tensor inv_freq;
   explicit InputAdapterImpl(CausalLMConfig c) : config(std::move(c)) { reset(); }
   void reset() override {
-    embed_tokens = register_module("embed_tokens",
-                                   torch::nn::Embedding(config.vocab_size, config.hidden_size));
+    embed_tokens =
+        register_module("embed_tokens", Embedding(config.vocab_size, config.hidden_size));
     inv_freq = register_buffer("inv_freq", inverse_frequencies(config));
+  }
+  std::shared_ptr<torch::nn::Module> clone(
+      const std::optional<c10::Device>& device = std::nullopt) const override {
+    return copy_module(*this, [&] { return std::make_shared<InputAdapterImpl>(config); });
   }
   c10::IValue forward(c10::IValue input) {
     at::Tensor ids, attention_mask, labels;
@@ -110,15 +155,15 @@ at::Tensor rotate_half(const at::Tensor& x) {
   return at::cat({-halves[1], halves[0]}, -1);
 }
 
-torch::nn::Linear make_linear(int64_t in, int64_t out, bool bias) {
-  return torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(bias));
+Linear make_linear(int64_t in, int64_t out, bool bias) {
+  return Linear(in, out, bias);
 }
 
 // Submodule and parameter names follow transformers', so that the state dict
 // maps one to one ("self_attn.q_proj.weight", "mlp.gate_proj.weight", ...).
 struct AttentionImpl : torch::nn::Cloneable<AttentionImpl> {
   CausalLMConfig config;
-  torch::nn::Linear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, o_proj{nullptr};
+  Linear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, o_proj{nullptr};
   RMSNorm q_norm{nullptr}, k_norm{nullptr};
   explicit AttentionImpl(CausalLMConfig c) : config(std::move(c)) { reset(); }
   void reset() override {
@@ -161,7 +206,7 @@ TORCH_MODULE(Attention);
 
 struct MLPImpl : torch::nn::Cloneable<MLPImpl> {
   CausalLMConfig config;
-  torch::nn::Linear gate_proj{nullptr}, up_proj{nullptr}, down_proj{nullptr};
+  Linear gate_proj{nullptr}, up_proj{nullptr}, down_proj{nullptr};
   explicit MLPImpl(CausalLMConfig c) : config(std::move(c)) { reset(); }
   void reset() override {
     const auto& c = config;
@@ -200,6 +245,10 @@ struct DecoderLayerImpl : torch::nn::Cloneable<DecoderLayerImpl> {
     h = h + mlp(post_attention_layernorm(h));
     return c10::ivalue::Tuple::create({h, e[1], e[2], e[3], e[4]});
   }
+  std::shared_ptr<torch::nn::Module> clone(
+      const std::optional<c10::Device>& device = std::nullopt) const override {
+    return copy_module(*this, [&] { return std::make_shared<DecoderLayerImpl>(config); });
+  }
 };
 TORCH_MODULE(DecoderLayer);
 
@@ -211,8 +260,8 @@ struct OutputAdapterImpl : torch::nn::Cloneable<OutputAdapterImpl> {
   CausalLMOptions options;
   at::Tensor tied;  // the embedding weight when tied, else undefined
   RMSNorm norm{nullptr};
-  torch::nn::Linear lm_head{nullptr};  // untied
-  at::Tensor weight;                   // lm_head's weight, or the tied embedding
+  Linear lm_head{nullptr};  // untied
+  at::Tensor weight;        // lm_head's weight, or the tied embedding
   OutputAdapterImpl(CausalLMConfig c, CausalLMOptions o, at::Tensor tied_weight)
       : config(std::move(c)), options(o), tied(std::move(tied_weight)) {
     reset();
@@ -230,13 +279,11 @@ struct OutputAdapterImpl : torch::nn::Cloneable<OutputAdapterImpl> {
   // The copy gets tensors of its own (RoundPipe binds device copies into it).
   std::shared_ptr<torch::nn::Module> clone(
       const std::optional<c10::Device>& device = std::nullopt) const override {
-    auto copy = std::make_shared<OutputAdapterImpl>(
-        config, options, tied.defined() ? tied.detach().clone().requires_grad_() : at::Tensor());
-    c10::NoGradGuard no_grad;
-    if (!tied.defined()) copy->weight.copy_(weight);
-    copy->norm->weight.copy_(norm->weight);
-    copy->train(is_training());
-    return copy;
+    return copy_module(*this, [&] {
+      return std::make_shared<OutputAdapterImpl>(
+          config, options,
+          tied.defined() ? at::empty(tied.sizes(), tied.options()).requires_grad_() : at::Tensor());
+    });
   }
   c10::IValue forward(c10::IValue input) {
     const auto& e = input.toTupleRef().elements();

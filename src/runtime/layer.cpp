@@ -139,7 +139,19 @@ bool TorchModuleLayer::is_training() const {
   return module_.ptr()->is_training();
 }
 
+namespace {
+thread_local bool instance_in_making = false;
+}
+
+bool making_layer_instance() {
+  return instance_in_making;
+}
+
 std::unique_ptr<LayerInstance> TorchModuleLayer::make_instance() {
+  struct Flag {
+    Flag() { instance_in_making = true; }
+    ~Flag() { instance_in_making = false; }
+  } flag;
   return std::make_unique<TorchModuleInstance>(this, module_.clone());
 }
 

@@ -363,3 +363,36 @@ INSTANTIATE_TEST_SUITE_P(AllBackends, PinModeTest, ::testing::ValuesIn(backends(
 
 }  // namespace
 }  // namespace roundpipe::testing
+
+namespace roundpipe::testing {
+namespace {
+
+// making_layer_instance() is true exactly while RoundPipe clones a layer.
+std::atomic<int> resets_inside{0}, resets_outside{0};
+struct ProbeImpl : torch::nn::Cloneable<ProbeImpl> {
+  torch::nn::Linear inner{nullptr};
+  ProbeImpl() { reset(); }
+  void reset() override {
+    (making_layer_instance() ? resets_inside : resets_outside)++;
+    inner = register_module("inner", torch::nn::Linear(6, 6));
+  }
+  at::Tensor forward(at::Tensor x) { return inner(x); }
+};
+TORCH_MODULE(Probe);
+
+TEST(LayerInstances, ClonesKnowTheyAreInstances) {
+  resets_inside = 0;
+  resets_outside = 0;
+  torch::nn::Sequential model{Probe{}, Probe{}};
+  EXPECT_EQ(resets_outside.load(), 2);
+  RoundPipe pipe(model, RoundPipeOptions().set_devices("sim:2"));
+  torch::NoGradGuard no_grad;
+  auto x = at::randn({4, 6});
+  EXPECT_TENSOR_NEAR(pipe.forward(x), model->forward(x), 1e-6, "output");
+  EXPECT_GE(resets_inside.load(), 2);
+  EXPECT_EQ(resets_outside.load(), 2);
+  EXPECT_FALSE(making_layer_instance());
+}
+
+}  // namespace
+}  // namespace roundpipe::testing
