@@ -3,6 +3,7 @@
 // safetensors and JSON files, written atomically.
 #pragma once
 
+#include <map>
 #include <string>
 
 #include "roundpipe/optim/adam.h"
@@ -16,13 +17,16 @@ namespace roundpipe {
 // at any moment leaves either the previous checkpoint or the new one
 // (load_checkpoint finds the previous one under "<dir>.previous" when the
 // crash fell between the two renames). `adam` and `scaler` may be null.
+// `extra` (e.g. the training step) is stored with the rest, atomically.
 void save_checkpoint(const std::string& dir, RoundPipe& pipe, optim::Adam* adam,
-                     optim::GradScaler* scaler);
+                     optim::GradScaler* scaler,
+                     const std::map<std::string, std::string>& extra = {});
 
 // Restores what save_checkpoint wrote into a RoundPipe over the same model
 // architecture (and an Adam built on its optim_parameters()). Names, shapes
 // and dtypes are checked, and a mismatch names the tensor.
-void load_checkpoint(const std::string& dir, RoundPipe& pipe, optim::Adam* adam,
-                     optim::GradScaler* scaler);
+// Returns the `extra` entries the checkpoint was saved with.
+std::map<std::string, std::string> load_checkpoint(const std::string& dir, RoundPipe& pipe,
+                                                   optim::Adam* adam, optim::GradScaler* scaler);
 
 }  // namespace roundpipe

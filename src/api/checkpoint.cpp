@@ -9,6 +9,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
+#include "roundpipe/atomic_directory.h"
 #include "roundpipe/safetensors.h"
 
 namespace fs = std::filesystem;
@@ -61,64 +62,54 @@ torch::optim::AdamParamState& adam_state(optim::Adam& adam, const at::Tensor& ma
 }  // namespace
 
 void save_checkpoint(const std::string& dir, RoundPipe& pipe, optim::Adam* adam,
-                     optim::GradScaler* scaler) {
+                     optim::GradScaler* scaler, const std::map<std::string, std::string>& extra) {
   pipe.synchronize();
-  const fs::path target(dir);
-  const fs::path tmp = target.string() + ".tmp-" + std::to_string(::getpid());
-  const fs::path previous = target.string() + ".previous";
-  fs::remove_all(tmp);
-  fs::create_directories(tmp);
+  write_directory_atomically(dir, [&](const std::string& tmp_dir) {
+    const fs::path tmp(tmp_dir);
+    auto state = pipe.named_parameters();
+    for (auto& b : pipe.named_buffers()) state.push_back(b);
+    safetensors::save_file((tmp / "model.safetensors").string(), state);
+    safetensors::save_file((tmp / "master.safetensors").string(), pipe.optim_named_parameters());
 
-  auto state = pipe.named_parameters();
-  for (auto& b : pipe.named_buffers()) state.push_back(b);
-  safetensors::save_file((tmp / "model.safetensors").string(), state);
-  safetensors::save_file((tmp / "master.safetensors").string(), pipe.optim_named_parameters());
-
-  nlohmann::json meta = {{"format", "roundpipe-checkpoint"}, {"version", 1}};
-  if (adam) {
-    safetensors::NamedTensors moments;
-    nlohmann::json steps = nlohmann::json::object();
-    for (const auto& [name, master] : pipe.optim_named_parameters()) {
-      auto it = adam->state().find(master.unsafeGetTensorImpl());
-      if (it == adam->state().end()) continue;
-      auto& s = static_cast<torch::optim::AdamParamState&>(*it->second);
-      steps[name] = s.step();
-      moments.emplace_back(name + ".exp_avg", s.exp_avg());
-      moments.emplace_back(name + ".exp_avg_sq", s.exp_avg_sq());
-      if (s.max_exp_avg_sq().defined())
-        moments.emplace_back(name + ".max_exp_avg_sq", s.max_exp_avg_sq());
+    nlohmann::json meta = {{"format", "roundpipe-checkpoint"}, {"version", 1}, {"extra", extra}};
+    if (adam) {
+      safetensors::NamedTensors moments;
+      nlohmann::json steps = nlohmann::json::object();
+      for (const auto& [name, master] : pipe.optim_named_parameters()) {
+        auto it = adam->state().find(master.unsafeGetTensorImpl());
+        if (it == adam->state().end()) continue;
+        auto& s = static_cast<torch::optim::AdamParamState&>(*it->second);
+        steps[name] = s.step();
+        moments.emplace_back(name + ".exp_avg", s.exp_avg());
+        moments.emplace_back(name + ".exp_avg_sq", s.exp_avg_sq());
+        if (s.max_exp_avg_sq().defined())
+          moments.emplace_back(name + ".max_exp_avg_sq", s.max_exp_avg_sq());
+      }
+      safetensors::save_file((tmp / "optimizer.safetensors").string(), moments);
+      const auto& c = adam->config();
+      meta["adam"] = {{"steps", steps},
+                      {"lr", c.lr},
+                      {"beta1", c.beta1},
+                      {"beta2", c.beta2},
+                      {"eps", c.eps},
+                      {"weight_decay", c.weight_decay},
+                      {"amsgrad", c.amsgrad},
+                      {"maximize", c.maximize},
+                      {"decoupled_weight_decay", c.decoupled_weight_decay}};
     }
-    safetensors::save_file((tmp / "optimizer.safetensors").string(), moments);
-    const auto& c = adam->config();
-    meta["adam"] = {{"steps", steps},
-                    {"lr", c.lr},
-                    {"beta1", c.beta1},
-                    {"beta2", c.beta2},
-                    {"eps", c.eps},
-                    {"weight_decay", c.weight_decay},
-                    {"amsgrad", c.amsgrad},
-                    {"maximize", c.maximize},
-                    {"decoupled_weight_decay", c.decoupled_weight_decay}};
-  }
-  if (scaler) meta["grad_scaler"] = scaler->state_dict();
-  {
-    auto gen = at::detail::getDefaultCPUGenerator();
-    std::lock_guard<std::mutex> lock(gen.mutex());
-    safetensors::save_file((tmp / "rng.safetensors").string(), {{"cpu", gen.get_state()}});
-  }
-  write_json(tmp / "checkpoint.json", meta);
-
-  // Swap in: the old checkpoint stays whole until the new one is in place.
-  fs::remove_all(previous);
-  if (fs::exists(target)) fs::rename(target, previous);
-  fs::rename(tmp, target);
-  fs::remove_all(previous);
+    if (scaler) meta["grad_scaler"] = scaler->state_dict();
+    {
+      auto gen = at::detail::getDefaultCPUGenerator();
+      std::lock_guard<std::mutex> lock(gen.mutex());
+      safetensors::save_file((tmp / "rng.safetensors").string(), {{"cpu", gen.get_state()}});
+    }
+    write_json(tmp / "checkpoint.json", meta);
+  });
 }
 
-void load_checkpoint(const std::string& dir, RoundPipe& pipe, optim::Adam* adam,
-                     optim::GradScaler* scaler) {
-  fs::path source(dir);
-  if (!fs::exists(source) && fs::exists(dir + ".previous")) source = dir + ".previous";
+std::map<std::string, std::string> load_checkpoint(const std::string& dir, RoundPipe& pipe,
+                                                   optim::Adam* adam, optim::GradScaler* scaler) {
+  const fs::path source(readable_directory(dir));
   TORCH_CHECK(fs::exists(source / "checkpoint.json"), "no RoundPipe checkpoint in ", dir);
   pipe.synchronize();
   const auto meta = read_json(source / "checkpoint.json");
@@ -160,6 +151,7 @@ void load_checkpoint(const std::string& dir, RoundPipe& pipe, optim::Adam* adam,
   auto gen = at::detail::getDefaultCPUGenerator();
   std::lock_guard<std::mutex> lock(gen.mutex());
   gen.set_state(safetensors::load_file((source / "rng.safetensors").string()).get("cpu"));
+  return meta.value("extra", std::map<std::string, std::string>{});
 }
 
 }  // namespace roundpipe

@@ -15,6 +15,7 @@
 #include <nlohmann/json.hpp>
 #include <set>
 
+#include "roundpipe/atomic_directory.h"
 #include "roundpipe/layer.h"
 #include "roundpipe/safetensors.h"
 
@@ -418,46 +419,40 @@ CausalLM CausalLM::from_pretrained(const std::string& dir, CausalLMOptions optio
 }
 
 void CausalLM::save_pretrained(const std::string& dir, int64_t max_shard_bytes) const {
-  const fs::path target(dir);
-  const fs::path tmp = target.string() + ".tmp-" + std::to_string(::getpid());
-  fs::remove_all(tmp);
-  fs::create_directories(tmp);
-  {
-    std::ofstream out(tmp / "config.json");
-    out << config_.to_json_string();
-  }
-  // Shards of at most max_shard_bytes (a larger single tensor gets its own).
-  std::vector<safetensors::NamedTensors> shards(1);
-  int64_t shard_bytes = 0, total = 0;
-  for (auto& [name, t] : hf_state_dict()) {
-    if (shard_bytes > 0 && shard_bytes + static_cast<int64_t>(t.nbytes()) > max_shard_bytes) {
-      shards.emplace_back();
-      shard_bytes = 0;
+  write_directory_atomically(dir, [&](const std::string& tmp_dir) {
+    const fs::path tmp(tmp_dir);
+    {
+      std::ofstream out(tmp / "config.json");
+      out << config_.to_json_string();
     }
-    shards.back().emplace_back(name, t);
-    shard_bytes += t.nbytes();
-    total += t.nbytes();
-  }
-  const std::map<std::string, std::string> metadata = {{"format", "pt"}};
-  if (shards.size() == 1) {
-    safetensors::save_file((tmp / "model.safetensors").string(), shards[0], metadata);
-  } else {
-    nlohmann::ordered_json index = {{"metadata", {{"total_size", total}}},
-                                    {"weight_map", nlohmann::ordered_json::object()}};
-    for (size_t i = 0; i < shards.size(); ++i) {
-      char name[64];
-      std::snprintf(name, sizeof(name), "model-%05zu-of-%05zu.safetensors", i + 1, shards.size());
-      safetensors::save_file((tmp / name).string(), shards[i], metadata);
-      for (const auto& [tensor, t] : shards[i]) index["weight_map"][tensor] = name;
+    // Shards of at most max_shard_bytes (a larger single tensor gets its own).
+    std::vector<safetensors::NamedTensors> shards(1);
+    int64_t shard_bytes = 0, total = 0;
+    for (auto& [name, t] : hf_state_dict()) {
+      if (shard_bytes > 0 && shard_bytes + static_cast<int64_t>(t.nbytes()) > max_shard_bytes) {
+        shards.emplace_back();
+        shard_bytes = 0;
+      }
+      shards.back().emplace_back(name, t);
+      shard_bytes += t.nbytes();
+      total += t.nbytes();
     }
-    std::ofstream out(tmp / "model.safetensors.index.json");
-    out << index.dump(2);
-  }
-  const fs::path previous = target.string() + ".previous";
-  fs::remove_all(previous);
-  if (fs::exists(target)) fs::rename(target, previous);
-  fs::rename(tmp, target);
-  fs::remove_all(previous);
+    const std::map<std::string, std::string> metadata = {{"format", "pt"}};
+    if (shards.size() == 1) {
+      safetensors::save_file((tmp / "model.safetensors").string(), shards[0], metadata);
+    } else {
+      nlohmann::ordered_json index = {{"metadata", {{"total_size", total}}},
+                                      {"weight_map", nlohmann::ordered_json::object()}};
+      for (size_t i = 0; i < shards.size(); ++i) {
+        char name[64];
+        std::snprintf(name, sizeof(name), "model-%05zu-of-%05zu.safetensors", i + 1, shards.size());
+        safetensors::save_file((tmp / name).string(), shards[i], metadata);
+        for (const auto& [tensor, t] : shards[i]) index["weight_map"][tensor] = name;
+      }
+      std::ofstream out(tmp / "model.safetensors.index.json");
+      out << index.dump(2);
+    }
+  });
 }
 
 }  // namespace roundpipe::models

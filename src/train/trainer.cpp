@@ -1,5 +1,6 @@
 #include "roundpipe/train/trainer.h"
 
+#include <roundpipe/atomic_directory.h>
 #include <roundpipe/checkpoint.h>
 #include <roundpipe/train/data.h>
 #include <roundpipe/wrap.h>
@@ -120,10 +121,10 @@ TrainSummary run_training(const TrainOptions& args) {
   int64_t first_step = 0;
   const std::string ckpt =
       args.checkpoint_dir.empty() ? args.output + ".ckpt" : args.checkpoint_dir;
-  if (args.resume && (fs::exists(ckpt) || fs::exists(ckpt + ".previous"))) {
-    roundpipe::load_checkpoint(ckpt, pipe, &adam, scaler.get());
-    std::ifstream in((fs::exists(ckpt) ? ckpt : ckpt + ".previous") + "/train_state.txt");
-    in >> first_step;
+  if (args.resume && fs::exists(roundpipe::readable_directory(ckpt))) {
+    const auto extra = roundpipe::load_checkpoint(ckpt, pipe, &adam, scaler.get());
+    TORCH_CHECK(extra.count("step"), ckpt, " was not written by roundpipe-train (no step)");
+    first_step = std::stoll(extra.at("step"));
     std::printf("resumed from %s at step %lld\n", ckpt.c_str(), static_cast<long long>(first_step));
   }
 
@@ -181,8 +182,8 @@ TrainSummary run_training(const TrainOptions& args) {
       std::fflush(stdout);
     }
     if (args.checkpoint_every > 0 && (step + 1) % args.checkpoint_every == 0 && !last) {
-      roundpipe::save_checkpoint(ckpt, pipe, &adam, scaler.get());
-      std::ofstream(ckpt + "/train_state.txt") << step + 1;
+      roundpipe::save_checkpoint(ckpt, pipe, &adam, scaler.get(),
+                                 {{"step", std::to_string(step + 1)}});
     }
   }
   pipe.synchronize();
