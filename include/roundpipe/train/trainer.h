@@ -12,7 +12,7 @@ struct TrainOptions {
   std::string output = "roundpipe-out", devices, dtype = "float32", pin = "alloc",
               recompute = "stage";
   std::string checkpoint_dir;
-  int64_t batch_size = 64, seq_len = 512, steps = 1000, epochs = 0, checkpoint_every = 0,
+  int64_t batch_size = 64, seq_len = 512, steps = 0, epochs = 0, checkpoint_every = 0,
           log_every = 10;
   int64_t train_examples = 20000, eval_examples = 500, loss_chunk = 2048;
   int microbatches = 0, digits = 2, length = 4;
