@@ -39,11 +39,9 @@ struct CallState {
   // grad[l][m]: gradient of the input of layer l.
   std::map<int, std::vector<std::shared_ptr<Slot>>> act, grad;
   std::vector<std::shared_ptr<Slot>> losses, outputs;  // fused tail results
-  std::set<int> save_points;                           // layers whose input backward needs
   std::vector<bool> input_requires_grad;               // per flattened input tensor
   std::vector<bool> input_is_split;                    // per flattened input tensor
   std::vector<std::vector<at::Tensor>> input_grads;    // per microbatch (layer 0)
-  std::vector<c10::IValue> output_structure;           // per microbatch, for backward
   std::vector<std::vector<int64_t>> output_rows;       // per output tensor: rows per microbatch
   std::vector<c10::IValue> labels;
   LossFn loss_fn;
@@ -223,7 +221,6 @@ class RngScope {
     if (active_) apply_rng(device_, saved_);
   }
   RngState capture() { return capture_rng(device_, active_); }
-  void reset(const RngState& rng) { apply_rng(device_, rng); }
 
  private:
   Device& device_;
@@ -250,6 +247,16 @@ struct LayerCallScope {
   }
   ~LayerCallScope() { current_layer_call = previous; }
 };
+
+}  // namespace
+
+c10::IValue to_device(const c10::IValue& value, c10::Device device) {
+  return map_tensors(value, [&](const at::Tensor& t) {
+    return t.defined() && t.device() != device ? t.to(device) : t;
+  });
+}
+
+namespace {
 
 void check_devices(const c10::IValue& value, const Device& device, int layer,
                    const std::string& type_name) {
@@ -615,11 +622,13 @@ void Engine::wait_params_published(const Job& job) {
   });
 }
 
+void Engine::wait_for_jobs() {
+  std::unique_lock<std::mutex> lock(inflight_mu_);
+  inflight_cv_.wait(lock, [&] { return inflight_ == 0; });
+}
+
 void Engine::fence() {
-  {
-    std::unique_lock<std::mutex> lock(inflight_mu_);
-    inflight_cv_.wait(lock, [&] { return inflight_ == 0; });
-  }
+  wait_for_jobs();
   host_tasks_.drain();
   optimizer_.rethrow_failure();
   // A training call that failed in the background is reported once, here.
@@ -1257,10 +1266,7 @@ std::vector<c10::IValue> Engine::collect(const std::shared_ptr<CallState>& call,
       values.push_back(s.tensors.empty() ? s.value : c10::IValue(s.tensors.front()));
     }
   } catch (const CallAborted&) {
-    {
-      std::unique_lock<std::mutex> lock(inflight_mu_);
-      inflight_cv_.wait(lock, [&] { return inflight_ == 0; });
-    }
+    wait_for_jobs();
     call->rethrow_if_failed();
     throw;
   }
@@ -1377,15 +1383,10 @@ c10::IValue Engine::forward(const c10::IValue& input, const RunConfig& config) {
   auto outs = collect(call, call->act.at(num_layers()));
   // Buffer writes are committed once the forward's jobs are done: make them
   // visible before returning.
-  {
-    std::unique_lock<std::mutex> lock(inflight_mu_);
-    inflight_cv_.wait(lock, [&] { return inflight_ == 0; });
-  }
+  wait_for_jobs();
   host_tasks_.drain();
-  const auto device = *call->config.output_device;
   auto to_output_device = [&](const c10::IValue& v) {
-    if (device.is_cpu()) return v;
-    return map_tensors(v, [&](const at::Tensor& t) { return t.defined() ? t.to(device) : t; });
+    return to_device(v, *call->config.output_device);
   };
   if (call->config.merge_output) {
     TORCH_CHECK(!training, name_,
@@ -1457,20 +1458,13 @@ ForwardBackwardResult Engine::forward_backward(const c10::IValue& input, const c
     auto outs = collect(call, call->outputs);
     result.output =
         call->config.merge_output ? (*call->config.merge_output)(outs) : merge_microbatches(outs);
-    const auto device = *call->config.output_device;
-    if (!device.is_cpu()) {
-      result.output = map_tensors(
-          result.output, [&](const at::Tensor& t) { return t.defined() ? t.to(device) : t; });
-    }
+    result.output = to_device(result.output, *call->config.output_device);
   }
   return result;
 }
 
 void Engine::synchronize() {
-  {
-    std::unique_lock<std::mutex> lock(inflight_mu_);
-    inflight_cv_.wait(lock, [&] { return inflight_ == 0; });
-  }
+  wait_for_jobs();
   host_tasks_.drain();
   optimizer_.drain();
   if (pending_publish_ >= 0) {
@@ -1500,7 +1494,7 @@ void save_for_recompute(const c10::IValue& data) {
     TORCH_CHECK(!t.defined() || !t.requires_grad(),
                 "save_for_recompute(): data must not require grad (detach it)");
   }
-  auto host = map_tensors(data, [](const at::Tensor& t) { return t.defined() ? t.cpu() : t; });
+  auto host = detail::to_device(data, c10::Device(c10::kCPU));
   std::lock_guard<std::mutex> lock(lc->call->recompute_mu);
   auto [it, inserted] =
       lc->call->recompute_data.emplace(std::make_pair(lc->layer, lc->microbatch), host);
@@ -1526,7 +1520,7 @@ c10::IValue get_recompute_data() {
     data = it->second;
   }
   const auto device = lc->device;
-  return map_tensors(data, [&](const at::Tensor& t) { return t.defined() ? t.to(device) : t; });
+  return detail::to_device(data, device);
 }
 
 }  // namespace roundpipe

@@ -82,6 +82,9 @@ class HostTasks {
   std::thread thread_;
 };
 
+// The value with its tensors moved to `device` (tensors already there kept).
+c10::IValue to_device(const c10::IValue& value, c10::Device device);
+
 class Engine {
  public:
   Engine(std::vector<LayerPtr> layers, RoundPipeOptions options);
@@ -128,6 +131,8 @@ class Engine {
   // Waits for every job and host task of earlier calls; rethrows an error a
   // background backward pass left behind.
   void fence();
+  // Waits until no stage job is queued or running on any device.
+  void wait_for_jobs();
   // Waits for `calls` to finish and sums their parameter gradients; throws
   // the first call's error (a failed call contributes nothing).
   std::map<int, at::Tensor> take_call_grads(std::vector<std::shared_ptr<CallState>> calls);
