@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 #include <roundpipe/roundpipe.h>
 #include <torch/nn/cloneable.h>
+#include <torch/nn/functional/loss.h>
 #include <torch/nn/modules/activation.h>
 #include <torch/nn/modules/batchnorm.h>
 #include <torch/nn/modules/dropout.h>
@@ -70,6 +71,33 @@ inline double max_rel_error(const at::Tensor& a, const at::Tensor& b) {
     ASSERT_EQ(a_.sizes(), b_.sizes()) << what;                             \
     EXPECT_LE(::roundpipe::testing::max_rel_error(a_, b_), (tol)) << what; \
   } while (0)
+
+// The oracle's own split of a batch into n microbatches along dim 0
+// (earlier microbatches one row larger when n does not divide the batch).
+inline std::vector<at::Tensor> microbatches_of(const at::Tensor& t, int n) {
+  std::vector<at::Tensor> parts;
+  const int64_t batch = t.size(0);
+  int64_t start = 0;
+  for (int m = 0; m < n; ++m) {
+    const int64_t rows = batch / n + (m < batch % n ? 1 : 0);
+    parts.push_back(t.narrow(0, start, rows));
+    start += rows;
+  }
+  return parts;
+}
+
+inline at::Tensor mse_loss(const c10::IValue& out, const c10::IValue& label) {
+  return torch::nn::functional::mse_loss(out.toTensor(), label.toTensor());
+}
+
+// Plain LibTorch on one device: the sum over microbatches of the MSE loss.
+inline at::Tensor plain_microbatch_loss(torch::nn::Sequential& model, const at::Tensor& x,
+                                        const at::Tensor& y, int n, c10::Device dev) {
+  auto xs = microbatches_of(x.to(dev), n), ys = microbatches_of(y.to(dev), n);
+  at::Tensor loss = at::zeros({}, dev);
+  for (int m = 0; m < n; ++m) loss = loss + mse_loss(model->forward(xs[m]), ys[m]);
+  return loss;
+}
 
 // ---------------------------------------------------------------- models
 

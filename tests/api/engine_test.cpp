@@ -61,16 +61,13 @@ std::vector<at::Tensor> oracle_microbatches(torch::nn::Sequential& model, const 
                                             int n, uint64_t call_seed, c10::Device device) {
   auto gen = at::globalContext().defaultGenerator(device);
   std::vector<at::Tensor> outs;
-  const int64_t batch = x.size(0);
-  int64_t start = 0;
+  const auto xs = microbatches_of(x, n);
   for (int m = 0; m < n; ++m) {
-    const int64_t rows = batch / n + (m < batch % n ? 1 : 0);
     {
       std::lock_guard<std::mutex> lock(gen.mutex());
       gen.set_current_seed(microbatch_seed(call_seed, m));
     }
-    outs.push_back(model->forward(x.narrow(0, start, rows)));
-    start += rows;
+    outs.push_back(model->forward(xs[m]));
   }
   return outs;
 }
@@ -159,9 +156,6 @@ TEST_P(EngineTest, MatchesPlainLibTorch) {
             std::vector<uint64_t> seeds;
             for (int c = 0; c < calls; ++c) seeds.push_back(draw_call_seed());
             torch::manual_seed(77);
-            auto mse = [](const c10::IValue& out, const c10::IValue& label) {
-              return torch::nn::functional::mse_loss(out.toTensor(), label.toTensor());
-            };
             // All RoundPipe calls first: the oracle reseeds the generators.
             std::vector<at::Tensor> xs, ys;
             std::vector<ForwardBackwardResult> results;
@@ -172,7 +166,7 @@ TEST_P(EngineTest, MatchesPlainLibTorch) {
                                 : std::vector<int64_t>{batch, output_features(kind)};
               ys.push_back(at::randn(yshape, at::detail::createCPUGenerator(21 + c)));
               results.push_back(
-                  pipe.forward_backward(xs[c], ys[c], mse, /*return_outputs=*/true, config));
+                  pipe.forward_backward(xs[c], ys[c], mse_loss, /*return_outputs=*/true, config));
             }
             // The background backward uses the (shared, on sim) generators:
             // let it finish before the oracle draws.
@@ -183,7 +177,7 @@ TEST_P(EngineTest, MatchesPlainLibTorch) {
               int64_t start = 0;
               for (int m = 0; m < n; ++m) {
                 const int64_t rows = outs[m].size(0);
-                loss_ref = loss_ref + mse(outs[m], ys[c].to(dev).narrow(0, start, rows));
+                loss_ref = loss_ref + mse_loss(outs[m], ys[c].to(dev).narrow(0, start, rows));
                 start += rows;
               }
               loss_ref.backward();
@@ -223,24 +217,15 @@ TEST_P(TrainingLoopTest, PlainOptimizerAfterSynchronize) {
   RoundPipe pipe(model, RoundPipeOptions().set_devices(backend));
   torch::optim::SGD opt(pipe.parameters(), torch::optim::SGDOptions(0.1));
   torch::optim::SGD opt_ref(oracle->parameters(), torch::optim::SGDOptions(0.1));
-  auto mse = [](const c10::IValue& out, const c10::IValue& label) {
-    return torch::nn::functional::mse_loss(out.toTensor(), label.toTensor());
-  };
   const int n = pipe.devices().size() + 1;
   for (int step = 0; step < 3; ++step) {
     auto x = make_input(ModelKind::kMlp, 12, 100 + step);
     auto y = at::randn({12, 4}, at::detail::createCPUGenerator(200 + step));
-    auto loss = pipe.forward_backward(x, y, mse).loss;
+    auto loss = pipe.forward_backward(x, y, mse_loss).loss;
     pipe.synchronize();
     opt.step();
     opt.zero_grad();
-    at::Tensor loss_ref = at::zeros({}, dev);
-    for (int m = 0; m < n; ++m) {
-      const int64_t rows = 12 / n + (m < 12 % n ? 1 : 0),
-                    start = m * (12 / n) + std::min<int64_t>(m, 12 % n);
-      loss_ref = loss_ref + mse(oracle->forward(x.to(dev).narrow(0, start, rows)),
-                                y.to(dev).narrow(0, start, rows));
-    }
+    auto loss_ref = plain_microbatch_loss(oracle, x, y, n, dev);
     loss_ref.backward();
     opt_ref.step();
     opt_ref.zero_grad();
@@ -333,9 +318,6 @@ class PinModeTest : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(PinModeTest, AllModesGiveTheSameGradients) {
   const auto& backend = GetParam();
-  auto mse = [](const c10::IValue& out, const c10::IValue& label) {
-    return torch::nn::functional::mse_loss(out.toTensor(), label.toTensor());
-  };
   auto x = make_input(ModelKind::kMlp, 8, 3);
   auto y = at::randn({8, 4}, at::detail::createCPUGenerator(4));
   std::vector<std::vector<at::Tensor>> grads;
@@ -345,7 +327,7 @@ TEST_P(PinModeTest, AllModesGiveTheSameGradients) {
     if (!pipe.devices().at(0)->is_simulated()) {
       for (const auto& p : model->parameters()) EXPECT_EQ(p.is_pinned(), mode != PinMode::kOff);
     }
-    pipe.forward_backward(x, y, mse);
+    pipe.forward_backward(x, y, mse_loss);
     pipe.synchronize();
     std::vector<at::Tensor> g;
     for (const auto& p : model->parameters()) g.push_back(p.grad().clone());

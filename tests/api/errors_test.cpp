@@ -55,10 +55,7 @@ class ErrorsTest : public ::testing::TestWithParam<std::string> {
     return torch::nn::Sequential(torch::nn::Linear(6, 6), torch::nn::Tanh(), Flaky(),
                                  torch::nn::Linear(6, 2));
   }
-  std::function<at::Tensor(const c10::IValue&, const c10::IValue&)> mse = [](const c10::IValue& o,
-                                                                             const c10::IValue& l) {
-    return torch::nn::functional::mse_loss(o.toTensor(), l.toTensor());
-  };
+  LossFn mse = mse_loss;
 };
 
 TEST_P(ErrorsTest, WorkerExceptionReachesCallerWithContextThenNextCallWorks) {

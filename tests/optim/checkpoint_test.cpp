@@ -13,10 +13,6 @@
 namespace roundpipe::testing {
 namespace {
 
-at::Tensor mse(const c10::IValue& out, const c10::IValue& label) {
-  return torch::nn::functional::mse_loss(out.toTensor(), label.toTensor());
-}
-
 struct Trainer {
   torch::nn::Sequential model;
   std::unique_ptr<RoundPipe> pipe;
@@ -34,7 +30,7 @@ struct Trainer {
     auto y = at::randn({12, 4}, at::detail::createCPUGenerator(600 + step));
     auto loss = pipe->forward_backward(x, y,
                                        [&](const c10::IValue& o, const c10::IValue& l) {
-                                         return scaler->scale(mse(o, l));
+                                         return scaler->scale(mse_loss(o, l));
                                        })
                     .loss;
     pipe->step(*adam, /*is_async=*/true, scaler.get());  // the fused async path

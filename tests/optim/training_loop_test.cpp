@@ -13,27 +13,9 @@ namespace {
 constexpr int kSteps = 4;
 constexpr int64_t kBatch = 12;
 
-at::Tensor mse(const c10::IValue& out, const c10::IValue& label) {
-  return torch::nn::functional::mse_loss(out.toTensor(), label.toTensor());
-}
-
 std::pair<at::Tensor, at::Tensor> batch(int step) {
   return {make_input(ModelKind::kMlp, kBatch, 300 + step),
           at::randn({kBatch, 4}, at::detail::createCPUGenerator(400 + step))};
-}
-
-// The summed microbatch loss of the plain model on one device.
-at::Tensor plain_loss(torch::nn::Sequential& model, const at::Tensor& x, const at::Tensor& y, int n,
-                      c10::Device dev) {
-  at::Tensor loss = at::zeros({}, dev);
-  int64_t start = 0;
-  for (int m = 0; m < n; ++m) {
-    const int64_t rows = kBatch / n + (m < kBatch % n ? 1 : 0);
-    loss = loss +
-           mse(model->forward(x.to(dev).narrow(0, start, rows)), y.to(dev).narrow(0, start, rows));
-    start += rows;
-  }
-  return loss;
 }
 
 optim::AdamConfig adam_config() {
@@ -55,14 +37,14 @@ TEST_P(OptimizerLoopTest, SyncStepEqualsPlainTrainingStepForStep) {
   const int n = pipe.devices().size() + 1;
   for (int step = 0; step < kSteps; ++step) {
     auto [x, y] = batch(step);
-    auto loss = pipe.forward_backward(x, y, mse).loss;
+    auto loss = pipe.forward_backward(x, y, mse_loss).loss;
     pipe.step(
         [&] {
           adam.step();
           adam.zero_grad();
         },
         /*is_async=*/false);
-    auto ref_loss = plain_loss(ref, x, y, n, dev);
+    auto ref_loss = plain_microbatch_loss(ref, x, y, n, dev);
     ref_loss.backward();
     ref_adam.step();
     ref_adam.zero_grad();
@@ -90,13 +72,13 @@ TEST_P(OptimizerLoopTest, AsyncStepEqualsTheOneStepDelayOracle) {
   const int n = pipe.devices().size() + 1;
   for (int step = 0; step < kSteps; ++step) {
     auto [x, y] = batch(step);
-    auto loss = pipe.forward_backward(x, y, mse).loss;
+    auto loss = pipe.forward_backward(x, y, mse_loss).loss;
     pipe.step([&] {
       adam.step();
       adam.zero_grad();
     });
     for (auto& p : ref->parameters()) p.mutable_grad() = at::Tensor();
-    auto ref_loss = plain_loss(ref, x, y, n, dev);
+    auto ref_loss = plain_microbatch_loss(ref, x, y, n, dev);
     ref_loss.backward();
     std::vector<at::Tensor> before;
     auto params = ref->parameters();
@@ -139,7 +121,7 @@ TEST_P(OptimizerLoopTest, FrozenParametersGetNoMasterAndStayFixed) {
   optim::Adam adam(pipe.optim_parameters(), adam_config());
   for (int step = 0; step < 2; ++step) {
     auto [x, y] = batch(step);
-    pipe.forward_backward(x, y, mse);
+    pipe.forward_backward(x, y, mse_loss);
     pipe.step([&] {
       adam.step();
       adam.zero_grad();
@@ -155,9 +137,9 @@ TEST_P(OptimizerLoopTest, StepFunctionErrorsReachTheCaller) {
   RoundPipe pipe(model, RoundPipeOptions().set_devices(GetParam()));
   optim::Adam adam(pipe.optim_parameters(), adam_config());
   auto [x, y] = batch(0);
-  pipe.forward_backward(x, y, mse);
+  pipe.forward_backward(x, y, mse_loss);
   EXPECT_THROW(pipe.step([] { throw std::runtime_error("bad step"); }, false), std::runtime_error);
-  pipe.forward_backward(x, y, mse);
+  pipe.forward_backward(x, y, mse_loss);
   pipe.step([] { throw std::runtime_error("bad async step"); });
   try {
     pipe.synchronize();
@@ -166,7 +148,7 @@ TEST_P(OptimizerLoopTest, StepFunctionErrorsReachTheCaller) {
     EXPECT_STREQ(e.what(), "bad async step");
   }
   // Still usable.
-  pipe.forward_backward(x, y, mse);
+  pipe.forward_backward(x, y, mse_loss);
   pipe.step(
       [&] {
         adam.step();
@@ -205,8 +187,8 @@ TEST_P(FusedStepTest, FusedPathEqualsTheGeneralPath) {
       auto [x, y] = batch(step);
       x = x.to(at::kBFloat16);
       y = y.to(at::kBFloat16);
-      auto l1 = general.forward_backward(x, y, mse).loss;
-      auto l2 = fused.forward_backward(x, y, mse).loss;
+      auto l1 = general.forward_backward(x, y, mse_loss).loss;
+      auto l2 = fused.forward_backward(x, y, mse_loss).loss;
       EXPECT_TRUE(at::equal(l1, l2)) << "loss at step " << step;
       general.step(
           [&] {
@@ -251,7 +233,7 @@ TEST_P(GradScalerTest, SkipsOverflowingStepsAndFollowsTheScaleRules) {
     const bool inject = overflow.count(step) > 0;
     used_scales.push_back(scaler.get_scale());
     pipe.forward_backward(x, y, [&, inject](const c10::IValue& out, const c10::IValue& label) {
-      auto loss = scaler.scale(mse(out, label));
+      auto loss = scaler.scale(mse_loss(out, label));
       return inject ? loss * std::numeric_limits<float>::infinity() : loss;
     });
     pipe.step(
@@ -293,7 +275,7 @@ TEST_P(GradScalerTest, SkipsOverflowingStepsAndFollowsTheScaleRules) {
     auto [x, y] = batch(step);
     auto params = ref->parameters();
     for (auto& p : params) p.mutable_grad() = at::Tensor();
-    plain_loss(ref, x, y, n, dev).backward();
+    plain_microbatch_loss(ref, x, y, n, dev).backward();
     std::vector<at::Tensor> before;
     for (size_t i = 0; i < masters.size(); ++i) {
       before.push_back(masters[i].detach().clone());
