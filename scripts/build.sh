@@ -9,6 +9,8 @@ if [ -z "${PYTHON:-}" ]; then
 fi
 prefix="$("$PYTHON" -c 'import torch; print(torch.utils.cmake_prefix_path)')"
 jobs="${JOBS:-$(nproc)}"
+# ccache hits across build directories (this one and the Python package's).
+export CCACHE_BASEDIR="$root"
 # No GPU here to detect: name the architecture (H200 = 9.0) so configuring needs none.
 export TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}"
 cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release \

@@ -35,4 +35,10 @@ if ! .venv/bin/python -c 'import transformers, sys; sys.exit(transformers.__vers
   echo "[setup] installing transformers==5.17.0 into .venv (test oracle for the model presets)"
   .venv/bin/python -m pip install -q transformers==5.17.0 safetensors
 fi
+# The Python package builds with scikit-build-core against the .venv's torch
+# (pip install --no-build-isolation .); its tests run with pytest.
+if ! .venv/bin/python -c 'import scikit_build_core, pytest' 2>/dev/null; then
+  echo "[setup] installing scikit-build-core and pytest into .venv"
+  .venv/bin/python -m pip install -q "scikit-build-core>=0.10" pytest
+fi
 echo "[setup] done: $(.venv/bin/python -c 'import torch; print("torch", torch.__version__)')"

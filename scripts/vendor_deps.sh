@@ -13,3 +13,12 @@ cp -r /usr/include/benchmark "$root/.deps/benchmark/include/"
 cp -L /usr/lib/x86_64-linux-gnu/libbenchmark.so "$root/.deps/benchmark/lib/libbenchmark.so"
 mkdir -p "$root/.deps/cli11/include"
 cp -r /usr/include/CLI "$root/.deps/cli11/include/"
+# Wheels for the Python package's build backend and tests (the GPU machine
+# has no network): pure-Python, for any Python 3 version.
+mkdir -p "$root/.deps/wheels"
+"${PYTHON:-$root/.venv/bin/python}" -m pip download -q --only-binary=:all: --dest "$root/.deps/wheels" \
+  "scikit-build-core>=0.10" pytest
+for v in 3.10 3.12 3.13; do
+  "${PYTHON:-$root/.venv/bin/python}" -m pip download -q --only-binary=:all: --python-version "$v" \
+    --dest "$root/.deps/wheels" "scikit-build-core>=0.10" pytest || true
+done

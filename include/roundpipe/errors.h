@@ -1,6 +1,7 @@
 // The exception a failure inside the pipeline reaches the caller as.
 #pragma once
 
+#include <exception>
 #include <stdexcept>
 #include <string>
 
@@ -12,14 +13,16 @@ namespace roundpipe {
 class StageError : public std::runtime_error {
  public:
   StageError(const std::string& message, std::string stage, int layer, int microbatch,
-             std::string phase, std::string device, bool out_of_memory)
+             std::string phase, std::string device, bool out_of_memory,
+             std::exception_ptr cause = nullptr)
       : std::runtime_error(message),
         stage(std::move(stage)),
         layer(layer),
         microbatch(microbatch),
         phase(std::move(phase)),
         device(std::move(device)),
-        out_of_memory(out_of_memory) {}
+        out_of_memory(out_of_memory),
+        cause(std::move(cause)) {}
 
   std::string stage;   // e.g. "forward stage 1 (layers 2..3)"
   int layer;           // -1 when not inside a layer
@@ -27,6 +30,9 @@ class StageError : public std::runtime_error {
   std::string phase;   // upload, forward, recompute, backward, loss, download
   std::string device;  // "sim:1", "cuda:0"
   bool out_of_memory;  // the device ran out of memory
+  // The error the layer (or loss function) threw, for frontends that re-raise
+  // it as the cause (Python: the original exception becomes __cause__).
+  std::exception_ptr cause;
 };
 
 }  // namespace roundpipe

@@ -4,9 +4,23 @@
 #include <ATen/core/ivalue.h>
 
 #include <functional>
+#include <string>
 #include <vector>
 
 namespace roundpipe {
+
+// A value a frontend passes through the pipeline without the engine looking
+// inside (the Python binding's objects and pytree node kinds), carried as an
+// IValue capsule: split replicates it, to_device leaves it, and merge checks
+// that every microbatch holds an equal one.
+class OpaqueValue : public torch::CustomClassHolder {
+ public:
+  virtual bool equals(const OpaqueValue& other) const = 0;
+  virtual std::string describe() const = 0;
+};
+
+// The OpaqueValue in `value`, or null when it holds something else.
+const OpaqueValue* as_opaque(const c10::IValue& value);
 
 // The tensors of `value`, depth-first (dict entries in insertion order).
 std::vector<at::Tensor> flatten_tensors(const c10::IValue& value);

@@ -31,6 +31,34 @@ class LayerInstance {
   virtual c10::IValue forward(const c10::IValue& input) = 0;
 };
 
+class Layer;
+
+// An instance that is a copy of the layer's module(s): binding replaces the
+// data of the copy's own parameter and buffer tensors. Frontends (C++
+// modules, Python modules) derive from it and add forward().
+class ModuleCopyInstance : public LayerInstance {
+ public:
+  // `params` and `buffers`: the copy's tensors, in the order of the layer's;
+  // they must not be the layer's home tensors.
+  ModuleCopyInstance(const Layer& layer, std::vector<at::Tensor> params,
+                     std::vector<at::Tensor> buffers);
+  void bind(const std::vector<at::Tensor>& params, const std::vector<bool>& requires_grad,
+            const std::vector<at::Tensor>& buffers, bool training) override;
+  void unbind() override;
+  std::vector<at::Tensor> parameter_leaves() override { return params_; }
+  std::vector<at::Tensor> buffer_values() override;
+
+ protected:
+  // Called after binding: bring the copy's state (at least train/eval mode)
+  // up to date with the layer's.
+  virtual void after_bind(bool training) = 0;
+  std::string type_name_;
+
+ private:
+  std::vector<at::Tensor> params_;
+  std::vector<at::Tensor> buffers_;
+};
+
 class Layer {
  public:
   virtual ~Layer() = default;
@@ -79,6 +107,13 @@ class TorchModuleLayer final : public Layer {
 // once, so a module's reset()/clone() may allocate without initialising or
 // copying (the presets do; for large layers this saves seconds and memory).
 bool making_layer_instance();
+
+// `inner` with its parameters' home tensors replaced by `homes` (same
+// order, shapes and dtypes): the weights live in tensors another framework
+// owns (the Python presets run native layers on HuggingFace's parameters).
+// `inner`'s own parameter tensors are never read: allocate them untouched
+// (e.g. CausalLMOptions::init_weights = false). Instances are inner's.
+LayerPtr with_home_parameters(LayerPtr inner, std::vector<at::Tensor> homes);
 
 // One layer per child of `sequential`.
 std::vector<LayerPtr> layers_of(const torch::nn::Sequential& sequential);

@@ -33,7 +33,15 @@ struct RunConfig {
   std::optional<SplitFn> split_input;             // default: split_microbatches()
   std::optional<SplitFn> split_label;             // default: split_microbatches()
   std::optional<MergeFn> merge_output;            // default: merge_microbatches()
-  std::optional<ExecutePlan> execute_plan;        // default: ExecutePlan::from_layer_costs
+  // true: no merge; the output is a tuple of the microbatch outputs (a
+  // "packed" output, connected to autograd microbatch by microbatch), which
+  // a next call can take as its microbatches through split_input.
+  std::optional<bool> pack_output;  // default: false
+  // true: the input is such a packed tuple: its elements are the
+  // microbatches (num_microbatch must equal its size), and gradients flow
+  // back to each microbatch's own tensors.
+  std::optional<bool> packed_input;         // default: false
+  std::optional<ExecutePlan> execute_plan;  // default: ExecutePlan::from_layer_costs
 
   RunConfig& set_requires_grad(bool v) {
     requires_grad = v;
@@ -65,6 +73,14 @@ struct RunConfig {
   }
   RunConfig& set_merge_output(MergeFn v) {
     merge_output = std::move(v);
+    return *this;
+  }
+  RunConfig& set_pack_output(bool v) {
+    pack_output = v;
+    return *this;
+  }
+  RunConfig& set_packed_input(bool v) {
+    packed_input = v;
     return *this;
   }
   RunConfig& set_execute_plan(ExecutePlan v) {

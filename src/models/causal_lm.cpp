@@ -102,7 +102,7 @@ at::Tensor inverse_frequencies(const CausalLMConfig& c) {
 
 // Embedding, rotary tables and the attention mask, computed once per
 // microbatch and handed to every decoder layer in the tuple
-// (hidden, cos, sin, mask or None, labels or None).
+// (hidden, cos, sin, mask or None, labels or None, return_logits or None).
 struct InputAdapterImpl : torch::nn::Cloneable<InputAdapterImpl> {
   CausalLMConfig config;
   Embedding embed_tokens{nullptr};
@@ -119,6 +119,7 @@ struct InputAdapterImpl : torch::nn::Cloneable<InputAdapterImpl> {
   }
   c10::IValue forward(c10::IValue input) {
     at::Tensor ids, attention_mask, labels;
+    c10::IValue return_logits;  // None: the model's option
     if (input.isTensor()) {
       ids = input.toTensor();
     } else {
@@ -130,6 +131,7 @@ struct InputAdapterImpl : torch::nn::Cloneable<InputAdapterImpl> {
       ids = e[0].toTensor();
       if (e.size() > 1 && e[1].isTensor()) attention_mask = e[1].toTensor();
       if (e.size() > 2 && e[2].isTensor()) labels = e[2].toTensor();
+      if (e.size() > 3 && e[3].isBool()) return_logits = e[3].toBool();
     }
     TORCH_CHECK(ids.dim() == 2, "input_ids must be [batch, sequence], got ", ids.sizes());
     auto hidden = embed_tokens(ids);
@@ -145,8 +147,9 @@ struct InputAdapterImpl : torch::nn::Cloneable<InputAdapterImpl> {
       auto keys = attention_mask.to(at::kBool).view({ids.size(0), 1, 1, T});
       mask = causal.view({1, 1, T, T}).logical_and(keys);  // [batch, 1, T, T], true = attend
     }
-    return c10::ivalue::Tuple::create(
-        {hidden, cos, sin, mask, labels.defined() ? c10::IValue(labels) : c10::IValue()});
+    return c10::ivalue::Tuple::create({hidden, cos, sin, mask,
+                                       labels.defined() ? c10::IValue(labels) : c10::IValue(),
+                                       return_logits});
   }
 };
 TORCH_MODULE(InputAdapter);
@@ -244,7 +247,9 @@ struct DecoderLayerImpl : torch::nn::Cloneable<DecoderLayerImpl> {
     h = h + self_attn(input_layernorm(h), e[1].toTensor().unsqueeze(1),
                       e[2].toTensor().unsqueeze(1), mask);
     h = h + mlp(post_attention_layernorm(h));
-    return c10::ivalue::Tuple::create({h, e[1], e[2], e[3], e[4]});
+    std::vector<c10::IValue> out(e.begin(), e.end());  // everything but the hidden state passes on
+    out[0] = h;
+    return c10::ivalue::Tuple::create(std::move(out));
   }
   std::shared_ptr<torch::nn::Module> clone(
       const std::optional<c10::Device>& device = std::nullopt) const override {
@@ -294,7 +299,9 @@ struct OutputAdapterImpl : torch::nn::Cloneable<OutputAdapterImpl> {
     auto labels = e[4].toTensor();
     auto shifted = at::constant_pad_nd(labels, {0, 1}, -100).narrow(1, 1, labels.size(1));
     const int64_t D = h.size(-1);
-    if (!options.return_logits) {
+    const bool return_logits =
+        e.size() > 5 && e[5].isBool() ? e[5].toBool() : options.return_logits;
+    if (!return_logits) {
       return chunked_linear_cross_entropy(h.reshape({-1, D}), weight, shifted.reshape({-1}),
                                           options.loss_chunk_tokens);
     }
@@ -345,8 +352,14 @@ CausalLM::CausalLM(CausalLMConfig config, CausalLMOptions options)
     sequential_->push_back(DecoderLayer(config_));
   sequential_->push_back(OutputAdapter(
       config_, options_, config_.tie_word_embeddings ? input->embed_tokens->weight : at::Tensor()));
-  // transformers' initialisation for new weights: normal(0, 0.02), norms 1.
   c10::NoGradGuard no_grad;
+  if (!options_.init_weights) {
+    // Uninitialised, in the model dtype, memory untouched (rotary tables stay fp32).
+    for (auto& p : sequential_->parameters())
+      p.set_data(at::empty(p.sizes(), p.options().dtype(options_.dtype)));
+    return;
+  }
+  // transformers' initialisation for new weights: normal(0, 0.02), norms 1.
   for (auto& item : sequential_->named_parameters()) {
     const auto& name = item.key();
     if (name.size() >= 5 && name.substr(name.size() - 5) == ".bias") {

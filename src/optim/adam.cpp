@@ -4,6 +4,7 @@
 #include <c10/util/Exception.h>
 
 #include <cmath>
+#include <tuple>
 
 #include "optim/adam_kernel.h"
 #include "roundpipe/parallel.h"
@@ -110,20 +111,17 @@ void Adam::fused_step(const std::vector<at::Tensor>& params, const std::vector<a
                       const std::vector<at::Tensor>& low_precision_out) {
   TORCH_CHECK(params.size() == grads.size() && params.size() == low_precision_out.size(),
               "Adam::fused_step: params, grads and outputs differ in count");
-  at::NoGradGuard no_grad;
   const auto& group_options =
       static_cast<const torch::optim::AdamOptions&>(param_groups().front().options());
-  const double lr = group_options.lr();
-  const auto [beta1, beta2] = group_options.betas();
-  const double eps = group_options.eps(), wd = group_options.weight_decay();
-  const bool amsgrad = group_options.amsgrad();
-  std::vector<Work> works;
+  AdamConfig config = config_;
+  config.lr = group_options.lr();
+  std::tie(config.beta1, config.beta2) = group_options.betas();
+  config.eps = group_options.eps();
+  config.weight_decay = group_options.weight_decay();
+  config.amsgrad = group_options.amsgrad();
+  std::vector<AdamTensors> tensors;
   for (size_t i = 0; i < params.size(); ++i) {
     const auto& p = params[i];
-    const auto& g = grads[i];
-    const auto& out = low_precision_out[i];
-    TORCH_CHECK(g.sizes() == p.sizes(), "Adam: gradient of shape ", g.sizes(),
-                " for a parameter of shape ", p.sizes());
     auto key = p.unsafeGetTensorImpl();
     auto it = state_.find(key);
     if (it == state_.end()) {
@@ -131,39 +129,67 @@ void Adam::fused_step(const std::vector<at::Tensor>& params, const std::vector<a
       state->step(0);
       state->exp_avg(at::zeros_like(p, at::MemoryFormat::Contiguous));
       state->exp_avg_sq(at::zeros_like(p, at::MemoryFormat::Contiguous));
-      if (amsgrad) state->max_exp_avg_sq(at::zeros_like(p, at::MemoryFormat::Contiguous));
+      if (config.amsgrad) state->max_exp_avg_sq(at::zeros_like(p, at::MemoryFormat::Contiguous));
       it = state_.emplace(key, std::move(state)).first;
     }
     auto& state = static_cast<torch::optim::AdamParamState&>(*it->second);
     state.step(state.step() + 1);
-    const double bc1 = 1 - std::pow(beta1, state.step());
-    const double bc2 = 1 - std::pow(beta2, state.step());
+    tensors.push_back({p, grads[i], state.exp_avg(), state.exp_avg_sq(),
+                       config.amsgrad ? state.max_exp_avg_sq() : at::Tensor(), low_precision_out[i],
+                       state.step()});
+  }
+  adam_update(tensors, config);
+}
+
+void adam_update(const std::vector<AdamTensors>& tensors, const AdamConfig& config) {
+  at::NoGradGuard no_grad;
+  const double lr = config.lr, beta1 = config.beta1, beta2 = config.beta2, eps = config.eps,
+               wd = config.weight_decay;
+  const bool amsgrad = config.amsgrad;
+  std::vector<Work> works;
+  for (const auto& t : tensors) {
+    const auto& p = t.param;
+    const auto& g = t.grad;
+    const auto& out = t.low_precision_out;
+    TORCH_CHECK(g.sizes() == p.sizes(), "Adam: gradient of shape ", g.sizes(),
+                " for a parameter of shape ", p.sizes());
+    TORCH_CHECK(
+        t.exp_avg.sizes() == p.sizes() && t.exp_avg_sq.sizes() == p.sizes() &&
+            (!amsgrad || (t.max_exp_avg_sq.defined() && t.max_exp_avg_sq.sizes() == p.sizes())),
+        "Adam: optimizer state of the wrong shape for a parameter of shape ", p.sizes());
+    TORCH_CHECK(t.step >= 1, "Adam: step numbers start at 1, got ", t.step);
+    const double bc1 = 1 - std::pow(beta1, t.step);
+    const double bc2 = 1 - std::pow(beta2, t.step);
     const bool fast =
         p.scalar_type() == at::kFloat && p.is_contiguous() && p.device().is_cpu() &&
-        state.exp_avg().is_contiguous() && state.exp_avg_sq().is_contiguous() &&
-        g.is_contiguous() &&
+        t.exp_avg.scalar_type() == at::kFloat && t.exp_avg_sq.scalar_type() == at::kFloat &&
+        t.exp_avg.is_contiguous() && t.exp_avg_sq.is_contiguous() &&
+        (!amsgrad ||
+         (t.max_exp_avg_sq.is_contiguous() && t.max_exp_avg_sq.scalar_type() == at::kFloat)) &&
+        g.is_contiguous() && g.device().is_cpu() &&
         (g.scalar_type() == at::kFloat ||
          (out.defined() && out.scalar_type() == g.scalar_type() && out.is_contiguous())) &&
         (!out.defined() || out.sizes() == p.sizes());
     if (!fast) {
       // The plain ATen composition, as torch::optim::Adam / AdamW do it.
       auto grad = g.to(p.scalar_type());
-      if (config_.maximize) grad = -grad;
-      if (config_.decoupled_weight_decay) {
+      if (config.maximize) grad = -grad;
+      if (config.decoupled_weight_decay) {
         p.mul_(1 - lr * wd);
       } else if (wd != 0) {
         grad = grad.add(p, wd);
       }
-      state.exp_avg().mul_(beta1).add_(grad, 1 - beta1);
-      state.exp_avg_sq().mul_(beta2).addcmul_(grad, grad, 1 - beta2);
+      t.exp_avg.mul_(beta1).add_(grad, 1 - beta1);
+      t.exp_avg_sq.mul_(beta2).addcmul_(grad, grad, 1 - beta2);
       at::Tensor denom;
       if (amsgrad) {
-        at::maximum_out(state.max_exp_avg_sq(), state.max_exp_avg_sq(), state.exp_avg_sq());
-        denom = (state.max_exp_avg_sq().sqrt() / std::sqrt(bc2)).add_(eps);
+        at::Tensor vmax = t.max_exp_avg_sq;  // a handle on the same storage
+        at::maximum_out(vmax, vmax, t.exp_avg_sq);
+        denom = (t.max_exp_avg_sq.sqrt() / std::sqrt(bc2)).add_(eps);
       } else {
-        denom = (state.exp_avg_sq().sqrt() / std::sqrt(bc2)).add_(eps);
+        denom = (t.exp_avg_sq.sqrt() / std::sqrt(bc2)).add_(eps);
       }
-      p.addcdiv_(state.exp_avg(), denom, -lr / bc1);
+      p.addcdiv_(t.exp_avg, denom, -lr / bc1);
       if (out.defined()) out.copy_(p);
       continue;
     }
@@ -171,9 +197,9 @@ void Adam::fused_step(const std::vector<at::Tensor>& params, const std::vector<a
     w.param = p.data_ptr<float>();
     w.grad = g.data_ptr();
     w.grad_type = g.scalar_type();
-    w.exp_avg = state.exp_avg().data_ptr<float>();
-    w.exp_avg_sq = state.exp_avg_sq().data_ptr<float>();
-    w.max_exp_avg_sq = amsgrad ? state.max_exp_avg_sq().data_ptr<float>() : nullptr;
+    w.exp_avg = t.exp_avg.data_ptr<float>();
+    w.exp_avg_sq = t.exp_avg_sq.data_ptr<float>();
+    w.max_exp_avg_sq = amsgrad ? t.max_exp_avg_sq.data_ptr<float>() : nullptr;
     w.out = out.defined() ? out.data_ptr() : nullptr;
     w.numel = p.numel();
     auto& s = w.scalars;
@@ -181,9 +207,9 @@ void Adam::fused_step(const std::vector<at::Tensor>& params, const std::vector<a
     s.one_minus_beta1 = static_cast<float>(1 - beta1);
     s.beta2 = static_cast<float>(beta2);
     s.one_minus_beta2 = static_cast<float>(1 - beta2);
-    s.l2_decay = config_.decoupled_weight_decay ? 0.f : static_cast<float>(wd);
-    s.decoupled_keep = config_.decoupled_weight_decay ? static_cast<float>(1 - lr * wd) : 1.f;
-    s.grad_sign = config_.maximize ? -1.f : 1.f;
+    s.l2_decay = config.decoupled_weight_decay ? 0.f : static_cast<float>(wd);
+    s.decoupled_keep = config.decoupled_weight_decay ? static_cast<float>(1 - lr * wd) : 1.f;
+    s.grad_sign = config.maximize ? -1.f : 1.f;
     s.sqrt_bias_correction2 = static_cast<float>(std::sqrt(bc2));
     s.eps = static_cast<float>(eps);
     s.neg_step_size = static_cast<float>(-lr / bc1);
@@ -191,9 +217,9 @@ void Adam::fused_step(const std::vector<at::Tensor>& params, const std::vector<a
   }
   run_all(works);
   // A gradient in fp32 with a low-precision output: write it after the pass.
-  for (size_t i = 0; i < params.size(); ++i) {
-    const auto& out = low_precision_out[i];
-    if (out.defined() && grads[i].scalar_type() == at::kFloat) out.copy_(params[i]);
+  for (const auto& t : tensors) {
+    if (t.low_precision_out.defined() && t.grad.scalar_type() == at::kFloat)
+      t.low_precision_out.copy_(t.param);
   }
 }
 

@@ -40,9 +40,18 @@ struct CallState {
   std::map<int, std::vector<std::shared_ptr<Slot>>> act, grad;
   std::vector<std::shared_ptr<Slot>> losses, outputs;  // fused tail results
   std::vector<bool> input_requires_grad;               // per flattened input tensor
-  std::vector<bool> input_is_split;                    // per flattened input tensor
-  std::vector<std::vector<at::Tensor>> input_grads;    // per microbatch (layer 0)
-  std::vector<std::vector<int64_t>> output_rows;       // per output tensor: rows per microbatch
+  // Packed input: microbatch m's tensors are flattened inputs [m], [m+1]).
+  std::vector<size_t> packed_input_offsets;
+  // Which of microbatch m's (flattened) input tensors become gradient leaves.
+  std::vector<bool> microbatch_input_requires_grad(int m) const {
+    if (packed_input_offsets.empty()) return input_requires_grad;
+    return {input_requires_grad.begin() + packed_input_offsets[m],
+            input_requires_grad.begin() + packed_input_offsets[m + 1]};
+  }
+  std::vector<bool> input_is_split;                  // per flattened input tensor
+  std::vector<std::vector<at::Tensor>> input_grads;  // per microbatch (layer 0)
+  std::vector<std::vector<int64_t>> output_rows;     // per output tensor: rows per microbatch
+  std::vector<size_t> packed_offsets;  // packed output: microbatch m's tensors are [m], [m+1])
   std::vector<c10::IValue> labels;
   LossFn loss_fn;
   bool return_outputs = false;
@@ -991,8 +1000,10 @@ struct StageRunner {
 
   // Makes the stage input's float tensors leaves; at layer 0 only the
   // caller's tensors that require grad.
-  c10::IValue input_leaves(const c10::IValue& x, int l, std::vector<at::Tensor>& leaves) {
-    return make_leaves(x, l == 0 ? &call.input_requires_grad : nullptr, leaves);
+  c10::IValue input_leaves(const c10::IValue& x, int l, int m, std::vector<at::Tensor>& leaves) {
+    if (l > 0) return make_leaves(x, nullptr, leaves);
+    const auto only = call.microbatch_input_requires_grad(m);
+    return make_leaves(x, &only, leaves);
   }
 
   void send_input_grads(int l, int m, const std::vector<at::Tensor>& leaves) {
@@ -1022,7 +1033,7 @@ struct StageRunner {
           auto lock = device.compute_lock();
           RngScope rng(device, in.rng);
           c10::AutoGradMode grad_mode(true);
-          x = input_leaves(x, l, leaves);
+          x = input_leaves(x, l, m, leaves);
           auto y = run_layer(l, x, true);
           phase = "backward";
           backward_through(y, grads);
@@ -1034,7 +1045,7 @@ struct StageRunner {
         auto lock = device.compute_lock();
         RngScope rng(device, in.rng);
         c10::AutoGradMode grad_mode(true);
-        x = input_leaves(x, r.begin, leaves);
+        x = input_leaves(x, r.begin, m, leaves);
         for (int l = r.begin; l < r.end; ++l) x = run_layer(l, x, true);
         phase = "backward";
         layer = -1;
@@ -1155,7 +1166,7 @@ void Engine::run_job(Job& job, Worker& worker) {
     if (runner.microbatch >= 0) msg << ", microbatch " << runner.microbatch;
     msg << ", phase " << runner.phase << ": " << what;
     call.fail(StageError(msg.str(), job.describe(), runner.layer, runner.microbatch, runner.phase,
-                         worker.device().name(), oom));
+                         worker.device().name(), oom, std::current_exception()));
   };
   try {
     runner.run();
@@ -1199,7 +1210,18 @@ std::shared_ptr<CallState> Engine::start_call(const c10::IValue& input, const Ru
     call->input_requires_grad.push_back(training && !fused && t.defined() && t.requires_grad());
   }
   std::vector<c10::IValue> pieces;
-  if (call->config.split_input) {
+  if (call->config.packed_input.value_or(false)) {
+    TORCH_CHECK(
+        input.isTuple() && static_cast<int>(input.toTupleRef().elements().size()) == call->n, name_,
+        ": a packed input must be a tuple of num_microbatch = ", call->n,
+        " microbatch values (the packed output of an earlier call)");
+    pieces = input.toTupleRef().elements().vec();
+    call->packed_input_offsets = {0};
+    for (const auto& piece : pieces) {
+      call->packed_input_offsets.push_back(call->packed_input_offsets.back() +
+                                           flatten_tensors(piece).size());
+    }
+  } else if (call->config.split_input) {
     pieces = (*call->config.split_input)(input, call->n);
     TORCH_CHECK(static_cast<int>(pieces.size()) == call->n, name_, ": split_input returned ",
                 pieces.size(), " microbatches, expected num_microbatch = ", call->n);
@@ -1214,6 +1236,11 @@ std::shared_ptr<CallState> Engine::start_call(const c10::IValue& input, const Ru
     for (const auto& t : inputs) {
       call->input_is_split.push_back(t.defined() && t.dim() > 0 && t.size(0) == batch);
     }
+  }
+  // Microbatches join autograd only through PipelineFunction: detached here,
+  // a backward stage never runs into the graph that produced the input.
+  for (auto& piece : pieces) {
+    piece = map_tensors(piece, [](const at::Tensor& t) { return t.defined() ? t.detach() : t; });
   }
   if (call->preserve_rng) {
     auto gen = at::detail::getDefaultCPUGenerator();
@@ -1316,6 +1343,14 @@ struct PipelineFunction : public torch::autograd::Function<PipelineFunction> {
     // Split the output gradients the way the outputs were merged.
     for (int m = 0; m < n; ++m) {
       std::vector<at::Tensor> grads;
+      if (!call.packed_offsets.empty()) {  // packed: microbatch m's own tensors
+        for (size_t i = call.packed_offsets[m]; i < call.packed_offsets[m + 1]; ++i) {
+          const auto& g = grad_outputs[i];
+          grads.push_back(g.defined() ? g.contiguous().cpu() : at::Tensor());
+        }
+        CallState::put(*call.grad.at(L)[m], {}, grads, nullptr, {});
+        continue;
+      }
       for (size_t i = 0; i < grad_outputs.size(); ++i) {
         const auto& g = grad_outputs[i];
         if (!g.defined()) {
@@ -1341,6 +1376,15 @@ struct PipelineFunction : public torch::autograd::Function<PipelineFunction> {
     result.emplace_back();  // the anchor
     const int64_t num_inputs = ctx->saved_data["num_inputs"].toInt();
     for (int64_t i = 0; i < num_inputs; ++i) {
+      if (!call.packed_input_offsets.empty()) {  // each input tensor belongs to one microbatch
+        const auto& offsets = call.packed_input_offsets;
+        int m = 0;
+        while (static_cast<size_t>(i) >= offsets[m + 1]) ++m;
+        const auto& grads = call.input_grads[m];
+        const size_t j = i - offsets[m];
+        result.push_back(j < grads.size() ? grads[j] : at::Tensor());
+        continue;
+      }
       std::vector<at::Tensor> parts;
       for (int m = 0; m < n; ++m) {
         const auto& grads = call.input_grads[m];
@@ -1388,22 +1432,31 @@ c10::IValue Engine::forward(const c10::IValue& input, const RunConfig& config) {
   auto to_output_device = [&](const c10::IValue& v) {
     return to_device(v, *call->config.output_device);
   };
-  if (call->config.merge_output) {
+  const bool packed = call->config.pack_output.value_or(false);
+  if (call->config.merge_output && !packed) {
     TORCH_CHECK(!training, name_,
                 ": a custom merge_output cannot be differentiated through; run "
                 "with requires_grad=false or use forward_backward");
     return to_output_device((*call->config.merge_output)(outs));
   }
-  auto merged = merge_microbatches(outs);
+  auto merged = packed ? c10::IValue(c10::ivalue::Tuple::create(outs)) : merge_microbatches(outs);
   if (!training) return to_output_device(merged);
 
   // Remember how each output tensor was merged, for splitting its gradient.
   auto flat_merged = flatten_tensors(merged);
-  call->output_rows.assign(flat_merged.size(), {});
-  for (const auto& out : outs) {
-    auto flat = flatten_tensors(out);
-    for (size_t i = 0; i < flat.size(); ++i) {
-      call->output_rows[i].push_back(flat[i].defined() && flat[i].dim() > 0 ? flat[i].size(0) : -1);
+  if (packed) {
+    call->packed_offsets = {0};
+    for (const auto& out : outs) {
+      call->packed_offsets.push_back(call->packed_offsets.back() + flatten_tensors(out).size());
+    }
+  } else {
+    call->output_rows.assign(flat_merged.size(), {});
+    for (const auto& out : outs) {
+      auto flat = flatten_tensors(out);
+      for (size_t i = 0; i < flat.size(); ++i) {
+        call->output_rows[i].push_back(flat[i].defined() && flat[i].dim() > 0 ? flat[i].size(0)
+                                                                              : -1);
+      }
     }
   }
   auto handle = c10::make_intrusive<CallHandle>();
@@ -1456,8 +1509,12 @@ ForwardBackwardResult Engine::forward_backward(const c10::IValue& input, const c
   result.loss = total;
   if (return_outputs) {
     auto outs = collect(call, call->outputs);
-    result.output =
-        call->config.merge_output ? (*call->config.merge_output)(outs) : merge_microbatches(outs);
+    if (call->config.pack_output.value_or(false)) {
+      result.output = c10::ivalue::Tuple::create(outs);
+    } else {
+      result.output =
+          call->config.merge_output ? (*call->config.merge_output)(outs) : merge_microbatches(outs);
+    }
     result.output = to_device(result.output, *call->config.output_device);
   }
   return result;

@@ -185,7 +185,12 @@ RunConfig RunConfig::overriding(const RunConfig& model) const {
   if (num_microbatch) out.num_microbatch = num_microbatch;
   if (split_input) out.split_input = split_input;
   if (split_label) out.split_label = split_label;
-  if (merge_output) out.merge_output = merge_output;
+  if (merge_output) {
+    out.merge_output = merge_output;
+    out.pack_output.reset();  // a call's own merge replaces the model's packing
+  }
+  if (pack_output) out.pack_output = pack_output;
+  if (packed_input) out.packed_input = packed_input;
   if (execute_plan) out.execute_plan = execute_plan;
   return out;
 }

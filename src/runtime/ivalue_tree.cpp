@@ -4,6 +4,11 @@
 
 namespace roundpipe {
 
+const OpaqueValue* as_opaque(const c10::IValue& value) {
+  if (!value.isCapsule()) return nullptr;
+  return dynamic_cast<const OpaqueValue*>(value.toCapsule().get());
+}
+
 c10::IValue map_tensors(const c10::IValue& value,
                         const std::function<at::Tensor(const at::Tensor&)>& fn) {
   if (value.isTensor()) return fn(value.toTensor());

@@ -85,6 +85,17 @@ c10::IValue merge_at(const std::vector<c10::IValue>& values, const std::string& 
     }
     return out;
   }
+  if (const auto* opaque = as_opaque(first)) {
+    for (const auto& v : values) {
+      const auto* other = as_opaque(v);
+      TORCH_CHECK(other && (other == opaque || opaque->equals(*other)),
+                  "merge_microbatches: the value at ", path, " differs between microbatches (",
+                  opaque->describe(), " vs ", other ? other->describe() : std::string("?"),
+                  "). Non-tensor outputs must be equal in every microbatch, or give "
+                  "RunConfig::merge_output a function that merges them.");
+    }
+    return first;
+  }
   for (const auto& v : values) {
     TORCH_CHECK(v == first, "merge_microbatches: the non-tensor value at ", path,
                 " differs between microbatches (", first, " vs ", v,

@@ -3,7 +3,9 @@
 // layer per decoder block, and an output adapter (final norm, lm_head, loss).
 //
 // The model's input is a tensor of token ids [batch, seq] or a tuple
-// (input_ids, attention_mask or None, labels or None); labels use -100 for
+// (input_ids, attention_mask or None, labels or None[, return_logits]), the
+// optional bool overriding CausalLMOptions::return_logits for that call;
+// labels use -100 for
 // ignored positions and are shifted inside, as in HuggingFace. The output is
 // the mean loss over the labelled tokens when labels are given (computed
 // without materialising the [tokens, vocab] logits unless return_logits),
@@ -28,6 +30,9 @@ struct CausalLMOptions {
   // copies the mapped checkpoint straight into memory the GPUs upload from
   // (RoundPipe's pin_model=alloc then keeps it as is). Needs CUDA.
   bool pin_memory = false;
+  // false: leave the weights uninitialised (their memory untouched), for a
+  // model whose weights are loaded or replaced at once.
+  bool init_weights = true;
 
   CausalLMOptions& set_dtype(c10::ScalarType v) {
     dtype = v;
@@ -39,6 +44,10 @@ struct CausalLMOptions {
   }
   CausalLMOptions& set_loss_chunk_tokens(int64_t v) {
     loss_chunk_tokens = v;
+    return *this;
+  }
+  CausalLMOptions& set_init_weights(bool v) {
+    init_weights = v;
     return *this;
   }
 };

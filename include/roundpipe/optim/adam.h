@@ -51,6 +51,22 @@ struct AdamConfig {
   }
 };
 
+// One parameter's share of an Adam update, its state held by the caller.
+struct AdamTensors {
+  at::Tensor param;              // updated in place
+  at::Tensor grad;               // same dtype as param, or fp16/bf16 for an fp32 param
+  at::Tensor exp_avg;            // same shape and dtype as param
+  at::Tensor exp_avg_sq;         // same shape and dtype as param
+  at::Tensor max_exp_avg_sq;     // amsgrad only
+  at::Tensor low_precision_out;  // optional: written with the updated value
+  int64_t step = 1;              // the step number of this update (1 for the first)
+};
+
+// One Adam/AdamW update of every entry with `config`'s hyperparameters, in
+// one parallel pass: fp32 contiguous CPU parameters take the vectorised
+// kernel, anything else the plain ATen composition (as torch does it).
+void adam_update(const std::vector<AdamTensors>& tensors, const AdamConfig& config);
+
 // Derives from torch::optim::Adam so that its state (AdamParamState) and
 // options serialize with torch::save / torch::load like LibTorch's own Adam.
 // `maximize` and `decoupled_weight_decay` are not part of LibTorch's

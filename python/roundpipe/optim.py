@@ -1,0 +1,76 @@
+"""roundpipe.optim.Adam: the C++ CPU Adam/AdamW kernel as a torch optimizer."""
+from __future__ import annotations
+
+import torch
+
+from . import _C
+
+
+class Adam(torch.optim.Optimizer):
+    """Adam (AdamW with ``decoupled_weight_decay=True``) for CPU tensors: one
+    vectorised, multithreaded pass over all parameters of a group, outside
+    the GIL. Follows ``torch.optim.Adam`` operation by operation (fp32:
+    equal to 1e-6). State and ``state_dict()`` are torch.optim's, so LR
+    schedulers and checkpoints work as usual."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
+                 amsgrad=False, *, maximize=False, decoupled_weight_decay=False):
+        if not 0.0 <= lr:
+            raise ValueError(f"Invalid learning rate: {lr}")
+        if not 0.0 <= eps:
+            raise ValueError(f"Invalid epsilon value: {eps}")
+        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
+            raise ValueError(f"Invalid betas: {betas}")
+        if not 0.0 <= weight_decay:
+            raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
+                        maximize=maximize, decoupled_weight_decay=decoupled_weight_decay)
+        super().__init__(params, defaults)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            params, grads, exp_avgs, exp_avg_sqs, max_sqs, steps = [], [], [], [], [], []
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise RuntimeError("roundpipe.optim.Adam does not support sparse gradients")
+                if p.device.type != "cpu":
+                    raise RuntimeError(f"roundpipe.optim.Adam updates CPU tensors; got one on {p.device} "
+                                       "(build it on RoundPipe.optim_parameters())")
+                state = self.state[p]
+                if not state:
+                    state["step"] = torch.tensor(0.0)
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+                    if group["amsgrad"]:
+                        state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+                state["step"] += 1
+                params.append(p)
+                grads.append(p.grad)
+                exp_avgs.append(state["exp_avg"])
+                exp_avg_sqs.append(state["exp_avg_sq"])
+                max_sqs.append(state.get("max_exp_avg_sq"))
+                steps.append(int(state["step"].item()))
+            if not params:
+                continue
+            beta1, beta2 = group["betas"]
+            _C.adam_update(params, grads, exp_avgs, exp_avg_sqs, max_sqs, steps, float(group["lr"]),
+                           float(beta1), float(beta2), float(group["eps"]), float(group["weight_decay"]),
+                           bool(group["amsgrad"]), bool(group["maximize"]),
+                           bool(group["decoupled_weight_decay"]))
+        return loss
+
+
+class AdamW(Adam):
+    """Adam with decoupled weight decay (default weight_decay 0.01, as torch)."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
+                 amsgrad=False, *, maximize=False):
+        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize,
+                         decoupled_weight_decay=True)

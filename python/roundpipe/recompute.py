@@ -1,0 +1,22 @@
+"""Helpers for layers whose forward does random or host-syncing work that a
+recompute must not redo (MoE routing counts, nonzero(), .item())."""
+from __future__ import annotations
+
+from . import _C
+
+
+def save_for_recompute(*data) -> None:
+    """Keeps `data` (no tensor in it may require grad) for this layer and
+    microbatch, once per layer per microbatch. A no-op outside RoundPipe or
+    in a recompute."""
+    _C.save_for_recompute(tuple(data))
+
+
+def doing_recompute() -> bool:
+    """Whether the current layer call is a recompute in a backward stage."""
+    return _C.doing_recompute()
+
+
+def get_recompute_data() -> tuple:
+    """In a recompute: what the forward saved (a tuple), on this device."""
+    return _C.get_recompute_data()

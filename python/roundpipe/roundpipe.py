@@ -1,0 +1,332 @@
+"""RoundPipe: train a model bigger than GPU memory on the C++ engine."""
+from __future__ import annotations
+
+import threading
+import types
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+
+from . import _C
+from .run_config import RoundPipeRunConfig
+
+_optimizer_ctx = threading.local()
+
+
+class OptimizerCtx:
+    """Inside ``with OptimizerCtx():`` a RoundPipe's ``parameters()`` and
+    ``named_parameters()`` return the optimizer's master copies, so existing
+    code that builds an optimizer from ``model.parameters()`` works."""
+
+    def __enter__(self):
+        _optimizer_ctx.depth = getattr(_optimizer_ctx, "depth", 0) + 1
+        return self
+
+    def __exit__(self, *exc):
+        _optimizer_ctx.depth -= 1
+        return False
+
+
+def _in_optimizer_ctx() -> bool:
+    return getattr(_optimizer_ctx, "depth", 0) > 0
+
+
+class PackedMicrobatches:
+    """The per-microbatch outputs of a call with ``merge_output=False``.
+    Passed as the only argument of a next RoundPipe, its microbatches are
+    used as they are (no merge, no split)."""
+
+    def __init__(self, outputs: list):
+        self.outputs = list(outputs)
+
+    def __len__(self):
+        return len(self.outputs)
+
+    def __getitem__(self, i):
+        return self.outputs[i]
+
+    def __iter__(self):
+        return iter(self.outputs)
+
+    def __repr__(self):
+        return f"PackedMicrobatches({len(self.outputs)} microbatches)"
+
+
+def _default_loss_fn(output, label):
+    loss = getattr(output, "loss", None)
+    if isinstance(loss, torch.Tensor):
+        return loss
+    if isinstance(output, torch.Tensor):
+        return output
+    raise TypeError(
+        f"forward_backward needs loss_fn(output, label) -> 0-dim tensor: the model returns "
+        f"{type(output).__name__}, which is neither a loss tensor nor has a .loss"
+    )
+
+
+def _resolve(call: Optional[RoundPipeRunConfig], model: RoundPipeRunConfig, name: str):
+    value = getattr(call, name) if call is not None else None
+    return getattr(model, name) if value is None else value
+
+
+class RoundPipe(nn.Module):
+    """Wraps `model` for training with model state in CPU memory.
+
+    ``nn.Sequential``: each child is one scheduled layer; any other module is
+    one layer. Layer 0 gets the call's ``(*args, **kwargs)``; every later
+    layer gets the previous layer's whole output (any pytree).
+
+    - optim_dtype: dtype of the optimizer's master copies (default: the
+      parameter dtype), e.g. torch.float32 for a float16 model
+    - model_run_config: the model-level RoundPipeRunConfig
+    - pin_model: "alloc" (pinned copies, fastest), "register" (pin in place,
+      CUDA only) or "off" (pageable; e.g. mmap-loaded weights)
+    - devices: device spec ("cuda", "cuda:0,1", "sim:2", ...); default:
+      $ROUNDPIPE_DEVICES, else all GPUs, else one simulated device
+
+    Attributes the wrapper lacks are read from the original model (e.g.
+    ``model.config``); writes go to both.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optim_dtype: Optional[torch.dtype] = None,
+        name: Optional[str] = None,
+        model_run_config: Optional[RoundPipeRunConfig] = None,
+        pin_model: str = "alloc",
+        devices: Optional[str] = None,
+        *,
+        _layers=None,
+    ):
+        super().__init__()
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"RoundPipe wraps a torch.nn.Module, got {type(model).__name__}")
+        if pin_model not in ("alloc", "register", "off"):
+            raise ValueError(f"pin_model must be 'alloc', 'register' or 'off', got {pin_model!r}")
+        model_run_config = RoundPipeRunConfig() if model_run_config is None else model_run_config
+        if not isinstance(model_run_config, RoundPipeRunConfig):
+            raise TypeError("model_run_config must be a RoundPipeRunConfig")
+        if _layers is None:
+            if isinstance(model, nn.Sequential):
+                if len(model) == 0:
+                    raise ValueError("RoundPipe needs a non-empty nn.Sequential")
+                _layers = [_C.python_layer(child, i == 0) for i, child in enumerate(model)]
+            else:
+                _layers = [_C.python_layer(model, True)]
+        # Plain attributes (not submodules): the original's parameters are the
+        # engine's home tensors and must not be registered twice.
+        object.__setattr__(self, "_model", model)
+        object.__setattr__(self, "_model_run_config", model_run_config)
+        object.__setattr__(self, "_engine", _C.Engine(
+            _layers, optim_dtype, name or "RoundPipe", pin_model, devices or "", None))
+        object.__setattr__(self, "_names", self._original_names())
+        object.__setattr__(self, "training", model.training)
+
+    # ------------------------------------------------------------ calls
+
+    def forward(self, *args, roundpipe_run_config: Optional[RoundPipeRunConfig] = None, **kwargs):
+        """Runs the model on CPU inputs and returns the merged outputs (on
+        output_device). With grad enabled the outputs are connected to
+        autograd: ``loss.backward()`` runs the backward stages."""
+        config, value = self._engine_call(roundpipe_run_config, args, kwargs)
+        out = self._engine.forward(value, config)
+        return self._user_output(out, config)
+
+    def forward_backward(
+        self,
+        input_args=(),
+        input_kwargs=None,
+        label=None,
+        loss_fn: Optional[Callable[[Any, Any], torch.Tensor]] = None,
+        return_outputs: bool = False,
+        run_config: Optional[RoundPipeRunConfig] = None,
+    ):
+        """Fused training call: per microbatch forward, ``loss_fn(output,
+        label)`` on the device, backward. Returns the sum of the microbatch
+        losses (CPU), or ``(loss, merged outputs)``. Returns once the losses
+        are known; backward stages go on in the background."""
+        if not isinstance(input_args, tuple):
+            input_args = (input_args,)
+        input_kwargs = {} if input_kwargs is None else dict(input_kwargs)
+        user_loss = _default_loss_fn if loss_fn is None else loss_fn
+        config, value = self._engine_call(run_config, input_args, input_kwargs)
+        to_user = self._user_microbatch_output
+        loss, out = self._engine.forward_backward(
+            value, label,
+            lambda output, lbl: user_loss(to_user(output), lbl), return_outputs, config)
+        if return_outputs:
+            return loss, self._user_output(out, config)
+        return loss
+
+    __call__ = nn.Module.__call__
+
+    # ------------------------------------------------------------ optimizer
+
+    def step(self, step_fn: Callable[[], Any], is_async: bool = True) -> None:
+        """Queues an optimizer step on the optimizer thread: the gradients
+        since the last step are added into the masters' ``.grad``, then
+        ``step_fn()`` runs (typically ``opt.step(); opt.zero_grad()``), then
+        the weights are published layer by layer. Async: the next iteration
+        runs on weights one update old; sync: returns after publishing."""
+        if not callable(step_fn):
+            raise TypeError("step() takes a function that steps the optimizer, e.g. lambda: (opt.step(), opt.zero_grad())")
+        self._engine.step(step_fn, bool(is_async))
+
+    def synchronize(self) -> None:
+        """Finishes pending steps and transfers, publishes the latest master
+        weights into the model and adds gradients no step consumed into the
+        parameters' ``.grad``. Call before evaluating or saving."""
+        self._engine.synchronize()
+
+    def optim_parameters(self) -> list:
+        """The optimizer's master copies (optim_dtype) of the trainable
+        parameters, created on first use; tied parameters appear once."""
+        return list(self._engine.optim_parameters())
+
+    def optim_named_parameters(self) -> list:
+        """(name, master) pairs, named as in the original model."""
+        return [(self._names.get(n, n), p) for n, p in self._engine.optim_named_parameters()]
+
+    # ------------------------------------------------------------ module API
+
+    def parameters(self, recurse: bool = True):
+        if _in_optimizer_ctx():
+            return iter(self.optim_parameters())
+        return self._model.parameters(recurse)
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        if _in_optimizer_ctx():
+            return iter([(prefix + ("." if prefix else "") + n, p) for n, p in self.optim_named_parameters()])
+        return self._model.named_parameters(prefix, recurse, remove_duplicate)
+
+    def buffers(self, recurse: bool = True):
+        return self._model.buffers(recurse)
+
+    def named_buffers(self, *args, **kwargs):
+        return self._model.named_buffers(*args, **kwargs)
+
+    def state_dict(self, *args, **kwargs):
+        """The original model's state dict after synchronize()."""
+        self.synchronize()
+        return self._model.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        if assign:
+            raise ValueError("RoundPipe keeps its parameter tensors; load_state_dict(assign=True) would replace them")
+        self.synchronize()
+        return self._model.load_state_dict(state_dict, strict)
+
+    def train(self, mode: bool = True):
+        self._model.train(mode)
+        object.__setattr__(self, "training", mode)
+        return self
+
+    def to(self, *args, **kwargs):
+        raise RuntimeError("a RoundPipe model stays in CPU memory (the engine moves layers to the GPUs); "
+                           "convert dtype before wrapping, e.g. RoundPipe(model.to(torch.float16))")
+
+    cuda = to
+
+    @property
+    def name(self) -> str:
+        return self._engine.name
+
+    @property
+    def num_layers(self) -> int:
+        return self._engine.num_layers
+
+    @property
+    def devices(self) -> list:
+        return list(self._engine.devices)
+
+    @property
+    def model_run_config(self) -> RoundPipeRunConfig:
+        return self._model_run_config
+
+    @property
+    def original_model(self) -> nn.Module:
+        return self._model
+
+    def __getitem__(self, index):
+        return self._model[index]
+
+    def __len__(self):
+        return len(self._model)
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            pass
+        model = self.__dict__.get("_model")
+        if model is None:
+            raise AttributeError(name)
+        return getattr(model, name)
+
+    def __setattr__(self, name: str, value) -> None:
+        model = self.__dict__.get("_model")
+        if model is not None and not name.startswith("_") and hasattr(model, name):
+            setattr(model, name, value)
+        object.__setattr__(self, name, value)
+
+    def __repr__(self):
+        return f"RoundPipe({self._engine.name}, {self.num_layers} layers on {', '.join(self.devices)})"
+
+    # ------------------------------------------------------------ hooks for presets
+
+    # Static, so that the functions the engine keeps (loss, split) never hold
+    # the RoundPipe itself.
+    @staticmethod
+    def _engine_input(args: tuple, kwargs: dict):
+        return (args, kwargs)
+
+    @staticmethod
+    def _user_microbatch_output(output):
+        return output
+
+    def _user_output(self, out, config):
+        if config.pack_output:
+            return PackedMicrobatches([self._user_microbatch_output(o) for o in out])
+        return self._user_microbatch_output(out)
+
+    # ------------------------------------------------------------ internals
+
+    def _original_names(self) -> dict:
+        by_id = {}
+        for n, p in self._model.named_parameters(remove_duplicate=False):
+            by_id.setdefault(id(p), n)
+        return {n: by_id.get(id(p), n) for n, p in self._engine.named_parameters()}
+
+    def _engine_call(self, call_config, args, kwargs):
+        """The engine's input value and the call's run config resolved
+        against the model's, with split and merge functions adapted to the
+        engine's one value per call."""
+        if call_config is not None and not isinstance(call_config, RoundPipeRunConfig):
+            raise TypeError("roundpipe_run_config / run_config must be a RoundPipeRunConfig")
+        model = self._model_run_config
+        view = types.SimpleNamespace(**{f: _resolve(call_config, model, f) for f in (
+            "requires_grad", "output_device", "preserve_rng_state", "recompute_grain",
+            "num_microbatch", "execute_plan")})
+        split_input = _resolve(call_config, model, "split_input")
+        packed = args[0] if len(args) == 1 and isinstance(args[0], PackedMicrobatches) else None
+        view.packed_input = packed is not None
+        view.split_input = None
+        if packed is not None:
+            if kwargs:
+                raise ValueError("a PackedMicrobatches input cannot be combined with keyword arguments")
+            view.num_microbatch = len(packed)
+            value = tuple(self._engine_input((mb,), {}) for mb in packed)
+        else:
+            value = self._engine_input(args, kwargs)
+        if packed is None and split_input is not None:
+            def split(value, n, f=split_input):
+                parts = f(args, kwargs, n)
+                return [self._engine_input(tuple(a), dict(k)) for a, k in parts]
+            view.split_input = split
+        view.split_label = _resolve(call_config, model, "split_label")
+        merge = _resolve(call_config, model, "merge_output")
+        view.pack_output = merge is False
+        view.merge_output = None if merge is False else merge
+        return view, value

@@ -1,0 +1,98 @@
+"""Run settings (per call > per model > default) and execute plans."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Optional, Sequence, Union
+
+import torch
+
+
+@dataclasses.dataclass
+class RoundPipeRunConfig:
+    """Every field left None takes the model-level value (the RoundPipe's
+    ``model_run_config``), then the default.
+
+    - requires_grad: connect outputs to autograd (default: torch grad mode)
+    - output_device: where merged outputs go (default: CPU)
+    - preserve_rng_state: replay dropout exactly in recompute (default: True)
+    - recompute_grain: "stage" (default) or "layer" (less device memory)
+    - num_microbatch: microbatches per call (default: number of devices + 1)
+    - split_input: f(args, kwargs, n) -> list of n (args, kwargs) pairs
+    - split_label: f(label, n) -> list of n labels
+    - merge_output: f(list of microbatch outputs) -> output, or False to
+      return a PackedMicrobatches that a next RoundPipe takes as its input
+      without splitting again
+    - execute_plan: a ModelExecutePlan (default: the engine's plan)
+    """
+
+    requires_grad: Optional[bool] = None
+    output_device: Optional[Union[str, torch.device]] = None
+    preserve_rng_state: Optional[bool] = None
+    recompute_grain: Optional[str] = None
+    num_microbatch: Optional[int] = None
+    split_input: Optional[Callable[..., Sequence[Any]]] = None
+    split_label: Optional[Callable[[Any, int], Sequence[Any]]] = None
+    merge_output: Optional[Union[Callable[[list], Any], bool]] = None
+    execute_plan: Optional["ModelExecutePlan"] = None
+
+    def __post_init__(self):
+        if self.recompute_grain not in (None, "stage", "layer"):
+            raise ValueError(f"recompute_grain must be 'stage' or 'layer', got {self.recompute_grain!r}")
+        if self.num_microbatch is not None and (not isinstance(self.num_microbatch, int) or self.num_microbatch < 1):
+            raise ValueError(f"num_microbatch must be a positive int, got {self.num_microbatch!r}")
+        for name in ("split_input", "split_label"):
+            value = getattr(self, name)
+            if value is not None and not callable(value):
+                raise TypeError(f"{name} must be a function (see RoundPipeRunConfig's docstring), got {type(value).__name__}")
+        if self.merge_output is not None and self.merge_output is not False and not callable(self.merge_output):
+            raise TypeError("merge_output must be a function of the list of microbatch outputs, or False")
+        if self.execute_plan is not None and not isinstance(self.execute_plan, ModelExecutePlan):
+            raise TypeError("execute_plan must be a ModelExecutePlan")
+
+
+def _as_range(r) -> tuple:
+    if isinstance(r, range):
+        if r.step != 1 or len(r) == 0:
+            raise ValueError(f"plan ranges must be non-empty with step 1, got {r}")
+        return (r.start, r.stop)
+    begin, end = r
+    return (int(begin), int(end))
+
+
+class ModelExecutePlan:
+    """Which layers each stage runs: ``fwd_plan`` lists ascending layer
+    ranges covering the model (or the layers before the fused tail stage in
+    forward_backward), ``bwd_plan`` lists ranges deep to shallow, and in
+    forward_backward ``bwd_plan[0]`` is the fused tail stage. Ranges are
+    ``range(begin, end)`` or ``(begin, end)`` pairs (end exclusive)."""
+
+    def __init__(self, fwd_plan: Sequence, bwd_plan: Sequence):
+        self.fwd_plan = [range(*_as_range(r)) for r in fwd_plan]
+        self.bwd_plan = [range(*_as_range(r)) for r in bwd_plan]
+
+    def _forward_ranges(self):
+        return [(r.start, r.stop) for r in self.fwd_plan]
+
+    def _backward_ranges(self):
+        return [(r.start, r.stop) for r in self.bwd_plan]
+
+    def validate(self, num_layers: int, fused: bool) -> None:
+        """Raises naming what is wrong unless the plan fits the model."""
+        from . import _C
+
+        _C.Engine.validate_plan(self, num_layers, fused)
+
+    @staticmethod
+    def auto(mode: str, model, min_stages: int = 0, upper_threshold: float = 1.1, model_memory_limit=None):
+        """The engine's plan for `model` in `mode` ("fused" for
+        forward_backward, "forward" for forward with backward)."""
+        if mode not in ("fused", "forward"):
+            raise ValueError(f"mode must be 'fused' or 'forward', got {mode!r}")
+        fwd, bwd = model._engine.default_plan(mode == "fused")
+        return ModelExecutePlan(fwd, bwd)
+
+    def __repr__(self):
+        return f"ModelExecutePlan(fwd_plan={self.fwd_plan}, bwd_plan={self.bwd_plan})"
+
+    def __eq__(self, other):
+        return isinstance(other, ModelExecutePlan) and self.fwd_plan == other.fwd_plan and self.bwd_plan == other.bwd_plan

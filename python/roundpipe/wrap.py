@@ -1,0 +1,243 @@
+"""wrap_model_to_roundpipe: presets for HuggingFace causal LMs, and the
+experimental automatic wrapping of models without one."""
+from __future__ import annotations
+
+import threading
+from typing import Optional
+
+import torch
+from torch import nn
+
+from . import _C
+from ._layer_copy import DISPATCH_MARK
+from .roundpipe import RoundPipe
+from .run_config import RoundPipeRunConfig
+
+# HuggingFace class name -> native preset (the C++ Qwen3/Llama layers).
+PRESETS = {"Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama"}
+
+
+class CausalLMRoundPipe(RoundPipe):
+    """A HuggingFace Qwen3/Llama causal LM run by RoundPipe's native layers:
+    an input adapter (embedding, rotary cos/sin and the attention mask, built
+    once per microbatch and handed along), one layer per decoder block, and
+    an output adapter (final norm, lm_head, loss). The layers compute on the
+    HuggingFace model's own parameter tensors, so ``save_pretrained`` and
+    ``state_dict`` of the original see the trained weights (after
+    ``synchronize()``).
+
+    Call it like the HuggingFace model: ``model(input_ids, attention_mask=None,
+    labels=None, return_logits=None)`` returns a ``CausalLMOutputWithPast``
+    (``loss``: the mean of the microbatch losses). Without ``return_logits``
+    (default: the wrap's ``return_logits``, False) a call with labels computes
+    the loss chunk by chunk without materialising the [tokens, vocab] logits.
+    """
+
+    def __init__(self, model: nn.Module, return_logits: bool = False, loss_chunk_tokens: int = 2048, **kwargs):
+        dtypes = {p.dtype for p in model.parameters()}
+        if len(dtypes) != 1:
+            raise ValueError(f"the {type(model).__name__} preset needs one parameter dtype, found {sorted(map(str, dtypes))}; "
+                             "convert the model with .to(dtype) first")
+        if any(p.device.type != "cpu" for p in model.parameters()):
+            raise ValueError("load the model on the CPU (RoundPipe moves layers to the GPUs itself)")
+        layers = _C.preset_layers(model.config.to_json_string(), dtypes.pop(),
+                                  dict(model.named_parameters(remove_duplicate=False)),
+                                  bool(return_logits), int(loss_chunk_tokens))
+        super().__init__(model, _layers=layers, **kwargs)
+
+    _UNSUPPORTED = ("position_ids", "past_key_values", "inputs_embeds", "cache_position", "token_type_ids")
+
+    @staticmethod
+    def _engine_input(args, kwargs):
+        kwargs = dict(kwargs)
+        names = ("input_ids", "attention_mask")
+        for name, value in zip(names, args):
+            if name in kwargs:
+                raise TypeError(f"got multiple values for {name}")
+            kwargs[name] = value
+        if len(args) > len(names):
+            raise TypeError("pass arguments after attention_mask by keyword (labels=..., return_logits=...)")
+        input_ids = kwargs.pop("input_ids", None)
+        if not isinstance(input_ids, torch.Tensor):
+            raise TypeError("the preset model needs input_ids (a [batch, sequence] tensor of token ids)")
+        attention_mask = kwargs.pop("attention_mask", None)
+        labels = kwargs.pop("labels", None)
+        return_logits = kwargs.pop("return_logits", None)
+        if kwargs.pop("use_cache", None):
+            raise ValueError("use_cache=True is not supported in training; load the model with use_cache=False")
+        kwargs.pop("return_dict", None)  # the output is always a CausalLMOutputWithPast
+        unknown = [k for k, v in kwargs.items() if not (v is None or v is False or (type(v) is int and v == 0))]
+        if unknown:
+            raise TypeError(f"the causal LM preset does not take {unknown}; it takes "
+                            "input_ids, attention_mask, labels and return_logits")
+        return (input_ids, attention_mask, labels) + (() if return_logits is None else (bool(return_logits),))
+
+    @staticmethod
+    def _user_microbatch_output(output):
+        from transformers.modeling_outputs import CausalLMOutputWithPast
+
+        if isinstance(output, tuple):
+            return CausalLMOutputWithPast(loss=output[0], logits=output[1])
+        if isinstance(output, torch.Tensor) and output.dim() == 0:
+            return CausalLMOutputWithPast(loss=output)
+        return CausalLMOutputWithPast(logits=output)
+
+
+# ---------------------------------------------------------------- auto-split
+
+def _param_bytes(module: nn.Module) -> int:
+    seen, total = set(), 0
+    for p in list(module.parameters()) + list(module.buffers()):
+        if id(p) not in seen:
+            seen.add(id(p))
+            total += p.numel() * p.element_size()
+    return total
+
+
+class AutoRoundPipe(nn.Module):
+    """A model that could not become one Sequential, with its large
+    submodules each run by a RoundPipe (one layer each) while the glue code
+    of the original forward and the small modules run on the CPU.
+
+    Experimental, as in the original: no ``forward_backward``, no pipeline
+    scheduling across the wrapped parts, and ``step`` runs synchronously
+    (masters in optim_dtype, updated after all gradients are in)."""
+
+    def __init__(self, model: nn.Module, pipes: list, optim_dtype: Optional[torch.dtype]):
+        super().__init__()
+        object.__setattr__(self, "_model", model)
+        object.__setattr__(self, "_pipes", pipes)
+        object.__setattr__(self, "_optim_dtype", optim_dtype)
+        object.__setattr__(self, "_masters", None)
+        object.__setattr__(self, "_lock", threading.Lock())
+
+    @property
+    def pipes(self) -> list:
+        return list(self._pipes)
+
+    def forward(self, *args, **kwargs):
+        return self._model(*args, **kwargs)
+
+    def synchronize(self) -> None:
+        for pipe in self._pipes:
+            pipe.synchronize()
+
+    def _trainable(self):
+        return [(n, p) for n, p in self._model.named_parameters() if p.requires_grad]
+
+    def optim_named_parameters(self) -> list:
+        with self._lock:
+            if self._masters is None:
+                masters = []
+                for n, p in self._trainable():
+                    dtype = self._optim_dtype or p.dtype
+                    m = p.detach().to(dtype, copy=True).requires_grad_(True)
+                    masters.append((n, m))
+                object.__setattr__(self, "_masters", masters)
+        return list(self._masters)
+
+    def optim_parameters(self) -> list:
+        return [m for _, m in self.optim_named_parameters()]
+
+    def step(self, step_fn, is_async: bool = True) -> None:
+        """Synchronous: gradients into the masters, step_fn(), weights back."""
+        self.synchronize()
+        named = self.optim_named_parameters()
+        params = dict(self._trainable())
+        with torch.no_grad():
+            for n, m in named:
+                p = params[n]
+                if p.grad is not None:
+                    g = p.grad.to(m.dtype)
+                    m.grad = g if m.grad is None else m.grad.add_(g)
+                    p.grad = None
+            step_fn()
+            for n, m in named:
+                params[n].copy_(m)
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            pass
+        model = self.__dict__.get("_model")
+        if model is None:
+            raise AttributeError(name)
+        return getattr(model, name)
+
+    def __setattr__(self, name, value):
+        model = self.__dict__.get("_model")
+        if model is not None and not name.startswith("_") and hasattr(model, name):
+            setattr(model, name, value)
+        object.__setattr__(self, name, value)
+
+
+def _auto_wrap(module, lower, upper, skip, pipes, kwargs, path=""):
+    """Replaces the forward of each submodule whose size lies in [lower,
+    upper] (or that has no children to descend into) by a RoundPipe's."""
+    size = _param_bytes(module)
+    if size < lower or path in skip or type(module).__name__ in skip:
+        return
+    children = [(n, c) for n, c in module.named_children() if _param_bytes(c) > 0]
+    if size <= upper or not children:
+        pipe = RoundPipe(module, name=path or type(module).__name__, **kwargs)
+        pipes.append(pipe)
+
+        def dispatch(*args, **kw):
+            return pipe(*args, **kw)
+
+        setattr(dispatch, DISPATCH_MARK, True)
+        module.__dict__["forward"] = dispatch
+        return
+    for name, child in children:
+        _auto_wrap(child, lower, upper, skip, pipes, kwargs, f"{path}.{name}" if path else name)
+
+
+def wrap_model_to_roundpipe(
+    model: nn.Module,
+    use_sequential_preset: Optional[bool] = None,
+    lower_threshold: int = 16 * 1024,
+    upper_threshold: Optional[int] = None,
+    skip_modules=(),
+    override_config: Optional[dict] = None,
+    model_run_config: Optional[RoundPipeRunConfig] = None,
+    name: Optional[str] = None,
+    **roundpipe_kwargs,
+):
+    """Wraps `model` in a RoundPipe.
+
+    - use_sequential_preset: True requires a preset (HuggingFace
+      Qwen3ForCausalLM, LlamaForCausalLM), None uses one when it exists and
+      otherwise wraps automatically, False wraps automatically
+    - lower_threshold / upper_threshold (bytes): automatic wrapping runs each
+      submodule of at most upper_threshold bytes (default: 1/8 of the model)
+      as one RoundPipe layer; parts under lower_threshold stay on the CPU
+    - skip_modules: submodule paths or class names never wrapped
+    - override_config: attributes set on model.config before wrapping
+    - preset options in roundpipe_kwargs: return_logits (False),
+      loss_chunk_tokens (2048); the rest go to RoundPipe()
+    Returns a RoundPipe (CausalLMRoundPipe for presets), or an AutoRoundPipe
+    when the model cannot become one Sequential.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"wrap_model_to_roundpipe takes a torch.nn.Module, got {type(model).__name__}")
+    for key, value in (override_config or {}).items():
+        setattr(model.config, key, value)
+    preset = PRESETS.get(type(model).__name__)
+    if use_sequential_preset is True and preset is None:
+        raise ValueError(f"no preset for {type(model).__name__}; presets exist for {sorted(PRESETS)}. "
+                         "Pass use_sequential_preset=None to fall back to automatic wrapping, or build an "
+                         "nn.Sequential and wrap it with RoundPipe()")
+    common = dict(model_run_config=model_run_config, name=name)
+    if preset is not None and use_sequential_preset is not False:
+        return CausalLMRoundPipe(model, **common, **roundpipe_kwargs)
+    for key in ("return_logits", "loss_chunk_tokens"):
+        if key in roundpipe_kwargs:
+            raise TypeError(f"{key} applies to presets only")
+    if isinstance(model, nn.Sequential):
+        return RoundPipe(model, **common, **roundpipe_kwargs)
+    upper = upper_threshold if upper_threshold is not None else max(_param_bytes(model) // 8, lower_threshold)
+    pipes = []
+    _auto_wrap(model, lower_threshold, upper, set(skip_modules), pipes,
+               dict(model_run_config=model_run_config, **roundpipe_kwargs))
+    return AutoRoundPipe(model, pipes, roundpipe_kwargs.get("optim_dtype"))

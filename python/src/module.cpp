@@ -1,0 +1,396 @@
+// roundpipe._C: the C++ engine for the Python package. The package's Python
+// code (python/roundpipe) builds the user-facing API on these bindings.
+// Every call that may wait on the pipeline releases the GIL; Python code the
+// engine runs (layers, loss, split/merge, step functions) takes it back.
+#include <torch/csrc/Exceptions.h>
+#include <torch/csrc/autograd/python_variable.h>
+
+#include <condition_variable>
+#include <deque>
+#include <mutex>
+#include <thread>
+
+#include "py_layer.h"
+#include "pytree.h"
+#include "roundpipe/models/causal_lm.h"
+#include "roundpipe/optim/adam.h"
+#include "roundpipe/optim/grad_scaler.h"
+#include "roundpipe/recompute.h"
+#include "roundpipe/roundpipe.h"
+
+namespace roundpipe::python {
+namespace {
+
+// ---------------------------------------------------------------- configs
+
+std::vector<c10::IValue> to_ivalue_list(const py::object& list, const char* what, int n) {
+  TORCH_CHECK(py::isinstance<py::sequence>(list) && !py::isinstance<py::str>(list), what,
+              " must return a list of ", n, " microbatch values, got ",
+              py::str(py::type::of(list)).cast<std::string>());
+  std::vector<c10::IValue> out;
+  for (auto item : list) out.push_back(to_ivalue(item));
+  TORCH_CHECK(static_cast<int>(out.size()) == n, what, " returned ", out.size(),
+              " microbatch values for ", n, " microbatches");
+  return out;
+}
+
+SplitFn split_fn(py::object fn, const char* what) {
+  PyRef ref(std::move(fn));
+  return [ref, what](const c10::IValue& value, int n) {
+    py::gil_scoped_acquire gil;
+    return to_ivalue_list(ref.get()(to_python(value), n), what, n);
+  };
+}
+
+MergeFn merge_fn(py::object fn) {
+  PyRef ref(std::move(fn));
+  return [ref](const std::vector<c10::IValue>& outputs) {
+    py::gil_scoped_acquire gil;
+    py::list list;
+    for (const auto& o : outputs) list.append(to_python(o));
+    return to_ivalue(ref.get()(list));
+  };
+}
+
+ExecutePlan plan_from(const py::handle& plan) {
+  auto ranges = [](const py::handle& list) {
+    std::vector<LayerRange> out;
+    for (auto r : list) {
+      auto pair = r.cast<std::pair<int, int>>();
+      out.push_back({pair.first, pair.second});
+    }
+    return out;
+  };
+  return ExecutePlan(ranges(plan.attr("_forward_ranges")()),
+                     ranges(plan.attr("_backward_ranges")()));
+}
+
+// From a roundpipe.RoundPipeRunConfig already adapted by the package
+// (_engine_view: split/merge callables take the engine's one value).
+RunConfig run_config_from(const py::handle& cfg) {
+  RunConfig rc;
+  if (cfg.is_none()) return rc;
+  auto field = [&](const char* name) { return cfg.attr(name); };
+  if (!field("requires_grad").is_none()) rc.requires_grad = field("requires_grad").cast<bool>();
+  if (!field("output_device").is_none()) {
+    rc.output_device = c10::Device(py::str(field("output_device")).cast<std::string>());
+  }
+  if (!field("preserve_rng_state").is_none()) {
+    rc.preserve_rng_state = field("preserve_rng_state").cast<bool>();
+  }
+  if (!field("recompute_grain").is_none()) {
+    auto grain = field("recompute_grain").cast<std::string>();
+    TORCH_CHECK(grain == "stage" || grain == "layer",
+                "recompute_grain must be 'stage' or 'layer', got '", grain, "'");
+    rc.recompute_grain = grain == "stage" ? RecomputeGrain::kStage : RecomputeGrain::kLayer;
+  }
+  if (!field("num_microbatch").is_none()) rc.num_microbatch = field("num_microbatch").cast<int>();
+  if (!field("split_input").is_none())
+    rc.split_input = split_fn(field("split_input"), "split_input");
+  if (!field("split_label").is_none())
+    rc.split_label = split_fn(field("split_label"), "split_label");
+  if (!field("merge_output").is_none()) rc.merge_output = merge_fn(field("merge_output"));
+  if (field("pack_output").cast<bool>()) rc.pack_output = true;
+  if (field("packed_input").cast<bool>()) rc.packed_input = true;
+  if (!field("execute_plan").is_none()) rc.execute_plan = plan_from(field("execute_plan"));
+  return rc;
+}
+
+// ---------------------------------------------------------------- engine
+
+// Destroying an engine waits for its jobs and joins its threads, which may
+// need the GIL. Python drops a RoundPipe on whatever thread holds the GIL
+// (the garbage collector runs on engine threads too), so engines are
+// destroyed on a thread of their own; wait_for_released_engines() (run at
+// exit) waits until all are gone.
+class EngineReaper {
+ public:
+  static EngineReaper& get() {
+    static auto* reaper = new EngineReaper();  // leaked: lives until exit
+    return *reaper;
+  }
+  void post(RoundPipe* engine) {
+    std::lock_guard<std::mutex> lock(mu_);
+    queue_.push_back(engine);
+    cv_.notify_all();
+  }
+  void wait_idle() {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [&] { return queue_.empty() && !busy_; });
+  }
+
+ private:
+  EngineReaper() : thread_([this] { loop(); }) { thread_.detach(); }
+  void loop() {
+    std::unique_lock<std::mutex> lock(mu_);
+    while (true) {
+      cv_.wait(lock, [&] { return !queue_.empty(); });
+      RoundPipe* engine = queue_.front();
+      queue_.pop_front();
+      busy_ = true;
+      lock.unlock();
+      try {
+        delete engine;
+      } catch (...) {  // a destructor must not take the process down
+      }
+      lock.lock();
+      busy_ = false;
+      cv_.notify_all();
+    }
+  }
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<RoundPipe*> queue_;
+  bool busy_ = false;
+  std::thread thread_;
+};
+
+struct ReleaseGilDelete {
+  void operator()(RoundPipe* p) const { EngineReaper::get().post(p); }
+};
+using EnginePtr = std::unique_ptr<RoundPipe, ReleaseGilDelete>;
+
+py::list named_list(const std::vector<std::pair<std::string, at::Tensor>>& items) {
+  py::list out;
+  for (const auto& [name, t] : items) out.append(py::make_tuple(name, t));
+  return out;
+}
+
+py::tuple plan_tuple(const ExecutePlan& plan) {
+  auto ranges = [](const std::vector<LayerRange>& rs) {
+    py::list out;
+    for (const auto& r : rs) out.append(py::make_tuple(r.begin, r.end));
+    return out;
+  };
+  return py::make_tuple(ranges(plan.forward), ranges(plan.backward));
+}
+
+// ---------------------------------------------------------------- errors
+
+void translate(std::exception_ptr p) {
+  try {
+    std::rethrow_exception(p);
+  } catch (const StageError& e) {
+    auto cls = py::module_::import("roundpipe.errors").attr("StageError");
+    py::object exc =
+        cls(e.what(), e.stage, e.layer, e.microbatch, e.phase, e.device, e.out_of_memory);
+    if (e.cause) {
+      try {
+        std::rethrow_exception(e.cause);
+      } catch (py::error_already_set& original) {
+        PyException_SetCause(exc.ptr(), original.value().inc_ref().ptr());
+      } catch (...) {
+      }
+    }
+    PyErr_SetObject(cls.ptr(), exc.ptr());
+  } catch (const py::error_already_set&) {
+    throw;  // pybind11 restores it
+  } catch (...) {
+    torch::translate_exception_to_python(std::current_exception());
+  }
+}
+
+}  // namespace
+}  // namespace roundpipe::python
+
+PYBIND11_MODULE(_C, m) {
+  using namespace roundpipe;
+  using namespace roundpipe::python;
+  m.doc() = "RoundPipe's C++ engine (use the roundpipe package, not this module)";
+  py::register_exception_translator(&translate);
+
+  py::class_<Layer, LayerPtr>(m, "Layer")
+      .def_property_readonly("type_name", &Layer::type_name)
+      .def("parameter_names", &Layer::parameter_names)
+      .def("__repr__", [](const Layer& l) { return "<roundpipe layer " + l.type_name() + ">"; });
+
+  m.def(
+      "python_layer",
+      [](py::object module, bool takes_call_arguments) -> LayerPtr {
+        return std::make_shared<PyModuleLayer>(std::move(module), takes_call_arguments);
+      },
+      py::arg("module"), py::arg("takes_call_arguments"));
+
+  // The native Qwen3/Llama layers on HuggingFace's own parameter tensors.
+  m.def(
+      "preset_layers",
+      [](const std::string& config_json, at::ScalarType dtype, py::dict hf_parameters,
+         bool return_logits, int64_t loss_chunk_tokens) {
+        auto config = models::CausalLMConfig::from_json_string(config_json, "the model's config");
+        models::CausalLM skeleton(config, models::CausalLMOptions()
+                                              .set_dtype(dtype)
+                                              .set_return_logits(return_logits)
+                                              .set_loss_chunk_tokens(loss_chunk_tokens)
+                                              .set_init_weights(false));
+        std::vector<LayerPtr> layers;
+        size_t index = 0;
+        for (const auto& child : *skeleton.sequential()) {
+          auto inner = std::make_shared<TorchModuleLayer>(child);
+          std::vector<at::Tensor> homes;
+          for (const auto& name : inner->parameter_names()) {
+            const auto hf = skeleton.hf_name(index, name);
+            TORCH_CHECK(hf_parameters.contains(hf), "the HuggingFace model has no parameter '", hf,
+                        "' that the ", config.model_type, " preset needs");
+            homes.push_back(THPVariable_Unpack(hf_parameters[hf.c_str()].ptr()));
+          }
+          layers.push_back(with_home_parameters(inner, std::move(homes)));
+          ++index;
+        }
+        return layers;
+      },
+      py::arg("config_json"), py::arg("dtype"), py::arg("hf_parameters"), py::arg("return_logits"),
+      py::arg("loss_chunk_tokens"));
+
+  py::class_<RoundPipe, EnginePtr>(m, "Engine")
+      .def(py::init([](std::vector<LayerPtr> layers, std::optional<at::ScalarType> optim_dtype,
+                       std::string name, std::string pin_model, std::string devices,
+                       py::object model_run_config) {
+             RoundPipeOptions options;
+             options.optim_dtype = optim_dtype;
+             options.pin_model = pin_mode_from_string(pin_model);
+             options.name = std::move(name);
+             options.devices = std::move(devices);
+             options.model_run_config = run_config_from(model_run_config);
+             py::gil_scoped_release release;
+             return EnginePtr(new RoundPipe(std::move(layers), std::move(options)));
+           }),
+           py::arg("layers"), py::arg("optim_dtype"), py::arg("name"), py::arg("pin_model"),
+           py::arg("devices"), py::arg("model_run_config"))
+      .def("forward",
+           [](RoundPipe& self, py::object input, py::object run_config) {
+             auto value = to_ivalue(input);
+             auto config = run_config_from(run_config);
+             c10::IValue out;
+             {
+               py::gil_scoped_release release;
+               out = self.forward(value, config);
+             }
+             return to_python(out);
+           })
+      .def("forward_backward",
+           [](RoundPipe& self, py::object input, py::object label, py::object loss_fn,
+              bool return_outputs, py::object run_config) {
+             auto value = to_ivalue(input);
+             auto label_value = to_ivalue(label);
+             auto config = run_config_from(run_config);
+             PyRef fn(std::move(loss_fn));
+             LossFn loss = [fn](const c10::IValue& out, const c10::IValue& label) {
+               py::gil_scoped_acquire gil;
+               py::object result = fn.get()(to_python(out), to_python(label));
+               TORCH_CHECK(THPVariable_Check(result.ptr()),
+                           "loss_fn must return a 0-dim tensor, got ",
+                           py::str(py::type::of(result)).cast<std::string>());
+               return THPVariable_Unpack(result.ptr());
+             };
+             ForwardBackwardResult result;
+             {
+               py::gil_scoped_release release;
+               result = self.forward_backward(value, label_value, loss, return_outputs, config);
+             }
+             return py::make_tuple(result.loss, to_python(result.output));
+           })
+      .def("synchronize", &RoundPipe::synchronize, py::call_guard<py::gil_scoped_release>())
+      .def(
+          "step",
+          [](RoundPipe& self, py::object step_fn, bool is_async) {
+            PyRef fn(std::move(step_fn));
+            py::gil_scoped_release release;
+            self.step(
+                [fn] {
+                  py::gil_scoped_acquire gil;
+                  fn.get()();
+                },
+                is_async);
+          },
+          py::arg("step_fn"), py::arg("is_async"))
+      .def("optim_parameters", &RoundPipe::optim_parameters,
+           py::call_guard<py::gil_scoped_release>())
+      .def("optim_named_parameters",
+           [](RoundPipe& self) {
+             std::vector<std::pair<std::string, at::Tensor>> items;
+             {
+               py::gil_scoped_release release;
+               items = self.optim_named_parameters();
+             }
+             return named_list(items);
+           })
+      .def("named_parameters", [](RoundPipe& self) { return named_list(self.named_parameters()); })
+      .def("named_buffers", [](RoundPipe& self) { return named_list(self.named_buffers()); })
+      .def_property_readonly("num_layers", &RoundPipe::num_layers)
+      .def_property_readonly("name", &RoundPipe::name)
+      .def_property_readonly("devices",
+                             [](RoundPipe& self) {
+                               std::vector<std::string> names;
+                               for (int i = 0; i < self.devices().size(); ++i)
+                                 names.push_back(self.devices().at(i)->name());
+                               return names;
+                             })
+      .def("default_plan",
+           [](RoundPipe& self, bool fused) { return plan_tuple(self.default_plan(fused)); })
+      .def_static("validate_plan", [](py::object plan, int num_layers, bool fused) {
+        plan_from(plan).validate(num_layers, fused);
+      });
+
+  m.def("adam_update",
+        [](std::vector<at::Tensor> params, std::vector<at::Tensor> grads,
+           std::vector<at::Tensor> exp_avgs, std::vector<at::Tensor> exp_avg_sqs,
+           std::vector<std::optional<at::Tensor>> max_exp_avg_sqs, std::vector<int64_t> steps,
+           double lr, double beta1, double beta2, double eps, double weight_decay, bool amsgrad,
+           bool maximize, bool decoupled_weight_decay) {
+          const size_t n = params.size();
+          TORCH_CHECK(grads.size() == n && exp_avgs.size() == n && exp_avg_sqs.size() == n &&
+                          max_exp_avg_sqs.size() == n && steps.size() == n,
+                      "adam_update: the lists differ in length");
+          std::vector<optim::AdamTensors> tensors;
+          for (size_t i = 0; i < n; ++i) {
+            tensors.push_back({params[i], grads[i], exp_avgs[i], exp_avg_sqs[i],
+                               max_exp_avg_sqs[i].value_or(at::Tensor()), at::Tensor(), steps[i]});
+          }
+          optim::AdamConfig config;
+          config.set_lr(lr)
+              .set_betas(beta1, beta2)
+              .set_eps(eps)
+              .set_weight_decay(weight_decay)
+              .set_amsgrad(amsgrad)
+              .set_maximize(maximize)
+              .set_decoupled_weight_decay(decoupled_weight_decay);
+          py::gil_scoped_release release;
+          optim::adam_update(tensors, config);
+        });
+
+  py::class_<optim::GradScaler>(m, "GradScaler")
+      .def(py::init([](double init_scale, double growth_factor, double backoff_factor,
+                       int64_t growth_interval, bool enabled) {
+             return std::make_unique<optim::GradScaler>(optim::GradScalerOptions()
+                                                            .set_init_scale(init_scale)
+                                                            .set_growth_factor(growth_factor)
+                                                            .set_backoff_factor(backoff_factor)
+                                                            .set_growth_interval(growth_interval)
+                                                            .set_enabled(enabled));
+           }),
+           py::arg("init_scale"), py::arg("growth_factor"), py::arg("backoff_factor"),
+           py::arg("growth_interval"), py::arg("enabled"))
+      .def("scale", &optim::GradScaler::scale)
+      .def("step",
+           [](optim::GradScaler& self, std::vector<at::Tensor> grads, py::object update) {
+             PyRef fn(std::move(update));
+             py::gil_scoped_release release;
+             return self.step(grads, [fn] {
+               py::gil_scoped_acquire gil;
+               fn.get()();
+             });
+           })
+      .def("update", &optim::GradScaler::update, py::call_guard<py::gil_scoped_release>())
+      .def("get_scale", &optim::GradScaler::get_scale)
+      .def("found_inf", &optim::GradScaler::found_inf)
+      .def("state_dict", &optim::GradScaler::state_dict)
+      .def("load_state_dict", &optim::GradScaler::load_state_dict);
+
+  m.def(
+      "wait_for_released_engines", [] { EngineReaper::get().wait_idle(); },
+      py::call_guard<py::gil_scoped_release>());
+
+  m.def("save_for_recompute", [](py::object data) { save_for_recompute(to_ivalue(data)); });
+  m.def("doing_recompute", &doing_recompute);
+  m.def("get_recompute_data", [] { return to_python(get_recompute_data()); });
+}

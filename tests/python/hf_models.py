@@ -1,0 +1,36 @@
+"""Tiny random HuggingFace models for the preset tests."""
+import torch
+
+
+def tiny_qwen3(tie=False, seed=0):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen3Config(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                         max_position_embeddings=128, tie_word_embeddings=tie, use_cache=False,
+                         attn_implementation="sdpa")
+    return Qwen3ForCausalLM(config).float().eval()
+
+
+def tiny_llama(tie=False, seed=0, rope_scaling=False):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    extra = {}
+    if rope_scaling:
+        extra["rope_scaling"] = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+    config = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                         tie_word_embeddings=tie, use_cache=False, attn_implementation="sdpa",
+                         rope_theta=10000.0, **extra)
+    return LlamaForCausalLM(config).float().eval()
+
+
+MODELS = {
+    "qwen3": lambda: tiny_qwen3(),
+    "qwen3-tied": lambda: tiny_qwen3(tie=True),
+    "llama": lambda: tiny_llama(),
+    "llama-tied-rope-scaling": lambda: tiny_llama(tie=True, rope_scaling=True),
+}

@@ -1,0 +1,74 @@
+"""Automatic wrapping of a model with no preset that cannot become one
+Sequential: AutoRoundPipe matches the plain model in forward and training."""
+import copy
+
+import torch
+from torch import nn
+
+import roundpipe
+from roundpipe import AutoRoundPipe, RoundPipe, wrap_model_to_roundpipe
+
+from conftest import assert_close
+
+
+class Block(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.fc1 = nn.Linear(dim, 4 * dim)
+        self.fc2 = nn.Linear(4 * dim, dim)
+
+    def forward(self, h):
+        return self.fc2(torch.nn.functional.gelu(self.fc1(h)))
+
+
+class Custom(nn.Module):
+    """Glue in forward (residuals, a loop over a ModuleList) that no
+    Sequential can express."""
+
+    def __init__(self, vocab=50, dim=64, depth=4):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList(Block(dim) for _ in range(depth))
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, ids):
+        h = self.embed(ids)
+        for i, block in enumerate(self.blocks):
+            h = h + block(h) / (i + 1)
+        return self.head(self.norm(h))
+
+
+def test_auto_split_matches_plain(devices):
+    model = Custom()
+    plain = copy.deepcopy(model)
+    wrapped = wrap_model_to_roundpipe(model, devices=devices, lower_threshold=8 * 1024,
+                                      upper_threshold=150 * 1024)
+    assert isinstance(wrapped, AutoRoundPipe)
+    names = sorted(p.name for p in wrapped.pipes)
+    assert names == ["blocks.0", "blocks.1", "blocks.2", "blocks.3", "embed", "head"], names
+    ids = torch.randint(0, 50, (6, 10))
+    with torch.no_grad():
+        assert_close(wrapped(ids), plain(ids))
+
+    opt = roundpipe.optim.Adam(wrapped.optim_parameters(), lr=1e-2)
+    ref_opt = torch.optim.Adam(plain.parameters(), lr=1e-2)
+    for _ in range(3):
+        loss = nn.functional.cross_entropy(wrapped(ids).flatten(0, 1), ids.flatten())
+        loss.backward()
+        wrapped.step(lambda: (opt.step(), opt.zero_grad()))
+        ref_opt.zero_grad()
+        expected = nn.functional.cross_entropy(plain(ids).flatten(0, 1), ids.flatten())
+        expected.backward()
+        ref_opt.step()
+        assert_close(loss, expected, 1e-5)
+    for p, q in zip(model.parameters(), plain.parameters()):
+        assert_close(p, q, 1e-4)  # Adam divides by sqrt(v): rounding differences grow
+    assert [n for n, _ in model.state_dict().items()] == [n for n in plain.state_dict()]
+
+
+def test_sequential_and_no_preset_fallbacks():
+    seq = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    assert type(wrap_model_to_roundpipe(seq, use_sequential_preset=False)) is RoundPipe
+    assert type(wrap_model_to_roundpipe(nn.Sequential(nn.Linear(4, 4)))) is RoundPipe
+    assert isinstance(wrap_model_to_roundpipe(Custom(), use_sequential_preset=None), AutoRoundPipe)

@@ -1,0 +1,179 @@
+"""Errors raised in layers and loss functions, bad input, attribute
+pass-through, OptimizerCtx, recompute helpers, and GradScaler."""
+import pytest
+import torch
+from torch import nn
+
+import roundpipe
+from roundpipe import (ModelExecutePlan, OptimizerCtx, RoundPipe, RoundPipeRunConfig, StageError,
+                       doing_recompute, get_recompute_data, save_for_recompute)
+
+from conftest import assert_close, make_model, mse
+
+
+class Fails(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.armed = False
+
+    def forward(self, x):
+        if self.armed and x.shape[0] < 3:  # only the last microbatch (of 2 rows)
+            raise ValueError("bad row count")
+        return self.lin(x)
+
+
+def test_layer_error_reaches_caller_with_context(devices):
+    model = nn.Sequential(nn.Linear(4, 4), Fails(), nn.Linear(4, 2))
+    pipe = RoundPipe(model, devices=devices, model_run_config=RoundPipeRunConfig(num_microbatch=3))
+    x = torch.randn(8, 4)  # microbatches of 3, 3, 2
+    model[1].armed = True
+    with pytest.raises(StageError) as info:
+        pipe.forward_backward(input_args=(x,), label=torch.randn(8, 2), loss_fn=mse)
+    e = info.value
+    assert e.layer == 1 and e.microbatch == 2 and e.phase == "forward"
+    assert isinstance(e.__cause__, ValueError) and "bad row count" in str(e)
+    assert "layer 1" in str(e) and e.device.startswith(devices.split(",")[0].split(":")[0])
+    # the RoundPipe stays usable and kept no partial gradients
+    model[1].armed = False
+    assert all(p.grad is None for p in model.parameters())
+    loss = pipe.forward_backward(input_args=(x,), label=torch.randn(8, 2), loss_fn=mse)
+    assert torch.isfinite(loss)
+
+
+def test_loss_fn_error_has_loss_phase(devices):
+    pipe = RoundPipe(make_model(), devices=devices)
+
+    def loss_fn(out, label):
+        raise KeyError("no such label")
+
+    with pytest.raises(StageError) as info:
+        pipe.forward_backward(input_args=(torch.randn(4, 4),), label=None, loss_fn=loss_fn)
+    assert info.value.phase == "loss" and isinstance(info.value.__cause__, KeyError)
+
+
+def test_step_fn_error_reaches_caller(devices):
+    pipe = RoundPipe(make_model(), devices=devices)
+    pipe.forward_backward(input_args=(torch.randn(4, 4),), label=torch.randn(4, 3), loss_fn=mse)
+
+    def step_fn():
+        raise ArithmeticError("optimizer exploded")
+
+    with pytest.raises(ArithmeticError, match="optimizer exploded"):
+        pipe.step(step_fn, is_async=False)
+
+
+def test_bad_arguments_are_named():
+    with pytest.raises(ValueError, match="pin_model"):
+        RoundPipe(make_model(), pin_model="always")
+    with pytest.raises(ValueError, match="recompute_grain"):
+        RoundPipeRunConfig(recompute_grain="block")
+    with pytest.raises(ValueError, match="num_microbatch"):
+        RoundPipeRunConfig(num_microbatch=0)
+    with pytest.raises(TypeError, match="torch.nn.Module"):
+        RoundPipe(lambda x: x)
+    pipe = RoundPipe(make_model(), devices="sim:1")
+    with pytest.raises(RuntimeError, match="forward plan"):
+        pipe(torch.randn(4, 4), roundpipe_run_config=RoundPipeRunConfig(
+            execute_plan=ModelExecutePlan([range(0, 2)], [range(0, 6)])))
+    with pytest.raises(RuntimeError, match="stays in CPU memory"):
+        pipe.to("cuda")
+
+
+def test_buffer_requiring_grad_is_rejected():
+    m = nn.Linear(2, 2)
+    m.register_buffer("b", torch.zeros(2, requires_grad=True))
+    with pytest.raises(RuntimeError, match="buffer 'b' requires grad"):
+        RoundPipe(m)
+
+
+def test_attribute_pass_through():
+    model = make_model()
+    model.vocab_size = 11
+    model.config = {"name": "tiny"}
+    pipe = RoundPipe(model)
+    assert pipe.vocab_size == 11 and pipe.config["name"] == "tiny"
+    pipe.vocab_size = 12  # writes go to both
+    assert model.vocab_size == 12 and pipe.vocab_size == 12
+    assert pipe[0] is model[0]  # indexing the wrapped Sequential
+    with pytest.raises(AttributeError):
+        pipe.no_such_attribute
+    pipe.eval()
+    assert not model.training
+    pipe.train()
+    assert model.training
+
+
+def test_optimizer_ctx_gives_masters():
+    model = make_model(dtype=torch.bfloat16)
+    pipe = RoundPipe(model, optim_dtype=torch.float32)
+    assert all(p.dtype == torch.bfloat16 for p in pipe.parameters())
+    with OptimizerCtx():
+        params = list(pipe.parameters())
+        opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    assert all(p.dtype == torch.float32 for p in params)
+    assert [id(p) for p in params] == [id(p) for p in pipe.optim_parameters()]
+    assert len(opt.param_groups[0]["params"]) == len(params)
+
+
+class RandomRouting(nn.Module):
+    """Random, host-syncing work that a recompute must replay, not redo."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.recomputes = 0
+
+    def forward(self, x):
+        if doing_recompute():
+            (keep,) = get_recompute_data()
+            type(self).seen_recompute = True
+        else:
+            keep = torch.randperm(x.shape[0], device=x.device)[: x.shape[0] // 2]
+            save_for_recompute(keep)
+        out = self.lin(x)
+        return out.index_fill(0, keep, 0.0)
+
+
+def test_recompute_helpers_replay_saved_data(devices):
+    RandomRouting.seen_recompute = False
+    model = nn.Sequential(RandomRouting(), nn.Linear(4, 4), nn.Linear(4, 1))
+    pipe = RoundPipe(model, devices=devices,
+                     model_run_config=RoundPipeRunConfig(preserve_rng_state=False, num_microbatch=1))
+    x = torch.randn(6, 4)
+    loss = pipe.forward_backward(input_args=(x,), label=None, loss_fn=lambda o, _: o.sum(),
+                                 run_config=RoundPipeRunConfig(execute_plan=ModelExecutePlan(
+                                     [range(0, 2)], [range(2, 3), range(0, 2)])))
+    pipe.synchronize()
+    assert RandomRouting.seen_recompute
+    # the gradient of the zeroed rows' bias is consistent with the forward:
+    # d(sum)/d(bias of layer 0) = (rows kept) * (W1^T W2^T), which needs the
+    # same `keep` in forward and recompute
+    w = model[2].weight @ model[1].weight
+    kept_rows = 6 - 3
+    assert_close(model[0].lin.bias.grad, (w.squeeze(0) * kept_rows).detach(), 1e-5)
+    assert torch.isfinite(loss)
+
+
+def test_grad_scaler_matches_unscaled_training():
+    torch.manual_seed(0)
+    model = make_model()
+    pipe = RoundPipe(model)
+    opt = roundpipe.optim.Adam(pipe.optim_parameters(), lr=1e-2)
+    scaler = roundpipe.GradScaler(init_scale=1024.0)
+    ref = make_model()
+    ref.load_state_dict(model.state_dict())
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
+    for _ in range(3):
+        x, y = torch.randn(6, 4), torch.randn(6, 3)
+        pipe.forward_backward(input_args=(x,), label=y, loss_fn=lambda o, t: scaler.scale(mse(o, t)),
+                              run_config=RoundPipeRunConfig(num_microbatch=1))
+        pipe.step(lambda: (scaler.step(opt), opt.zero_grad()), is_async=False)
+        scaler.update()
+        ref_opt.zero_grad()
+        mse(ref(x), y).backward()
+        ref_opt.step()
+    pipe.synchronize()
+    assert scaler.get_scale() == 1024.0
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert_close(p, q, 1e-5)
