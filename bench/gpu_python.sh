@@ -8,11 +8,8 @@
 set -uo pipefail
 out="${OUT:-$PWD/gpu-out}"; mkdir -p "$out"
 steps="${STEPS:-10}"
-# A venv that sees the machine's torch and transformers; else the system python.
-py=python3; pipflags=(--break-system-packages)
-if python3 -m venv --system-site-packages /tmp/rp-venv 2>/dev/null && /tmp/rp-venv/bin/python -m pip --version >/dev/null 2>&1; then
-  py=/tmp/rp-venv/bin/python; pipflags=()
-fi
+# The machine's python3 (a venv with torch and transformers): install there.
+py=python3; pipflags=()
 $py -m pip install -q "${pipflags[@]}" --no-index --find-links .deps/wheels "scikit-build-core>=0.10" pytest 2>&1 | tail -2
 { nvidia-smi --query-gpu=name,memory.total --format=csv,noheader; nproc; $py --version
   $py -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)'; } 2>&1 | tee "$out/machine.txt"
