@@ -37,18 +37,18 @@ std::vector<c10::IValue> to_ivalue_list(const py::object& list, const char* what
 SplitFn split_fn(py::object fn, const char* what) {
   PyRef ref(std::move(fn));
   return [ref, what](const c10::IValue& value, int n) {
-    py::gil_scoped_acquire gil;
-    return to_ivalue_list(ref.get()(to_python(value), n), what, n);
+    return with_gil([&] { return to_ivalue_list(ref.get()(to_python(value), n), what, n); });
   };
 }
 
 MergeFn merge_fn(py::object fn) {
   PyRef ref(std::move(fn));
   return [ref](const std::vector<c10::IValue>& outputs) {
-    py::gil_scoped_acquire gil;
-    py::list list;
-    for (const auto& o : outputs) list.append(to_python(o));
-    return to_ivalue(ref.get()(list));
+    return with_gil([&] {
+      py::list list;
+      for (const auto& o : outputs) list.append(to_python(o));
+      return to_ivalue(ref.get()(list));
+    });
   };
 }
 
@@ -177,12 +177,16 @@ void translate(std::exception_ptr p) {
     if (e.cause) {
       try {
         std::rethrow_exception(e.cause);
-      } catch (py::error_already_set& original) {
-        PyException_SetCause(exc.ptr(), original.value().inc_ref().ptr());
+      } catch (const PythonError& original) {
+        PyException_SetCause(exc.ptr(), original.exception.get().inc_ref().ptr());
       } catch (...) {
       }
     }
     PyErr_SetObject(cls.ptr(), exc.ptr());
+  } catch (const PythonError& e) {
+    // Raised again as itself (e.g. from a step function).
+    py::object exc = e.exception.get();
+    PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(exc.ptr())), exc.ptr());
   } catch (const py::error_already_set&) {
     throw;  // pybind11 restores it
   } catch (...) {
@@ -275,12 +279,13 @@ PYBIND11_MODULE(_C, m) {
              auto config = run_config_from(run_config);
              PyRef fn(std::move(loss_fn));
              LossFn loss = [fn](const c10::IValue& out, const c10::IValue& label) {
-               py::gil_scoped_acquire gil;
-               py::object result = fn.get()(to_python(out), to_python(label));
-               TORCH_CHECK(THPVariable_Check(result.ptr()),
-                           "loss_fn must return a 0-dim tensor, got ",
-                           py::str(py::type::of(result)).cast<std::string>());
-               return THPVariable_Unpack(result.ptr());
+               return with_gil([&] {
+                 py::object result = fn.get()(to_python(out), to_python(label));
+                 TORCH_CHECK(THPVariable_Check(result.ptr()),
+                             "loss_fn must return a 0-dim tensor, got ",
+                             py::str(py::type::of(result)).cast<std::string>());
+                 return THPVariable_Unpack(result.ptr());
+               });
              };
              ForwardBackwardResult result;
              {
@@ -295,12 +300,7 @@ PYBIND11_MODULE(_C, m) {
           [](RoundPipe& self, py::object step_fn, bool is_async) {
             PyRef fn(std::move(step_fn));
             py::gil_scoped_release release;
-            self.step(
-                [fn] {
-                  py::gil_scoped_acquire gil;
-                  fn.get()();
-                },
-                is_async);
+            self.step([fn] { with_gil([&] { fn.get()(); }); }, is_async);
           },
           py::arg("step_fn"), py::arg("is_async"))
       .def("optim_parameters", &RoundPipe::optim_parameters,
@@ -375,10 +375,7 @@ PYBIND11_MODULE(_C, m) {
            [](optim::GradScaler& self, std::vector<at::Tensor> grads, py::object update) {
              PyRef fn(std::move(update));
              py::gil_scoped_release release;
-             return self.step(grads, [fn] {
-               py::gil_scoped_acquire gil;
-               fn.get()();
-             });
+             return self.step(grads, [fn] { with_gil([&] { fn.get()(); }); });
            })
       .def("update", &optim::GradScaler::update, py::call_guard<py::gil_scoped_release>())
       .def("get_scale", &optim::GradScaler::get_scale)

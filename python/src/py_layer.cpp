@@ -16,26 +16,28 @@ class PyModuleInstance final : public ModuleCopyInstance {
         takes_call_arguments_(takes_call_arguments) {}
 
   c10::IValue forward(const c10::IValue& input) override {
-    py::gil_scoped_acquire gil;
-    py::object module = module_.get();
-    py::object out;
-    if (takes_call_arguments_) {
-      auto call = to_python(input);
-      auto args = call[py::int_(0)];
-      auto kwargs = call[py::int_(1)];
-      out = module(*args, **kwargs);
-    } else {
-      out = module(to_python(input));
-    }
-    return to_ivalue(out);
+    return with_gil([&] {
+      py::object module = module_.get();
+      py::object out;
+      if (takes_call_arguments_) {
+        auto call = to_python(input);
+        auto args = call[py::int_(0)];
+        auto kwargs = call[py::int_(1)];
+        out = module(*args, **kwargs);
+      } else {
+        out = module(to_python(input));
+      }
+      return to_ivalue(out);
+    });
   }
 
  private:
   // The copy reads the original's current attributes (flags, train/eval
   // mode, hooks) as they are at this job, not as they were when it was made.
   void after_bind(bool training) override {
-    py::gil_scoped_acquire gil;
-    py::module_::import("roundpipe._layer_copy").attr("refresh")(module_.get(), original_.get());
+    with_gil([&] {
+      py::module_::import("roundpipe._layer_copy").attr("refresh")(module_.get(), original_.get());
+    });
   }
 
   PyRef original_;
@@ -78,12 +80,14 @@ void PyModuleLayer::set_parameter_data(size_t i, const at::Tensor& data) {
 }
 
 bool PyModuleLayer::is_training() const {
-  py::gil_scoped_acquire gil;
-  return module_.get().attr("training").cast<bool>();
+  return with_gil([&] { return module_.get().attr("training").cast<bool>(); });
 }
 
 std::unique_ptr<LayerInstance> PyModuleLayer::make_instance() {
-  py::gil_scoped_acquire gil;
+  return with_gil([&] { return make_instance_with_gil(); });
+}
+
+std::unique_ptr<LayerInstance> PyModuleLayer::make_instance_with_gil() {
   // A copy of the module whose parameters and buffers are empty placeholders
   // (roundpipe/_layer_copy.py): binding fills them with device tensors.
   auto copy = py::module_::import("roundpipe._layer_copy").attr("structural_copy")(module_.get());

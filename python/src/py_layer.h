@@ -25,6 +25,7 @@ class PyModuleLayer final : public Layer {
   std::unique_ptr<LayerInstance> make_instance() override;
 
  private:
+  std::unique_ptr<LayerInstance> make_instance_with_gil();
   PyRef module_;
   bool takes_call_arguments_;
   std::string type_name_;

@@ -121,6 +121,9 @@ PyRef::PyRef(py::object obj)
         delete p;
       }) {}
 
+PythonError::PythonError(const py::error_already_set& error)
+    : std::runtime_error(error.what()), exception(error.value()) {}
+
 py::object PyRef::get() const {
   return obj_ ? *obj_ : py::none();
 }

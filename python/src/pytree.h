@@ -16,6 +16,7 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include <memory>
+#include <stdexcept>
 
 namespace roundpipe::python {
 
@@ -36,5 +37,26 @@ class PyRef {
  private:
   std::shared_ptr<py::object> obj_;
 };
+
+// A Python exception raised by code an engine thread ran (a layer, a loss,
+// split, merge or step function), carried as a plain C++ exception: its
+// message is formatted while the GIL is held, and the caller's thread raises
+// the original exception object again (or sets it as a StageError's cause).
+class PythonError : public std::runtime_error {
+ public:
+  explicit PythonError(const py::error_already_set& error);  // with the GIL held
+  PyRef exception;
+};
+
+// Runs `f` with the GIL held; a Python exception leaves as PythonError.
+template <typename F>
+decltype(auto) with_gil(F&& f) {
+  py::gil_scoped_acquire gil;
+  try {
+    return f();
+  } catch (py::error_already_set& e) {
+    throw PythonError(e);
+  }
+}
 
 }  // namespace roundpipe::python
