@@ -121,8 +121,24 @@ PyRef::PyRef(py::object obj)
         delete p;
       }) {}
 
+namespace {
+// "Type: message" and the Python traceback, formatted by Python's traceback
+// module (not pybind11's frame walk, which crashed on Python 3.12 for an
+// exception raised on a thread whose Python state is gone by then).
+std::string describe_python_error(const py::error_already_set& error) {
+  try {
+    auto lines = py::module_::import("traceback")
+                     .attr("format_exception")(error.type(), error.value(), error.trace());
+    return py::str("").attr("join")(lines).cast<std::string>();
+  } catch (const py::error_already_set&) {
+    return py::str(error.type().attr("__name__")).cast<std::string>() + ": " +
+           py::str(error.value()).cast<std::string>();
+  }
+}
+}  // namespace
+
 PythonError::PythonError(const py::error_already_set& error)
-    : std::runtime_error(error.what()), exception(error.value()) {}
+    : std::runtime_error(describe_python_error(error)), exception(error.value()) {}
 
 py::object PyRef::get() const {
   return obj_ ? *obj_ : py::none();
