@@ -5,7 +5,12 @@
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
 
+#include <execinfo.h>
+#include <unistd.h>
+
 #include <condition_variable>
+#include <csignal>
+#include <cstdlib>
 #include <deque>
 #include <mutex>
 #include <thread>
@@ -194,6 +199,18 @@ void translate(std::exception_ptr p) {
   }
 }
 
+// ROUNDPIPE_CRASH_BACKTRACE=1: a native backtrace on SIGSEGV/SIGABRT (for
+// machines without a debugger).
+void print_backtrace(int sig) {
+  void* frames[64];
+  const int n = backtrace(frames, 64);
+  const char header[] = "\nroundpipe: fatal signal, native backtrace:\n";
+  (void)!write(2, header, sizeof(header) - 1);
+  backtrace_symbols_fd(frames, n, 2);
+  std::signal(sig, SIG_DFL);
+  std::raise(sig);
+}
+
 }  // namespace
 }  // namespace roundpipe::python
 
@@ -202,6 +219,10 @@ PYBIND11_MODULE(_C, m) {
   using namespace roundpipe::python;
   m.doc() = "RoundPipe's C++ engine (use the roundpipe package, not this module)";
   py::register_exception_translator(&translate);
+  if (std::getenv("ROUNDPIPE_CRASH_BACKTRACE")) {
+    std::signal(SIGSEGV, print_backtrace);
+    std::signal(SIGABRT, print_backtrace);
+  }
 
   py::class_<Layer, LayerPtr>(m, "Layer")
       .def_property_readonly("type_name", &Layer::type_name)
