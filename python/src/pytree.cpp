@@ -29,12 +29,14 @@ void drop(py::object& obj) {
   }
   PyObject* raw = obj.release().ptr();
   if (Py_AddPendingCall(&decref_pending, raw) != 0) {  // queue full: drop it here
+    keep_thread_state();
     py::gil_scoped_acquire gil;
     Py_DECREF(raw);
   }
 }
 
 bool python_equal(const py::object& a, const py::object& b) {
+  keep_thread_state();
   py::gil_scoped_acquire gil;
   if (a.is(b)) return true;
   const int equal = PyObject_RichCompareBool(a.ptr(), b.ptr(), Py_EQ);
@@ -43,6 +45,7 @@ bool python_equal(const py::object& a, const py::object& b) {
 }
 
 std::string python_repr(const py::object& obj) {
+  keep_thread_state();
   py::gil_scoped_acquire gil;
   try {
     auto text = py::repr(obj).cast<std::string>();
@@ -136,6 +139,14 @@ std::string describe_python_error(const py::error_already_set& error) {
   }
 }
 }  // namespace
+
+void keep_thread_state() {
+  thread_local bool kept = false;
+  if (kept || !Py_IsInitialized() || PyGILState_GetThisThreadState() != nullptr) return;
+  kept = true;
+  PyGILState_Ensure();  // never released: the state stays for the thread
+  PyEval_SaveThread();  // but the GIL does not
+}
 
 PythonError::PythonError(const py::error_already_set& error)
     : std::runtime_error(describe_python_error(error)), exception(error.value()) {}

@@ -48,9 +48,16 @@ class PythonError : public std::runtime_error {
   PyRef exception;
 };
 
+// Gives the calling (engine) thread a Python thread state that lives as long
+// as the thread. Without it each GIL acquisition creates and deletes one, and
+// deleting a thread state while the traceback of an exception raised on it
+// is still alive crashed CPython 3.12.3.
+void keep_thread_state();
+
 // Runs `f` with the GIL held; a Python exception leaves as PythonError.
 template <typename F>
 decltype(auto) with_gil(F&& f) {
+  keep_thread_state();
   py::gil_scoped_acquire gil;
   try {
     return f();
