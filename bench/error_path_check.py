@@ -9,7 +9,10 @@ from torch import nn
 
 import roundpipe
 
-faulthandler.enable()
+if hasattr(torch._C, "_set_print_stack_traces_on_fatal_signal"):
+    torch._C._set_print_stack_traces_on_fatal_signal(True)  # native stacks of every thread
+else:
+    faulthandler.enable()
 
 
 class Fails(nn.Module):
