@@ -15,6 +15,13 @@ from hf_models import MODELS, tiny_qwen3
 TOL = 2e-5
 
 
+def trained_tol(devices):
+    """Weights after several Adam steps: Adam divides by sqrt(v), so an
+    element with a near-zero gradient moves by up to lr on arithmetic noise.
+    On CUDA the pipeline's fp32 matmuls differ from the CPU oracle's."""
+    return 5e-4 if devices.startswith("cuda") else 1e-4
+
+
 def batch(seed=0, b=4, t=12, pad=False):
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, 96, (b, t), generator=g)
@@ -106,7 +113,7 @@ def test_sync_training_matches_transformers_step_for_step(devices, name):
     assert expected[-1] < expected[0]
     ours = dict(hf.named_parameters())
     for n, q in oracle.named_parameters():
-        assert_close(ours[n], q, 1e-4)
+        assert_close(ours[n], q, trained_tol(devices))
 
 
 def test_async_training_is_one_step_stale(devices):
@@ -128,7 +135,7 @@ def test_async_training_is_one_step_stale(devices):
     assert_close(torch.tensor(losses), torch.tensor(expected), 1e-4)
     ours = dict(hf.named_parameters())
     for n, q in oracle.named_parameters():
-        assert_close(ours[n], q, 1e-4)
+        assert_close(ours[n], q, trained_tol(devices))
 
 
 def test_save_pretrained_through_the_wrapper_has_the_trained_weights(tmp_path):
