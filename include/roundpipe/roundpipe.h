@@ -20,6 +20,7 @@
 #include "roundpipe/microbatch.h"
 #include "roundpipe/optim/adam.h"
 #include "roundpipe/optim/grad_scaler.h"
+#include "roundpipe/planner.h"
 #include "roundpipe/recompute.h"
 #include "roundpipe/run_config.h"
 
@@ -46,6 +47,11 @@ struct RoundPipeOptions {
   // if any, else one simulated device. Ignored when `device_list` is set.
   std::string devices;
   std::vector<DevicePtr> device_list;
+  // Device memory (GiB) the automatic plan may use per device; default: what
+  // the smallest device has left. Each stage gets half (one runs while the
+  // next one's parameters upload).
+  std::optional<double> model_memory_limit_gib;
+  bool verbose = false;  // log the automatic plan with its predicted stage times
 
   RoundPipeOptions& set_optim_dtype(c10::ScalarType v) {
     optim_dtype = v;
@@ -69,6 +75,14 @@ struct RoundPipeOptions {
   }
   RoundPipeOptions& set_device_list(std::vector<DevicePtr> v) {
     device_list = std::move(v);
+    return *this;
+  }
+  RoundPipeOptions& set_model_memory_limit_gib(double v) {
+    model_memory_limit_gib = v;
+    return *this;
+  }
+  RoundPipeOptions& set_verbose(bool v) {
+    verbose = v;
     return *this;
   }
 };
@@ -150,6 +164,10 @@ class RoundPipe {
   const std::string& name() const;
   // The plan a call without execute_plan uses.
   ExecutePlan default_plan(bool fused) const;
+  // The automatic plan for `num_microbatches` with its predicted stage
+  // times and memory; throws naming the smallest feasible memory limit.
+  PlanEstimate auto_plan(bool fused, int num_microbatches, int min_stages = 0,
+                         std::optional<double> memory_limit_gib = std::nullopt) const;
   std::optional<c10::ScalarType> optim_dtype() const;
 
  private:

@@ -84,6 +84,9 @@ class RoundPipe(nn.Module):
       CUDA only) or "off" (pageable; e.g. mmap-loaded weights)
     - devices: device spec ("cuda", "cuda:0,1", "sim:2", ...); default:
       $ROUNDPIPE_DEVICES, else all GPUs, else one simulated device
+    - model_memory_limit: device memory (GiB) the automatic plan may use per
+      device (default: what the smallest device has left); verbose: log the
+      automatic plan with its predicted stage times and memory
 
     Attributes the wrapper lacks are read from the original model (e.g.
     ``model.config``); writes go to both.
@@ -97,6 +100,8 @@ class RoundPipe(nn.Module):
         model_run_config: Optional[RoundPipeRunConfig] = None,
         pin_model: str = "alloc",
         devices: Optional[str] = None,
+        model_memory_limit: Optional[float] = None,
+        verbose: bool = False,
         *,
         _layers=None,
     ):
@@ -120,7 +125,8 @@ class RoundPipe(nn.Module):
         object.__setattr__(self, "_model", model)
         object.__setattr__(self, "_model_run_config", model_run_config)
         object.__setattr__(self, "_engine", _C.Engine(
-            _layers, optim_dtype, name or "RoundPipe", pin_model, devices or "", None))
+            _layers, optim_dtype, name or "RoundPipe", pin_model, devices or "", None,
+            model_memory_limit, bool(verbose)))
         object.__setattr__(self, "_names", self._original_names())
         object.__setattr__(self, "training", model.training)
 

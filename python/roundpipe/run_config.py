@@ -83,12 +83,21 @@ class ModelExecutePlan:
         _C.Engine.validate_plan(self, num_layers, fused)
 
     @staticmethod
-    def auto(mode: str, model, min_stages: int = 0, upper_threshold: float = 1.1, model_memory_limit=None):
-        """The engine's plan for `model` in `mode` ("fused" for
-        forward_backward, "forward" for forward with backward)."""
+    def auto(mode: str, model, min_stages: int = 0, model_memory_limit: Optional[float] = None,
+             num_microbatch: Optional[int] = None, verbose: bool = False):
+        """The automatic plan for `model` in `mode` ("fused" for
+        forward_backward, "forward" for forward with backward): stages
+        balanced on per-layer costs (parameter bytes stand in for times),
+        each under half of model_memory_limit (GiB; default: the model's,
+        else what the smallest device has left). Raises naming the smallest
+        feasible limit when none fits; verbose prints the stages with their
+        predicted times and memory."""
         if mode not in ("fused", "forward"):
             raise ValueError(f"mode must be 'fused' or 'forward', got {mode!r}")
-        fwd, bwd = model._engine.default_plan(mode == "fused")
+        n = num_microbatch or model.model_run_config.num_microbatch or len(model.devices) + 1
+        (fwd, bwd), text = model._engine.auto_plan(mode == "fused", n, min_stages, model_memory_limit)
+        if verbose:
+            print(text)
         return ModelExecutePlan(fwd, bwd)
 
     def __repr__(self):

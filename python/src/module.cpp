@@ -269,8 +269,11 @@ PYBIND11_MODULE(_C, m) {
   py::class_<RoundPipe, EnginePtr>(m, "Engine")
       .def(py::init([](std::vector<LayerPtr> layers, std::optional<at::ScalarType> optim_dtype,
                        std::string name, std::string pin_model, std::string devices,
-                       py::object model_run_config) {
+                       py::object model_run_config, std::optional<double> model_memory_limit,
+                       bool verbose) {
              RoundPipeOptions options;
+             options.model_memory_limit_gib = model_memory_limit;
+             options.verbose = verbose;
              options.optim_dtype = optim_dtype;
              options.pin_model = pin_mode_from_string(pin_model);
              options.name = std::move(name);
@@ -280,7 +283,8 @@ PYBIND11_MODULE(_C, m) {
              return EnginePtr(new RoundPipe(std::move(layers), std::move(options)));
            }),
            py::arg("layers"), py::arg("optim_dtype"), py::arg("name"), py::arg("pin_model"),
-           py::arg("devices"), py::arg("model_run_config"))
+           py::arg("devices"), py::arg("model_run_config"), py::arg("model_memory_limit"),
+           py::arg("verbose"))
       .def("forward",
            [](RoundPipe& self, py::object input, py::object run_config) {
              auto value = to_ivalue(input);
@@ -348,6 +352,12 @@ PYBIND11_MODULE(_C, m) {
                              })
       .def("default_plan",
            [](RoundPipe& self, bool fused) { return plan_tuple(self.default_plan(fused)); })
+      .def("auto_plan",
+           [](RoundPipe& self, bool fused, int num_microbatches, int min_stages,
+              std::optional<double> memory_limit) {
+             auto estimate = self.auto_plan(fused, num_microbatches, min_stages, memory_limit);
+             return py::make_tuple(plan_tuple(estimate.plan), estimate.describe());
+           })
       .def_static("validate_plan", [](py::object plan, int num_layers, bool fused) {
         plan_from(plan).validate(num_layers, fused);
       });

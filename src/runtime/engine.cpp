@@ -10,6 +10,7 @@
 #include <torch/csrc/autograd/custom_function.h>
 
 #include <atomic>
+#include <cstdio>
 #include <set>
 #include <sstream>
 #include <unordered_map>
@@ -466,7 +467,7 @@ Engine::Engine(std::vector<LayerPtr> layers, RoundPipeOptions options)
   for (size_t l = 0; l < layers_.size(); ++l) {
     const auto& layer = layers_[l];
     std::vector<int> layer_ids;
-    int64_t bytes = 0;
+    int64_t bytes = 0, grad_bytes = 0;
     const auto names = layer->parameter_names();
     const auto layer_params = layer->parameters();
     for (size_t i = 0; i < layer_params.size(); ++i) {
@@ -483,6 +484,7 @@ Engine::Engine(std::vector<LayerPtr> layers, RoundPipeOptions options)
       }
       layer_ids.push_back(it->second);
       bytes += p.nbytes();
+      if (p.requires_grad()) grad_bytes += p.nbytes();
     }
     for (const auto& b : layer->buffers()) {
       TORCH_CHECK(b.device().is_cpu(), name_, ": buffers must be on the CPU; found one on ",
@@ -493,6 +495,7 @@ Engine::Engine(std::vector<LayerPtr> layers, RoundPipeOptions options)
     }
     layer_param_ids_.push_back(std::move(layer_ids));
     layer_bytes_.push_back(bytes);
+    layer_grad_bytes_.push_back(grad_bytes);
   }
   // Pinned home memory makes uploads fast and truly asynchronous (a simple
   // correct version: alloc = one pinned copy per parameter; register = pin
@@ -550,8 +553,45 @@ std::vector<std::pair<std::string, at::Tensor>> Engine::named_buffers() const {
   return out;
 }
 
+PlanEstimate Engine::auto_plan(bool fused, int num_microbatches, int min_stages,
+                               std::optional<double> memory_limit_gib) const {
+  PlanRequest request;
+  request.num_devices = pool_.size();
+  request.fused = fused;
+  request.num_microbatches = num_microbatches;
+  request.min_stages = min_stages;
+  if (!memory_limit_gib) memory_limit_gib = options_.model_memory_limit_gib;
+  if (memory_limit_gib) {
+    TORCH_CHECK(*memory_limit_gib > 0, name_, ": model_memory_limit must be positive (GiB), got ",
+                *memory_limit_gib);
+    request.memory_limit_bytes = static_cast<int64_t>(*memory_limit_gib * (1 << 30));
+  } else {
+    // What the smallest device has left (0: unlimited).
+    for (int d = 0; d < pool_.size(); ++d) {
+      const auto stats = pool_.at(d)->memory_stats();
+      if (stats.budget_bytes <= 0) continue;
+      const int64_t left = stats.budget_bytes - stats.in_use_bytes;
+      if (request.memory_limit_bytes == 0 || left < request.memory_limit_bytes)
+        request.memory_limit_bytes = left;
+    }
+  }
+  return plan_stages(costs_from_bytes(layer_bytes_, layer_grad_bytes_), request);
+}
+
 ExecutePlan Engine::default_plan(bool fused) const {
-  return ExecutePlan::from_layer_costs(layer_bytes_, pool_.size(), fused);
+  const int n = options_.model_run_config.num_microbatch.value_or(pool_.size() + 1);
+  auto estimate = auto_plan(fused, n, 0, std::nullopt);
+  if (options_.verbose) {
+    std::lock_guard<std::mutex> lock(plan_log_mu_);
+    auto& logged = logged_plans_[fused ? 1 : 0];
+    if (logged != estimate.plan.to_string()) {
+      logged = estimate.plan.to_string();
+      std::fprintf(stderr, "%s: %s plan for %d microbatches on %d device(s) (costs: bytes)\n%s\n",
+                   name_.c_str(), fused ? "forward_backward" : "forward", n, pool_.size(),
+                   estimate.describe().c_str());
+    }
+  }
+  return estimate.plan;
 }
 
 RunConfig Engine::resolve(const RunConfig& config) const {

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "roundpipe/optim/adam.h"
+#include "roundpipe/planner.h"
 #include "roundpipe/roundpipe.h"
 
 namespace roundpipe::detail {
@@ -107,6 +108,10 @@ class Engine {
   const DevicePool& pool() const { return pool_; }
   const std::string& name() const { return name_; }
   ExecutePlan default_plan(bool fused) const;
+  // The automatic plan with its predicted stage times and memory, under
+  // model_memory_limit (default: what the smallest device has left).
+  PlanEstimate auto_plan(bool fused, int num_microbatches, int min_stages,
+                         std::optional<double> memory_limit_gib) const;
   std::optional<c10::ScalarType> optim_dtype() const { return options_.optim_dtype; }
 
   // Used by workers and the autograd function.
@@ -154,7 +159,10 @@ class Engine {
   std::vector<ParamEntry> params_;
   std::vector<std::vector<int>> layer_param_ids_;  // per layer: unique id of each parameter
   std::vector<int64_t> layer_bytes_;
-  std::vector<void*> registered_;  // host memory pinned in place (pin_model=register)
+  std::vector<int64_t> layer_grad_bytes_;  // bytes of the parameters that require grad
+  mutable std::mutex plan_log_mu_;
+  mutable std::string logged_plans_[2];  // verbose: the last plan logged (forward, fused)
+  std::vector<void*> registered_;        // host memory pinned in place (pin_model=register)
   DevicePool pool_;
   std::vector<std::unique_ptr<Worker>> workers_;
   HostTasks host_tasks_;

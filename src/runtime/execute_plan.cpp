@@ -7,6 +7,7 @@
 #include <set>
 #include <sstream>
 
+#include "roundpipe/planner.h"
 #include "roundpipe/run_config.h"
 
 namespace roundpipe {
@@ -14,52 +15,6 @@ namespace {
 
 std::string range_text(const LayerRange& r) {
   return "[" + std::to_string(r.begin) + ", " + std::to_string(r.end) + ")";
-}
-
-// Packs layers [0, end) into ascending stages of cost <= budget (a stage
-// holds at least one layer).
-std::vector<LayerRange> pack_ascending(const std::vector<double>& cost, int end, double budget) {
-  std::vector<LayerRange> stages;
-  int begin = 0;
-  double load = 0;
-  for (int l = 0; l < end; ++l) {
-    if (l > begin && load + cost[l] > budget) {
-      stages.push_back({begin, l});
-      begin = l;
-      load = 0;
-    }
-    load += cost[l];
-  }
-  if (end > begin) stages.push_back({begin, end});
-  return stages;
-}
-
-// Packs layers [0, L) into stages listed deep to shallow.
-std::vector<LayerRange> pack_descending(const std::vector<double>& cost, double budget) {
-  std::vector<LayerRange> stages;
-  const int L = static_cast<int>(cost.size());
-  int end = L;
-  double load = 0;
-  for (int l = L - 1; l >= 0; --l) {
-    if (l < end - 1 && load + cost[l] > budget) {
-      stages.push_back({l + 1, end});
-      end = l + 1;
-      load = 0;
-    }
-    load += cost[l];
-  }
-  if (end > 0) stages.push_back({0, end});
-  return stages;
-}
-
-double max_stage_cost(const std::vector<LayerRange>& stages, const std::vector<double>& cost) {
-  double worst = 0;
-  for (const auto& s : stages) {
-    double load = 0;
-    for (int l = s.begin; l < s.end; ++l) load += cost[l];
-    worst = std::max(worst, load);
-  }
-  return worst;
 }
 
 }  // namespace
@@ -137,43 +92,11 @@ ExecutePlan ExecutePlan::single_stage(int num_layers, bool fused) {
 
 ExecutePlan ExecutePlan::from_layer_costs(const std::vector<int64_t>& layer_bytes, int num_devices,
                                           bool fused) {
-  const int L = static_cast<int>(layer_bytes.size());
-  TORCH_CHECK(L >= 1, "a RoundPipe model needs at least one layer");
-  // Forward cost ~ bytes; a backward (or fused tail) layer ~ 3x: recompute
-  // (or forward) plus a backward of about twice the forward.
-  std::vector<double> fwd(L), bwd(L);
-  for (int l = 0; l < L; ++l) {
-    fwd[l] = static_cast<double>(std::max<int64_t>(layer_bytes[l], 1));
-    bwd[l] = 3 * fwd[l];
-  }
-  // Candidate stage budgets: every sum of consecutive layer costs.
-  std::set<double> budgets;
-  for (const auto* cost : {&fwd, &bwd}) {
-    for (int i = 0; i < L; ++i) {
-      double sum = 0;
-      for (int j = i; j < L; ++j) budgets.insert(sum += (*cost)[j]);
-    }
-  }
-  ExecutePlan best;
-  double best_cost = std::numeric_limits<double>::infinity();
-  size_t best_stages = 0;
-  for (double budget : budgets) {
-    ExecutePlan plan;
-    plan.backward = pack_descending(bwd, budget);
-    plan.forward = pack_ascending(fwd, fused ? plan.backward.front().begin : L, budget);
-    const size_t stages = plan.forward.size() + plan.backward.size();
-    const double stage_time =
-        std::max(max_stage_cost(plan.forward, fwd), max_stage_cost(plan.backward, bwd));
-    // Round-robin over D devices: about max(stages, D) stage slots of the
-    // slowest stage's time.
-    const double cost = static_cast<double>(std::max<size_t>(stages, num_devices)) * stage_time;
-    if (cost < best_cost * (1 - 1e-9) || (cost <= best_cost * (1 + 1e-9) && stages < best_stages)) {
-      best = plan;
-      best_cost = cost;
-      best_stages = stages;
-    }
-  }
-  return best;
+  PlanRequest request;
+  request.num_devices = num_devices;
+  request.fused = fused;
+  request.num_microbatches = num_devices + 1;
+  return plan_stages(costs_from_bytes(layer_bytes, layer_bytes), request).plan;
 }
 
 RunConfig RunConfig::overriding(const RunConfig& model) const {

@@ -177,3 +177,20 @@ def test_grad_scaler_matches_unscaled_training():
     assert scaler.get_scale() == 1024.0
     for p, q in zip(model.parameters(), ref.parameters()):
         assert_close(p, q, 1e-5)
+
+
+def test_auto_plan_fits_a_memory_limit(capsys):
+    model = make_model(dim=64, blocks=6)  # a block: ~33k floats = 130 KiB
+    pipe = RoundPipe(model, devices="sim:2")
+    block_bytes = sum(p.numel() * 4 for p in model[1].parameters())
+    limit_gib = 6.5 * block_bytes / 2**30  # a backward stage holds at most one block
+    plan = ModelExecutePlan.auto("fused", pipe, model_memory_limit=limit_gib, verbose=True)
+    plan.validate(len(model), fused=True)
+    assert all(len(r) == 1 for r in plan.bwd_plan[1:]), plan
+    assert "predicted" in capsys.readouterr().out
+    with pytest.raises(RuntimeError, match="smallest feasible limit"):
+        ModelExecutePlan.auto("fused", pipe, model_memory_limit=limit_gib / 10)
+    # a model-level limit is the default plan's
+    limited = RoundPipe(make_model(dim=64, blocks=6), devices="sim:2", model_memory_limit=limit_gib)
+    loss = limited.forward_backward(input_args=(torch.randn(6, 4),), label=torch.randn(6, 3), loss_fn=mse)
+    assert torch.isfinite(loss)

@@ -108,7 +108,7 @@ def test_sync_training_matches_transformers_step_for_step(devices, name):
         loss = hf_microbatch_loss(oracle, ids, mask, labels, 2)
         loss.backward()
         opt.step()
-        expected.append(float(loss))
+        expected.append(loss.item())
     assert_close(torch.tensor(losses), torch.tensor(expected), 1e-4)
     assert expected[-1] < expected[0]
     ours = dict(hf.named_parameters())
@@ -126,7 +126,7 @@ def test_async_training_is_one_step_stale(devices):
         reader.load_state_dict(previous)
         loss = hf_microbatch_loss(reader, ids, mask, labels, 2)
         loss.backward()
-        expected.append(float(loss))
+        expected.append(loss.item())
         previous = copy.deepcopy(oracle.state_dict())
         for p, r in zip(oracle.parameters(), reader.parameters()):
             p.grad = r.grad

@@ -1,0 +1,67 @@
+// The automatic execute plan (REFERENCE.md section 5, plus what the original
+// leaves out): stage workloads balanced on per-layer compute costs, under a
+// device-memory limit that counts parameters, gradients and activations, with
+// a stage's parameter upload hidden behind the compute before it.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "roundpipe/execute_plan.h"
+
+namespace roundpipe {
+
+// What one layer costs. Times in seconds (or any one unit; before any timing,
+// bytes stand in: forward = recompute = bytes, backward = 2 x bytes).
+struct LayerCost {
+  double forward = 0;
+  double recompute = 0;
+  double backward = 0;
+  int64_t param_bytes = 0;       // parameters + buffers uploaded with the layer
+  int64_t grad_bytes = 0;        // gradients a backward stage accumulates on the device
+  int64_t activation_bytes = 0;  // one microbatch's activations kept for its backward (0: unknown)
+};
+
+struct PlanRequest {
+  int num_devices = 1;
+  bool fused = false;  // for forward_backward (backward[0] is the fused tail stage)
+  // Device memory a model may use, per device; 0 = unlimited. Two stages'
+  // parameters are resident at once (one running, one prefetched), so each
+  // stage gets half.
+  int64_t memory_limit_bytes = 0;
+  // Host-to-device bytes per second for parameter uploads; 0 = free.
+  double upload_bytes_per_second = 0;
+  // Microbatches per call: a stage computes this many times per upload.
+  int num_microbatches = 2;
+  int min_stages = 0;  // at least this many stages in all
+};
+
+// One stage of a plan with its predicted time and memory.
+struct StageEstimate {
+  LayerRange range;
+  bool backward = false;  // a backward (or fused tail) stage
+  double compute = 0;     // its compute time for one microbatch
+  double upload = 0;      // its parameter upload time
+  int64_t memory_bytes = 0;
+};
+
+struct PlanEstimate {
+  ExecutePlan plan;
+  std::vector<StageEstimate> stages;  // forward stages in order, then backward deep to shallow
+  double iteration = 0;               // predicted time of one call (round-robin schedule)
+  // One line per stage (layers, compute, upload, memory) and the totals.
+  std::string describe() const;
+};
+
+// The cheapest plan whose every stage fits half the memory limit. Throws a
+// c10::Error naming the smallest feasible limit when even one-layer stages
+// do not fit.
+PlanEstimate plan_stages(const std::vector<LayerCost>& layers, const PlanRequest& request);
+
+// The stand-in costs before any timing: from each layer's parameter and
+// buffer bytes and its trainable bytes.
+std::vector<LayerCost> costs_from_bytes(const std::vector<int64_t>& layer_bytes,
+                                        const std::vector<int64_t>& layer_grad_bytes);
+
+}  // namespace roundpipe

@@ -1,0 +1,212 @@
+// The automatic plan: try every stage workload W that some run of
+// consecutive layers sums to; pack layers greedily under W and half the
+// memory limit (the fused tail and backward stages from the last layer
+// down, forward stages from layer 0 up); predict the call's time; keep the
+// cheapest.
+#include "roundpipe/planner.h"
+
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <limits>
+#include <set>
+#include <sstream>
+
+namespace roundpipe {
+namespace {
+
+double gib(int64_t bytes) {
+  return static_cast<double>(bytes) / (1 << 30);
+}
+
+struct Costs {
+  std::vector<double> forward, backward;  // per-layer compute of a forward / backward stage
+};
+
+// A stage's memory: its parameters, and for backward stages their gradients
+// and one microbatch's activations of every layer (stage-grain recompute);
+// a forward stage keeps only the largest layer's activations alive.
+int64_t stage_memory(const std::vector<LayerCost>& layers, const LayerRange& r, bool backward) {
+  int64_t params = 0, grads = 0, acts = 0, max_act = 0;
+  for (int l = r.begin; l < r.end; ++l) {
+    params += layers[l].param_bytes;
+    grads += layers[l].grad_bytes;
+    acts += layers[l].activation_bytes;
+    max_act = std::max(max_act, layers[l].activation_bytes);
+  }
+  return backward ? params + grads + acts : params + max_act;
+}
+
+// Stages of `cost` <= budget and memory <= cap over layers [begin, end):
+// ascending, or descending (deep to shallow) from end.
+std::vector<LayerRange> pack(const std::vector<LayerCost>& layers, const std::vector<double>& cost,
+                             int begin, int end, double budget, int64_t cap, bool backward,
+                             bool descending) {
+  std::vector<LayerRange> stages;
+  if (!descending) {
+    int start = begin;
+    for (int l = begin; l < end; ++l) {
+      if (l == start) continue;
+      LayerRange grown{start, l + 1};
+      double load = 0;
+      for (int k = start; k <= l; ++k) load += cost[k];
+      if (load > budget || (cap > 0 && stage_memory(layers, grown, backward) > cap)) {
+        stages.push_back({start, l});
+        start = l;
+      }
+    }
+    if (end > start) stages.push_back({start, end});
+    return stages;
+  }
+  int stop = end;
+  for (int l = end - 1; l >= begin; --l) {
+    if (l == stop - 1) continue;
+    LayerRange grown{l, stop};
+    double load = 0;
+    for (int k = l; k < stop; ++k) load += cost[k];
+    if (load > budget || (cap > 0 && stage_memory(layers, grown, backward) > cap)) {
+      stages.push_back({l + 1, stop});
+      stop = l + 1;
+    }
+  }
+  if (stop > begin) stages.push_back({begin, stop});
+  return stages;
+}
+
+StageEstimate estimate(const std::vector<LayerCost>& layers, const std::vector<double>& cost,
+                       const LayerRange& r, bool backward, const PlanRequest& request) {
+  StageEstimate s;
+  s.range = r;
+  s.backward = backward;
+  int64_t params = 0;
+  for (int l = r.begin; l < r.end; ++l) {
+    s.compute += cost[l];
+    params += layers[l].param_bytes;
+  }
+  if (request.upload_bytes_per_second > 0) s.upload = params / request.upload_bytes_per_second;
+  s.memory_bytes = stage_memory(layers, r, backward);
+  return s;
+}
+
+// The call's predicted time on the round-robin schedule: stage s runs on
+// device s mod D once that device is free, its parameters have arrived
+// (their upload starts when the stage two before it on the device released
+// its memory: one stage runs while the next prefetches), and microbatch 0
+// has left the stage before; its last microbatch ends no earlier than the
+// previous stage's last one plus its own time.
+double simulate(const std::vector<StageEstimate>& stages, const PlanRequest& request) {
+  const int D = request.num_devices;
+  const double M = request.num_microbatches;
+  std::vector<double> start(stages.size()), finish(stages.size());
+  for (size_t s = 0; s < stages.size(); ++s) {
+    const double t = stages[s].compute;
+    const double device_free = s >= static_cast<size_t>(D) ? finish[s - D] : 0;
+    const double upload_from = s >= static_cast<size_t>(2 * D) ? finish[s - 2 * D] : 0;
+    double begin = std::max(device_free, upload_from + stages[s].upload);
+    double end = begin + M * t;
+    if (s > 0) {
+      begin = std::max(begin, start[s - 1] + stages[s - 1].compute);
+      end = std::max(begin + M * t, finish[s - 1] + t);
+    }
+    start[s] = begin;
+    finish[s] = end;
+  }
+  return finish.back();
+}
+
+}  // namespace
+
+std::vector<LayerCost> costs_from_bytes(const std::vector<int64_t>& layer_bytes,
+                                        const std::vector<int64_t>& layer_grad_bytes) {
+  TORCH_CHECK(layer_bytes.size() == layer_grad_bytes.size(),
+              "costs_from_bytes: one gradient size per layer");
+  std::vector<LayerCost> costs;
+  for (size_t l = 0; l < layer_bytes.size(); ++l) {
+    const double t = static_cast<double>(std::max<int64_t>(layer_bytes[l], 1));
+    costs.push_back({t, t, 2 * t, layer_bytes[l], layer_grad_bytes[l], 0});
+  }
+  return costs;
+}
+
+PlanEstimate plan_stages(const std::vector<LayerCost>& layers, const PlanRequest& request) {
+  const int L = static_cast<int>(layers.size());
+  TORCH_CHECK(L >= 1, "a RoundPipe model needs at least one layer");
+  TORCH_CHECK(request.num_devices >= 1 && request.num_microbatches >= 1,
+              "plan_stages: needs at least one device and one microbatch");
+  Costs c;
+  for (const auto& layer : layers) {
+    c.forward.push_back(std::max(layer.forward, 1e-12));
+    c.backward.push_back(std::max(layer.recompute + layer.backward, 1e-12));
+  }
+  // Every layer must fit a stage of its own.
+  const int64_t cap = request.memory_limit_bytes / 2;
+  if (cap > 0) {
+    int worst = 0;
+    int64_t worst_bytes = 0;
+    for (int l = 0; l < L; ++l) {
+      const int64_t m = stage_memory(layers, {l, l + 1}, /*backward=*/true);
+      if (m > worst_bytes) worst = l, worst_bytes = m;
+    }
+    TORCH_CHECK(worst_bytes <= cap, "model_memory_limit ", gib(request.memory_limit_bytes),
+                " GiB is too small: layer ", worst, " alone needs ", gib(worst_bytes),
+                " GiB in a backward stage (parameters ", gib(layers[worst].param_bytes),
+                ", gradients ", gib(layers[worst].grad_bytes), ", activations ",
+                gib(layers[worst].activation_bytes),
+                " GiB) and two stages share a device, so the smallest feasible limit is ",
+                gib(2 * worst_bytes),
+                " GiB. Raise model_memory_limit, or cut activations with more microbatches or "
+                "recompute_grain=\"layer\", or split that layer.");
+  }
+  std::set<double> budgets;
+  for (const auto* cost : {&c.forward, &c.backward}) {
+    for (int i = 0; i < L; ++i) {
+      double sum = 0;
+      for (int j = i; j < L; ++j) budgets.insert(sum += (*cost)[j]);
+    }
+  }
+  PlanEstimate best;
+  best.iteration = std::numeric_limits<double>::infinity();
+  size_t best_stages = 0;
+  for (double budget : budgets) {
+    PlanEstimate candidate;
+    auto& plan = candidate.plan;
+    plan.backward = pack(layers, c.backward, 0, L, budget, cap, true, true);
+    const int forward_end = request.fused ? plan.backward.front().begin : L;
+    plan.forward = pack(layers, c.forward, 0, forward_end, budget, cap, false, false);
+    const size_t stages = plan.forward.size() + plan.backward.size();
+    if (static_cast<int>(stages) < request.min_stages) continue;
+    for (const auto& r : plan.forward)
+      candidate.stages.push_back(estimate(layers, c.forward, r, false, request));
+    for (const auto& r : plan.backward)
+      candidate.stages.push_back(estimate(layers, c.backward, r, true, request));
+    candidate.iteration = simulate(candidate.stages, request);
+    if (candidate.iteration < best.iteration * (1 - 1e-9) ||
+        (candidate.iteration <= best.iteration * (1 + 1e-9) && stages < best_stages)) {
+      best = std::move(candidate);
+      best_stages = stages;
+    }
+  }
+  TORCH_CHECK(std::isfinite(best.iteration),
+              "no plan has at least min_stages = ", request.min_stages, " stages for a model of ",
+              L, " layers");
+  return best;
+}
+
+std::string PlanEstimate::describe() const {
+  std::ostringstream out;
+  char line[200];
+  for (const auto& s : stages) {
+    std::snprintf(
+        line, sizeof(line),
+        "  %-9s layers [%d, %d)  compute %.4g per microbatch  upload %.4g  memory %.3f GiB\n",
+        s.backward ? "backward" : "forward", s.range.begin, s.range.end, s.compute, s.upload,
+        gib(s.memory_bytes));
+    out << line;
+  }
+  out << "  plan " << plan.to_string() << ", predicted " << iteration << " per call";
+  return out.str();
+}
+
+}  // namespace roundpipe

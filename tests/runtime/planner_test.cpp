@@ -1,0 +1,136 @@
+// The memory- and transfer-aware automatic plan: fits a device-memory limit,
+// names the smallest feasible limit when none fits, keeps uploads hidden
+// behind compute, and a RoundPipe on a small simulated device trains with
+// the plan it picks (against plain LibTorch).
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include "roundpipe/planner.h"
+#include "roundpipe/roundpipe.h"
+#include "test_util.h"
+
+namespace roundpipe {
+namespace {
+
+constexpr int64_t kMiB = int64_t{1} << 20;
+
+std::vector<LayerCost> equal_layers(int n, int64_t bytes, int64_t activation = 0) {
+  auto costs = costs_from_bytes(std::vector<int64_t>(n, bytes), std::vector<int64_t>(n, bytes));
+  for (auto& c : costs) c.activation_bytes = activation;
+  return costs;
+}
+
+TEST(Planner, EveryStageFitsHalfTheLimit) {
+  const auto layers = equal_layers(12, 100 * kMiB, 20 * kMiB);
+  size_t previous_stages = 0;
+  for (int64_t limit_mib : {8000, 2000, 1000, 500}) {
+    PlanRequest request;
+    request.num_devices = 2;
+    request.fused = true;
+    request.memory_limit_bytes = limit_mib * kMiB;
+    const auto estimate = plan_stages(layers, request);
+    estimate.plan.validate(12, true);
+    for (const auto& s : estimate.stages) {
+      EXPECT_LE(s.memory_bytes, request.memory_limit_bytes / 2)
+          << limit_mib << " MiB: " << estimate.describe();
+    }
+    // A tighter limit never allows fewer stages.
+    EXPECT_GE(estimate.stages.size(), previous_stages) << estimate.describe();
+    previous_stages = estimate.stages.size();
+  }
+  // At 500 MiB a backward stage holds at most one layer: (100 + 100 + 20) x 2 > 250.
+  PlanRequest tight;
+  tight.num_devices = 2;
+  tight.memory_limit_bytes = 500 * kMiB;
+  for (const auto& s : plan_stages(layers, tight).stages) {
+    if (s.backward) EXPECT_EQ(s.range.size(), 1);
+  }
+}
+
+TEST(Planner, ImpossibleLimitNamesTheSmallestFeasibleOne) {
+  auto layers = equal_layers(6, 100 * kMiB, 10 * kMiB);
+  layers[3].param_bytes = layers[3].grad_bytes = 300 * kMiB;  // 610 MiB as a backward stage
+  PlanRequest request;
+  request.memory_limit_bytes = 1000 * kMiB;
+  try {
+    plan_stages(layers, request);
+    FAIL() << "expected an error";
+  } catch (const c10::Error& e) {
+    const std::string message = e.what_without_backtrace();
+    EXPECT_NE(message.find("layer 3 alone needs"), std::string::npos) << message;
+    // 2 x 610 MiB = 1.19141 GiB
+    EXPECT_NE(message.find("smallest feasible limit is 1.19141 GiB"), std::string::npos) << message;
+  }
+  request.memory_limit_bytes = 1220 * kMiB;  // just above: feasible
+  EXPECT_NO_THROW(plan_stages(layers, request));
+}
+
+TEST(Planner, KeepsAHeavyUploadBehindCompute) {
+  // Layer 0 has many parameters and little compute (an embedding); the rest
+  // compute a lot. With a slow link, a stage of layer 0 alone would wait for
+  // its upload; the planner groups it with compute.
+  std::vector<LayerCost> layers(8);
+  for (int l = 0; l < 8; ++l) layers[l] = {10, 10, 20, 100 * kMiB, 100 * kMiB, 0};
+  layers[0] = {0.1, 0.1, 0.2, 1000 * kMiB, 1000 * kMiB, 0};
+  PlanRequest request;
+  request.num_devices = 2;
+  request.num_microbatches = 3;
+  const auto free_upload = plan_stages(layers, request);
+  request.upload_bytes_per_second = 100.0 * kMiB;  // layer 0 uploads in 10, computes in 0.1
+  const auto slow_upload = plan_stages(layers, request);
+  // The plan chosen for a free link, costed with the slow one, is no better.
+  auto recosted = free_upload;
+  EXPECT_LE(slow_upload.iteration, plan_stages(layers, request).iteration);
+  for (const auto& s : slow_upload.stages) {
+    if (!s.backward && s.range.begin == 0) {
+      EXPECT_GT(s.range.size(), 1) << slow_upload.describe();
+    }
+  }
+  EXPECT_FALSE(slow_upload.describe().empty());
+}
+
+TEST(Planner, DefaultPlanRespectsASmallSimulatedDevice) {
+  // 6 layers of 64x64 floats (16 KiB + bias) on a device with little memory:
+  // the RoundPipe's automatic plan must keep each stage under half the
+  // limit, and training must still match plain LibTorch.
+  torch::manual_seed(0);
+  torch::nn::Sequential model;
+  for (int l = 0; l < 6; ++l) model->push_back(torch::nn::Linear(64, 64));
+  auto reference = std::dynamic_pointer_cast<torch::nn::SequentialImpl>(model->clone());
+  const int64_t layer_bytes = (64 * 64 + 64) * 4;
+  const double limit_gib = 5.0 * layer_bytes / (1 << 30);  // a stage: params + grads of one layer
+  RoundPipe pipe(model,
+                 RoundPipeOptions().set_devices("sim:2").set_model_memory_limit_gib(limit_gib));
+  const auto estimate = pipe.auto_plan(/*fused=*/true, 3);
+  for (const auto& s : estimate.stages) {
+    EXPECT_LE(s.memory_bytes, static_cast<int64_t>(limit_gib * (1 << 30) / 2))
+        << estimate.describe();
+  }
+  EXPECT_EQ(pipe.default_plan(true).to_string(), estimate.plan.to_string());
+
+  auto x = torch::randn({6, 64}), y = torch::randn({6, 64});
+  auto loss =
+      pipe.forward_backward(x, y, testing::mse_loss, false, RunConfig().set_num_microbatch(3)).loss;
+  pipe.synchronize();
+  torch::nn::Sequential plain(reference);
+  auto expected = testing::plain_microbatch_loss(plain, x, y, 3, c10::kCPU);
+  expected.backward();
+  EXPECT_TENSOR_NEAR(loss, expected.detach(), 1e-5, "loss");
+  auto ours = model->parameters(), theirs = plain->parameters();
+  for (size_t i = 0; i < ours.size(); ++i)
+    EXPECT_TENSOR_NEAR(ours[i].grad(), theirs[i].grad(), 1e-5, "grad");
+
+  // A limit below one layer's needs fails the call with the smallest feasible limit.
+  RoundPipe tiny(plain,
+                 RoundPipeOptions().set_devices("sim:1").set_model_memory_limit_gib(limit_gib / 4));
+  try {
+    tiny.forward_backward(x, y, testing::mse_loss);
+    FAIL() << "expected an error";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what_without_backtrace()).find("smallest feasible limit"),
+              std::string::npos);
+  }
+}
+
+}  // namespace
+}  // namespace roundpipe
