@@ -81,6 +81,11 @@ class Device {
   // generator, so their compute sections take one process-wide lock.
   virtual std::unique_lock<std::mutex> compute_lock() = 0;
 
+  // A timing mark on the compute queue, and the compute time between two
+  // marks (waits until `end` has completed). Feeds the automatic plan.
+  virtual EventPtr record_timing_mark() = 0;
+  virtual double seconds_between(const EventPtr& start, const EventPtr& end) = 0;
+
   virtual DeviceMemoryStats memory_stats() const = 0;
   // Whether host tensors may be pinned for this backend.
   virtual bool supports_pinned_memory() const = 0;

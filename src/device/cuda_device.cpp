@@ -26,6 +26,23 @@ class CudaEvent final : public Event {
   at::cuda::CUDAEvent event_;
 };
 
+// An event with timing enabled, on the compute stream.
+class CudaTimingMark final : public Event {
+ public:
+  explicit CudaTimingMark(const c10::cuda::CUDAStream& stream) : event_(cudaEventDefault) {
+    event_.record(stream);
+  }
+  void synchronize() override { event_.synchronize(); }
+  bool query() override { return event_.query(); }
+  double seconds_since(CudaTimingMark& start) {
+    event_.synchronize();
+    return start.event_.elapsed_time(event_) / 1000.0;
+  }
+
+ private:
+  at::cuda::CUDAEvent event_;
+};
+
 class CudaDevice final : public Device {
  public:
   explicit CudaDevice(int index) : index_(static_cast<c10::DeviceIndex>(index)) {
@@ -48,6 +65,18 @@ class CudaDevice final : public Device {
     c10::cuda::CUDAStreamGuard guard(stream(queue));
     work();
   }
+  EventPtr record_timing_mark() override {
+    c10::cuda::CUDAGuard guard(index_);
+    return std::make_shared<CudaTimingMark>(stream(Queue::kCompute));
+  }
+  double seconds_between(const EventPtr& start, const EventPtr& end) override {
+    auto* a = dynamic_cast<CudaTimingMark*>(start.get());
+    auto* b = dynamic_cast<CudaTimingMark*>(end.get());
+    TORCH_CHECK(a && b, name(), ": seconds_between needs two timing marks of this device");
+    c10::cuda::CUDAGuard guard(index_);
+    return b->seconds_since(*a);
+  }
+
   EventPtr record(Queue queue) override {
     c10::cuda::CUDAGuard guard(index_);
     return std::make_shared<CudaEvent>(stream(queue));

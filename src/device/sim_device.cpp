@@ -18,6 +18,14 @@
 namespace roundpipe {
 namespace {
 
+// A moment of the (inline) compute queue.
+class SimTimingMark final : public Event {
+ public:
+  void synchronize() override {}
+  bool query() override { return true; }
+  const std::chrono::steady_clock::time_point time = std::chrono::steady_clock::now();
+};
+
 class SimEvent final : public Event {
  public:
   void complete(std::exception_ptr error) {
@@ -152,6 +160,16 @@ class SimDevice final : public Device {
       copy_queue(queue).push(std::move(work), false);
     }
   }
+  EventPtr record_timing_mark() override {
+    return std::make_shared<SimTimingMark>();  // compute runs inline: now is when it is done
+  }
+  double seconds_between(const EventPtr& start, const EventPtr& end) override {
+    auto* a = dynamic_cast<SimTimingMark*>(start.get());
+    auto* b = dynamic_cast<SimTimingMark*>(end.get());
+    TORCH_CHECK(a && b, name(), ": seconds_between needs two timing marks of this device");
+    return std::chrono::duration<double>(b->time - a->time).count();
+  }
+
   EventPtr record(Queue queue) override {
     if (queue == Queue::kCompute) return completed_event();
     return copy_queue(queue).record();

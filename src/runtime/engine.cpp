@@ -497,6 +497,7 @@ Engine::Engine(std::vector<LayerPtr> layers, RoundPipeOptions options)
     layer_bytes_.push_back(bytes);
     layer_grad_bytes_.push_back(grad_bytes);
   }
+  timings_ = std::make_unique<LayerTimings>(num_layers());
   // Pinned home memory makes uploads fast and truly asynchronous (a simple
   // correct version: alloc = one pinned copy per parameter; register = pin
   // the existing storage in place; the exact-size arena comes later).
@@ -575,7 +576,10 @@ PlanEstimate Engine::auto_plan(bool fused, int num_microbatches, int min_stages,
         request.memory_limit_bytes = left;
     }
   }
-  return plan_stages(costs_from_bytes(layer_bytes_, layer_grad_bytes_), request);
+  // Measured times once every layer has them, else bytes stand in.
+  return plan_stages(timings_->complete() ? timings_->costs(layer_bytes_, layer_grad_bytes_)
+                                          : costs_from_bytes(layer_bytes_, layer_grad_bytes_),
+                     request);
 }
 
 ExecutePlan Engine::default_plan(bool fused) const {
@@ -586,9 +590,11 @@ ExecutePlan Engine::default_plan(bool fused) const {
     auto& logged = logged_plans_[fused ? 1 : 0];
     if (logged != estimate.plan.to_string()) {
       logged = estimate.plan.to_string();
-      std::fprintf(stderr, "%s: %s plan for %d microbatches on %d device(s) (costs: bytes)\n%s\n",
+      const bool measured = timings_->complete();
+      std::fprintf(stderr, "%s: %s plan for %d microbatches on %d device(s), costs %s\n%s%s\n",
                    name_.c_str(), fused ? "forward_backward" : "forward", n, pool_.size(),
-                   estimate.describe().c_str());
+                   measured ? "measured (seconds):" : "from parameter bytes (no timings yet):",
+                   measured ? timings_->describe().c_str() : "", estimate.describe().c_str());
     }
   }
   return estimate.plan;
@@ -912,9 +918,51 @@ struct StageRunner {
   std::map<int, std::unique_ptr<LayerInstance>> instances;
   bool buffers_bound = false;
   EventPtr buffers_ready;
+  // Compute intervals of this microbatch, measured on the host-task thread
+  // once the last one has completed (feeds the automatic plan).
+  struct Interval {
+    int layer;  // -1: the whole stage's backward, shared by its layers
+    LayerTimings::Kind kind;
+    EventPtr start, end;
+  };
+  std::vector<Interval> intervals;
 
   StageRunner(Engine& e, Job& j, Worker& w)
       : engine(e), job(j), worker(w), device(w.device()), call(*j.call) {}
+
+  EventPtr mark() { return device.record_timing_mark(); }
+
+  // Hands this microbatch's intervals to the host-task thread. A stage's
+  // backward without per-layer marks is shared by its layers in proportion
+  // to their recompute (or forward) times.
+  void flush_timings() {
+    if (intervals.empty()) return;
+    auto measured = std::move(intervals);
+    intervals.clear();
+    auto* timings = engine.timings_.get();
+    Device* dev = &device;
+    const LayerRange range = job.range;
+    engine.host_tasks_.post(measured.back().end, [measured, timings, dev, range] {
+      std::map<int, double> recompute;
+      double stage_backward = -1;
+      for (const auto& i : measured) {
+        const double s = dev->seconds_between(i.start, i.end);
+        if (i.layer < 0) {
+          stage_backward = s;
+          continue;
+        }
+        timings->add(i.layer, i.kind, s);
+        if (i.kind != LayerTimings::kBackward) recompute[i.layer] += s;
+      }
+      if (stage_backward < 0) return;
+      double total = 0;
+      for (int l = range.begin; l < range.end; ++l) total += recompute[l];
+      for (int l = range.begin; l < range.end; ++l) {
+        const double share = total > 0 ? recompute[l] / total : 1.0 / range.size();
+        timings->add(l, LayerTimings::kBackward, stage_backward * share);
+      }
+    });
+  }
 
   ~StageRunner() {
     for (auto& [l, instance] : instances) engine.release_instance(l, std::move(instance));
@@ -986,8 +1034,17 @@ struct StageRunner {
     layer = l;
     phase = recompute ? "recompute" : "forward";
     LayerCallScope scope(&call, l, microbatch, recompute, device.torch_device());
+    auto start = mark();
     auto y = instances[l]->forward(x);
+    const bool with_grad = c10::GradMode::is_enabled();
+    intervals.push_back(
+        {l, with_grad ? LayerTimings::kRecompute : LayerTimings::kForward, start, mark()});
     check_devices(y, device, l, engine.layers_[l]->type_name());
+    if (!with_grad) {
+      int64_t bytes = 0;
+      for (const auto& t : flatten_tensors(y)) bytes += t.defined() ? t.nbytes() : 0;
+      engine.timings_->add_output_bytes(l, bytes);
+    }
     return y;
   }
 
@@ -1025,6 +1082,7 @@ struct StageRunner {
       phase = "download";
       auto [out, event] = download_value(device, x);
       CallState::put(*call.act.at(r.end)[m], out, {}, event, out_rng);
+      flush_timings();
       worker.prefetch_next();
     }
   }
@@ -1076,7 +1134,9 @@ struct StageRunner {
           x = input_leaves(x, l, m, leaves);
           auto y = run_layer(l, x, true);
           phase = "backward";
+          auto start = mark();
           backward_through(y, grads);
+          intervals.push_back({l, LayerTimings::kBackward, start, mark()});
           grads = leaf_grads(leaves);
         }
       } else {
@@ -1089,9 +1149,12 @@ struct StageRunner {
         for (int l = r.begin; l < r.end; ++l) x = run_layer(l, x, true);
         phase = "backward";
         layer = -1;
+        auto start = mark();
         backward_through(x, grads);
+        intervals.push_back({-1, LayerTimings::kBackward, start, mark()});
       }
       layer = -1;
+      flush_timings();
       send_input_grads(r.begin, m, leaves);
       worker.prefetch_next();
     }
@@ -1123,8 +1186,11 @@ struct StageRunner {
         TORCH_CHECK(loss.device() == device.torch_device(), "loss_fn returned a loss on ",
                     loss.device(), " while running on ", device.name());
         phase = "backward";
+        auto start = mark();
         if (loss.requires_grad()) torch::autograd::backward({loss.reshape({})});
+        intervals.push_back({-1, LayerTimings::kBackward, start, mark()});
       }
+      flush_timings();
       if (r.begin > 0) send_input_grads(r.begin, m, leaves);
       phase = "download";
       auto [host_loss, loss_event] = download_flat(device, {loss.detach().reshape({})});

@@ -18,6 +18,7 @@
 #include "roundpipe/optim/adam.h"
 #include "roundpipe/planner.h"
 #include "roundpipe/roundpipe.h"
+#include "runtime/layer_timings.h"
 
 namespace roundpipe::detail {
 
@@ -160,6 +161,7 @@ class Engine {
   std::vector<std::vector<int>> layer_param_ids_;  // per layer: unique id of each parameter
   std::vector<int64_t> layer_bytes_;
   std::vector<int64_t> layer_grad_bytes_;  // bytes of the parameters that require grad
+  std::unique_ptr<LayerTimings> timings_;  // measured per-layer compute times
   mutable std::mutex plan_log_mu_;
   mutable std::string logged_plans_[2];  // verbose: the last plan logged (forward, fused)
   std::vector<void*> registered_;        // host memory pinned in place (pin_model=register)

@@ -132,5 +132,51 @@ TEST(Planner, DefaultPlanRespectsASmallSimulatedDevice) {
   }
 }
 
+// A layer with few parameters and much compute: its bytes say "cheap", its
+// measured time says otherwise.
+struct SlowLinearImpl : torch::nn::Cloneable<SlowLinearImpl> {
+  torch::nn::Linear inner{nullptr};
+  SlowLinearImpl() { reset(); }
+  void reset() override { inner = register_module("inner", torch::nn::Linear(64, 64)); }
+  at::Tensor forward(const at::Tensor& x) {
+    auto y = inner(x);
+    for (int i = 0; i < 300; ++i) y = at::tanh(at::matmul(y, inner->weight.t()) * 0.1);
+    return y;
+  }
+};
+TORCH_MODULE(SlowLinear);
+
+TEST(Planner, MeasuredTimesReplaceBytesAfterWarmUp) {
+  torch::manual_seed(0);
+  torch::nn::Sequential model;
+  for (int l = 0; l < 6; ++l) {
+    if (l == 3) {
+      model->push_back(SlowLinear());
+    } else {
+      model->push_back(torch::nn::Linear(64, 64));
+    }
+  }
+  RoundPipe pipe(model, RoundPipeOptions().set_devices("sim:4"));
+  auto by_bytes = pipe.auto_plan(/*fused=*/true, 5);
+  auto x = torch::randn({10, 64}), y = torch::randn({10, 64});
+  for (int i = 0; i < 3; ++i) pipe.forward_backward(x, y, testing::mse_loss);
+  pipe.synchronize();
+  auto measured = pipe.auto_plan(/*fused=*/true, 5);
+  // Measured: the backward stage holding the slow layer dominates the
+  // others (by bytes all layers cost alike).
+  double slow = 0, others = 0;
+  for (const auto& s : measured.stages) {
+    if (!s.backward) continue;
+    (s.range.begin <= 3 && 3 < s.range.end ? slow : others) =
+        std::max(s.range.begin <= 3 && 3 < s.range.end ? slow : others, s.compute);
+  }
+  EXPECT_GT(slow, 20 * others) << measured.describe();
+  EXPECT_NE(by_bytes.describe(), measured.describe());
+  EXPECT_EQ(pipe.default_plan(true).to_string(), measured.plan.to_string());
+  // Predicted times are now seconds: a few calls of this model take well under one.
+  EXPECT_LT(measured.iteration, 5.0) << measured.describe();
+  EXPECT_GT(measured.iteration, 0.0);
+}
+
 }  // namespace
 }  // namespace roundpipe

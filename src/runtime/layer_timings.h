@@ -1,0 +1,43 @@
+// Per-layer compute times measured with device timing marks, smoothed for
+// the automatic plan (REFERENCE.md section 5: rate 0.9 with bias
+// correction, the first sample of each dropped as warm-up). Internal header.
+#pragma once
+
+#include <cstdint>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "roundpipe/planner.h"
+
+namespace roundpipe::detail {
+
+class LayerTimings {
+ public:
+  enum Kind { kForward = 0, kRecompute = 1, kBackward = 2 };
+
+  explicit LayerTimings(int num_layers);
+  // One measurement (seconds, one microbatch). Thread-safe.
+  void add(int layer, Kind kind, double seconds);
+  // The bytes of a layer's output for one microbatch (largest seen).
+  void add_output_bytes(int layer, int64_t bytes);
+  // Whether every layer has a smoothed time of every kind.
+  bool complete() const;
+  // Measured costs (call when complete()).
+  std::vector<LayerCost> costs(const std::vector<int64_t>& param_bytes,
+                               const std::vector<int64_t>& grad_bytes) const;
+  // One line per layer: forward / recompute / backward milliseconds.
+  std::string describe() const;
+
+ private:
+  struct Smoothed {
+    int samples = 0;  // including the dropped first one
+    double average = 0;
+    double value() const;
+  };
+  mutable std::mutex mu_;
+  std::vector<Smoothed> times_;  // [layer * 3 + kind]
+  std::vector<int64_t> output_bytes_;
+};
+
+}  // namespace roundpipe::detail
