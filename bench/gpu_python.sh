@@ -19,7 +19,7 @@ echo "pip install took $(( $(date +%s) - start ))s" | tee -a "$out/pip_install.l
 # The C++ tool for the side-by-side figure, built meanwhile.
 (JOBS=8 PYTHON=$py scripts/build.sh build-gpu -DROUNDPIPE_BUILD_TESTS=OFF > "$out/cpp_build.log" 2>&1) &
 build_pid=$!
-ROUNDPIPE_CRASH_BACKTRACE=1 timeout 400 $py -m pytest -q -p no:cacheprovider -p no:faulthandler tests/python 2>&1 | tee "$out/pytest.log" | tail -4
+timeout 400 $py -X faulthandler -m pytest -q -p no:cacheprovider tests/python 2>&1 | tee "$out/pytest.log" | tail -4
 if [ -n "${PYTEST_ONLY:-}" ]; then kill $build_pid 2>/dev/null; exit 0; fi
 $py bench/make_qwen3_checkpoint.py /tmp/qwen3-1.7b /tmp/tokens.jsonl 1.7B 64 4096 2>&1 | tail -1 | tee "$out/checkpoint.log"
 $py bench/python_seed_train.py /tmp/qwen3-1.7b "$steps" 16 4096 2>&1 | tee "$out/python_seed_1.7b.log"

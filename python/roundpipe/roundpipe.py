@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from . import _C
+from ._pass_through import PassThroughToModel
 from .run_config import RoundPipeRunConfig
 
 _optimizer_ctx = threading.local()
@@ -70,7 +71,7 @@ def _resolve(call: Optional[RoundPipeRunConfig], model: RoundPipeRunConfig, name
     return getattr(model, name) if value is None else value
 
 
-class RoundPipe(nn.Module):
+class RoundPipe(PassThroughToModel, nn.Module):
     """Wraps `model` for training with model state in CPU memory.
 
     ``nn.Sequential``: each child is one scheduled layer; any other module is
@@ -261,21 +262,6 @@ class RoundPipe(nn.Module):
     def __len__(self):
         return len(self._model)
 
-    def __getattr__(self, name: str):
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            pass
-        model = self.__dict__.get("_model")
-        if model is None:
-            raise AttributeError(name)
-        return getattr(model, name)
-
-    def __setattr__(self, name: str, value) -> None:
-        model = self.__dict__.get("_model")
-        if model is not None and not name.startswith("_") and hasattr(model, name):
-            setattr(model, name, value)
-        object.__setattr__(self, name, value)
 
     def __repr__(self):
         return f"RoundPipe({self._engine.name}, {self.num_layers} layers on {', '.join(self.devices)})"

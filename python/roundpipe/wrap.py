@@ -10,6 +10,7 @@ from torch import nn
 
 from . import _C
 from ._layer_copy import DISPATCH_MARK
+from ._pass_through import PassThroughToModel
 from .roundpipe import RoundPipe
 from .run_config import RoundPipeRunConfig
 
@@ -94,7 +95,7 @@ def _param_bytes(module: nn.Module) -> int:
     return total
 
 
-class AutoRoundPipe(nn.Module):
+class AutoRoundPipe(PassThroughToModel, nn.Module):
     """A model that could not become one Sequential, with its large
     submodules each run by a RoundPipe (one layer each) while the glue code
     of the original forward and the small modules run on the CPU.
@@ -154,22 +155,6 @@ class AutoRoundPipe(nn.Module):
             step_fn()
             for n, m in named:
                 params[n].copy_(m)
-
-    def __getattr__(self, name: str):
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            pass
-        model = self.__dict__.get("_model")
-        if model is None:
-            raise AttributeError(name)
-        return getattr(model, name)
-
-    def __setattr__(self, name, value):
-        model = self.__dict__.get("_model")
-        if model is not None and not name.startswith("_") and hasattr(model, name):
-            setattr(model, name, value)
-        object.__setattr__(self, name, value)
 
 
 def _auto_wrap(module, lower, upper, skip, pipes, kwargs, path=""):

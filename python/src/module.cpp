@@ -5,12 +5,7 @@
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
 
-#include <execinfo.h>
-#include <unistd.h>
-
 #include <condition_variable>
-#include <csignal>
-#include <cstdlib>
 #include <deque>
 #include <mutex>
 #include <thread>
@@ -192,23 +187,11 @@ void translate(std::exception_ptr p) {
     // Raised again as itself (e.g. from a step function).
     py::object exc = e.exception.get();
     PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(exc.ptr())), exc.ptr());
-  } catch (const py::error_already_set&) {
-    throw;  // pybind11 restores it
-  } catch (...) {
+  } catch (const c10::Error&) {
+    // Torch's own message (without the C++ backtrace) and exception class.
     torch::translate_exception_to_python(std::current_exception());
   }
-}
-
-// ROUNDPIPE_CRASH_BACKTRACE=1: a native backtrace on SIGSEGV/SIGABRT (for
-// machines without a debugger).
-void print_backtrace(int sig) {
-  void* frames[64];
-  const int n = backtrace(frames, 64);
-  const char header[] = "\nroundpipe: fatal signal, native backtrace:\n";
-  (void)!write(2, header, sizeof(header) - 1);
-  backtrace_symbols_fd(frames, n, 2);
-  std::signal(sig, SIG_DFL);
-  std::raise(sig);
+  // Anything else is not ours: pybind11's own translation applies.
 }
 
 }  // namespace
@@ -218,11 +201,7 @@ PYBIND11_MODULE(_C, m) {
   using namespace roundpipe;
   using namespace roundpipe::python;
   m.doc() = "RoundPipe's C++ engine (use the roundpipe package, not this module)";
-  py::register_exception_translator(&translate);
-  if (std::getenv("ROUNDPIPE_CRASH_BACKTRACE")) {
-    std::signal(SIGSEGV, print_backtrace);
-    std::signal(SIGABRT, print_backtrace);
-  }
+  py::register_local_exception_translator(&translate);
 
   py::class_<Layer, LayerPtr>(m, "Layer")
       .def_property_readonly("type_name", &Layer::type_name)
