@@ -14,6 +14,7 @@
 #include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -40,6 +41,13 @@ struct DeviceMemoryStats {
   int64_t budget_bytes = 0;  // what the device may hold (0: unlimited)
   int64_t in_use_bytes = 0;  // tracked device tensors alive now
   int64_t peak_bytes = 0;
+};
+
+// Bytes moved so far (for benchmarks: traffic per iteration, achieved rate).
+struct DeviceTransferStats {
+  int64_t param_upload_bytes = 0;
+  int64_t activation_upload_bytes = 0;
+  int64_t download_bytes = 0;
 };
 
 class Device {
@@ -87,8 +95,27 @@ class Device {
   virtual double seconds_between(const EventPtr& start, const EventPtr& end) = 0;
 
   virtual DeviceMemoryStats memory_stats() const = 0;
+  DeviceTransferStats transfer_stats() const {
+    return {uploaded_[0].load(), uploaded_[1].load(), downloaded_.load()};
+  }
   // Whether host tensors may be pinned for this backend.
   virtual bool supports_pinned_memory() const = 0;
+
+ protected:
+  // Backends call these from upload() / download().
+  void count_upload(Queue queue, const std::vector<at::Tensor>& tensors) {
+    uploaded_[queue == Queue::kParamUpload ? 0 : 1] += bytes_of(tensors);
+  }
+  void count_download(const std::vector<at::Tensor>& tensors) { downloaded_ += bytes_of(tensors); }
+
+ private:
+  static int64_t bytes_of(const std::vector<at::Tensor>& tensors) {
+    int64_t bytes = 0;
+    for (const auto& t : tensors) bytes += t.defined() ? static_cast<int64_t>(t.nbytes()) : 0;
+    return bytes;
+  }
+  std::atomic<int64_t> uploaded_[2] = {0, 0};
+  std::atomic<int64_t> downloaded_{0};
 };
 using DevicePtr = std::shared_ptr<Device>;
 

@@ -102,6 +102,7 @@ class CudaDevice final : public Device {
             at::empty(t.sizes(), t.options().device(torch_device()).pinned_memory(false)));
       }
     }
+    count_upload(queue, host);
     wait(queue, record(Queue::kCompute));
     wait(queue, after);
     {
@@ -113,6 +114,7 @@ class CudaDevice final : public Device {
 
   std::pair<std::vector<at::Tensor>, EventPtr> download(
       const std::vector<at::Tensor>& device_tensors) override {
+    count_download(device_tensors);
     wait(Queue::kDownload, record(Queue::kCompute));
     std::vector<at::Tensor> dst;
     dst.reserve(device_tensors.size());

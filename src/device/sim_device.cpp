@@ -191,6 +191,7 @@ class SimDevice final : public Device {
     std::vector<at::Tensor> dst;
     dst.reserve(host.size());
     for (const auto& t : host) dst.push_back(allocate(t.sizes(), t.scalar_type()));
+    count_upload(queue, host);
     wait(queue, after);
     copy_queue(queue).push([dst, host, this] { copy_all(dst, host); }, true);
     return {dst, record(queue)};
@@ -203,6 +204,7 @@ class SimDevice final : public Device {
     for (const auto& t : device_tensors) {
       dst.push_back(at::empty(t.sizes(), at::TensorOptions().dtype(t.scalar_type())));
     }
+    count_download(device_tensors);
     copy_queue(Queue::kDownload)
         .push([dst, device_tensors, this] { copy_all(dst, device_tensors); }, true);
     return {dst, record(Queue::kDownload)};

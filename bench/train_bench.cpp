@@ -1,0 +1,266 @@
+// roundpipe-bench: trains the native Qwen3 preset (random weights) through
+// RoundPipe and prints, in one run: tokens/s; linear-layer TFLOP/s and that
+// as a fraction of a matmul rate measured in the same run; host-to-device
+// bytes per iteration and the achieved rate against a pinned-copy rate
+// measured in the same run; peak device memory. --max-seq searches the
+// longest sequence (batch 1) that trains under --memory-cap.
+//
+//   roundpipe-bench --shape 1.7B --batch 16 --seq 4096 --devices cuda
+//   roundpipe-bench --shape tiny --devices sim:2           (anywhere)
+#include <roundpipe/models/causal_lm.h>
+#include <roundpipe/optim/adam.h>
+#include <roundpipe/roundpipe.h>
+#include <torch/torch.h>
+
+#include <CLI/CLI.hpp>
+#include <chrono>
+#include <cstdio>
+#include <string>
+
+#ifdef ROUNDPIPE_WITH_CUDA
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <torch/cuda.h>
+#endif
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using roundpipe::DevicePtr;
+
+std::string shape_json(const std::string& shape) {
+  // Qwen3 shapes as published (vocab 151936, tied embeddings for these sizes).
+  std::string dims;
+  if (shape == "1.7B") {
+    dims = R"("hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 28,
+              "num_attention_heads": 16, "num_key_value_heads": 8)";
+  } else if (shape == "4B") {
+    dims = R"("hidden_size": 2560, "intermediate_size": 9728, "num_hidden_layers": 36,
+              "num_attention_heads": 32, "num_key_value_heads": 8)";
+  } else if (shape == "tiny") {
+    dims = R"("hidden_size": 128, "intermediate_size": 384, "num_hidden_layers": 4,
+              "num_attention_heads": 4, "num_key_value_heads": 2)";
+  } else {
+    throw std::invalid_argument("unknown --shape " + shape + " (tiny, 1.7B, 4B)");
+  }
+  const std::string vocab = shape == "tiny" ? "1024" : "151936";
+  return R"({"model_type": "qwen3", "vocab_size": )" + vocab + ", " + dims + R"(, "head_dim": )" +
+         (shape == "tiny" ? "32" : "128") +
+         R"(, "max_position_embeddings": 262144, "rms_norm_eps": 1e-6,
+             "rope_theta": 1000000.0, "tie_word_embeddings": true, "torch_dtype": "bfloat16"})";
+}
+
+void synchronize(const DevicePtr& device) {
+#ifdef ROUNDPIPE_WITH_CUDA
+  if (device->torch_device().is_cuda()) torch::cuda::synchronize(device->torch_device().index());
+#endif
+}
+
+// Seconds per call of fn on `device`, after one warm-up call.
+template <typename F>
+double time_on(const DevicePtr& device, int repeats, F fn) {
+  fn();
+  synchronize(device);
+  const auto start = Clock::now();
+  for (int i = 0; i < repeats; ++i) fn();
+  synchronize(device);
+  return std::chrono::duration<double>(Clock::now() - start).count() / repeats;
+}
+
+double matmul_tflops(const DevicePtr& device, c10::ScalarType dtype) {
+  const int64_t n = device->torch_device().is_cuda() ? 8192 : 1024;
+  auto opts = torch::TensorOptions().dtype(dtype).device(device->torch_device());
+  auto a = torch::randn({n, n}, opts), b = torch::randn({n, n}, opts);
+  const double s = time_on(device, 10, [&] { (void)at::matmul(a, b); });
+  return 2.0 * n * n * n / s / 1e12;
+}
+
+double pinned_copy_gbps(const DevicePtr& device) {
+  const int64_t bytes = device->torch_device().is_cuda() ? (int64_t{1} << 30) : (int64_t{64} << 20);
+  auto host = torch::empty({bytes}, torch::kUInt8);
+  if (device->supports_pinned_memory()) host = host.pin_memory();
+  auto dst = torch::empty(
+      {bytes}, torch::TensorOptions().dtype(torch::kUInt8).device(device->torch_device()));
+  const double s = time_on(device, 5, [&] { dst.copy_(host, /*non_blocking=*/true); });
+  return bytes / s / 1e9;
+}
+
+struct Setup {
+  std::string shape = "tiny", devices = "", dtype = "bfloat16", recompute = "stage";
+  int64_t batch = 4, seq = 256;
+  int microbatches = 0, warmup = 3, steps = 5;
+  double memory_cap_gib = 0;
+  bool max_seq = false;
+};
+
+c10::ScalarType dtype_of(const std::string& name) {
+  if (name == "bfloat16") return torch::kBFloat16;
+  if (name == "float16") return torch::kHalf;
+  if (name == "float32") return torch::kFloat;
+  throw std::invalid_argument("--dtype: bfloat16, float16 or float32");
+}
+
+std::unique_ptr<roundpipe::RoundPipe> wrap(roundpipe::models::CausalLM& model, const Setup& s) {
+  auto options =
+      roundpipe::RoundPipeOptions().set_optim_dtype(torch::kFloat).set_devices(s.devices);
+  roundpipe::RunConfig run;
+  if (s.microbatches > 0) run.set_num_microbatch(s.microbatches);
+  run.set_recompute_grain(s.recompute == "layer" ? roundpipe::RecomputeGrain::kLayer
+                                                 : roundpipe::RecomputeGrain::kStage);
+  options.set_model_run_config(run);
+  if (s.memory_cap_gib > 0) options.set_model_memory_limit_gib(s.memory_cap_gib);
+  return std::make_unique<roundpipe::RoundPipe>(model.sequential(), options);
+}
+
+roundpipe::LossFn loss_of_output() {
+  return [](const c10::IValue& out, const c10::IValue&) { return out.toTensor(); };
+}
+
+int train(const Setup& s) {
+  auto config = roundpipe::models::CausalLMConfig::from_json_string(shape_json(s.shape), s.shape);
+  const auto dtype = dtype_of(s.dtype);
+  roundpipe::models::CausalLM model(config, roundpipe::models::CausalLMOptions().set_dtype(dtype));
+  auto pipe = wrap(model, s);
+  const auto& pool = pipe->devices();
+  const auto device = pool.at(0);
+  std::printf(
+      "roundpipe-bench: qwen3 %s, %d layers, dtype %s, %d device(s) %s, batch %lld x %lld tokens\n",
+      s.shape.c_str(), pipe->num_layers(), s.dtype.c_str(), pool.size(), device->name().c_str(),
+      static_cast<long long>(s.batch), static_cast<long long>(s.seq));
+  const double matmul = matmul_tflops(device, dtype);
+  const double copy = pinned_copy_gbps(device);
+  std::printf("ceilings on %s: matmul %.1f TFLOP/s (%s), host-to-device copy %.1f GB/s (%s)\n",
+              device->name().c_str(), matmul, s.dtype.c_str(), copy,
+              device->supports_pinned_memory() ? "pinned" : "pageable");
+
+  // Linear-layer parameters (2-D weights; the tied embedding counts once, as lm_head).
+  int64_t linear = 0, all = 0;
+  for (const auto& p : pipe->parameters()) {
+    all += p.numel();
+    if (p.dim() == 2) linear += p.numel();
+  }
+  roundpipe::optim::Adam adam(pipe->optim_parameters(),
+                              roundpipe::optim::AdamConfig().set_lr(1e-5));
+  auto ids = torch::randint(0, config.vocab_size, {s.batch, s.seq}, torch::kLong);
+  auto input = c10::ivalue::Tuple::create({ids, c10::IValue(), ids});
+  auto run_step = [&] {
+    auto loss = pipe->forward_backward(input, c10::IValue(), loss_of_output()).loss;
+    pipe->step(adam, /*is_async=*/true);
+    return loss;
+  };
+  for (int i = 0; i < s.warmup; ++i) run_step();
+  pipe->synchronize();
+  roundpipe::DeviceTransferStats before[8];
+  for (int d = 0; d < pool.size() && d < 8; ++d) before[d] = pool.at(d)->transfer_stats();
+  const auto start = Clock::now();
+  at::Tensor loss;
+  for (int i = 0; i < s.steps; ++i) loss = run_step();
+  pipe->synchronize();
+  const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  int64_t params_up = 0, acts_up = 0, peak = 0;
+  for (int d = 0; d < pool.size() && d < 8; ++d) {
+    const auto after = pool.at(d)->transfer_stats();
+    params_up += after.param_upload_bytes - before[d].param_upload_bytes;
+    acts_up += after.activation_upload_bytes - before[d].activation_upload_bytes;
+    peak = std::max(peak, pool.at(d)->memory_stats().peak_bytes);
+  }
+  const double tokens = static_cast<double>(s.batch) * s.seq * s.steps;
+  const double tflops = 6.0 * linear * tokens / seconds / 1e12;  // model FLOPs (no recompute)
+  const double h2d = (params_up + acts_up) / seconds / 1e9 / pool.size();
+  std::printf("train: %d timed steps in %.2fs, loss %.4f (sum over microbatches)\n", s.steps,
+              seconds, loss.item<double>());
+  std::printf("  tokens/s                      %12.0f\n", tokens / seconds);
+  std::printf(
+      "  linear TFLOP/s (6 x P x T)    %12.1f  = %.1f%% of the measured matmul rate per device\n",
+      tflops, 100.0 * tflops / pool.size() / matmul);
+  std::printf("  H2D bytes per iteration       %12.2f GiB (parameters %.2f, activations %.2f)\n",
+              (params_up + acts_up) / s.steps / 1073741824.0, params_up / s.steps / 1073741824.0,
+              acts_up / s.steps / 1073741824.0);
+  std::printf("  H2D GB/s per device (average) %12.1f  = %.1f%% of the measured copy rate\n", h2d,
+              100.0 * h2d / copy);
+  std::printf("  peak device memory            %12.2f GiB\n", peak / 1073741824.0);
+  std::printf("  parameters %.1fM (linear %.1fM)\n", all / 1e6, linear / 1e6);
+  return 0;
+}
+
+// Doubles the sequence until a step fails for memory, then bisects.
+int max_seq(Setup s) {
+  auto config = roundpipe::models::CausalLMConfig::from_json_string(shape_json(s.shape), s.shape);
+  roundpipe::models::CausalLM model(
+      config, roundpipe::models::CausalLMOptions().set_dtype(dtype_of(s.dtype)));
+#ifdef ROUNDPIPE_WITH_CUDA
+  // The cap is real on a GPU: the caching allocator refuses beyond it (on
+  // simulated devices give the budget in the spec, e.g. sim:1,mem=24GiB).
+  if (s.memory_cap_gib > 0 && torch::cuda::is_available()) {
+    const auto total = roundpipe::make_devices(s.devices.empty() ? "cuda" : s.devices)
+                           .at(0)
+                           ->memory_stats()
+                           .budget_bytes;
+    c10::cuda::CUDACachingAllocator::setMemoryFraction(s.memory_cap_gib * (1 << 30) / total, 0);
+  }
+#endif
+  s.batch = 1;
+  if (s.microbatches == 0) s.microbatches = 1;
+  auto fits = [&](int64_t seq) {
+    auto pipe = wrap(model, s);
+    auto ids = torch::randint(0, config.vocab_size, {1, seq}, torch::kLong);
+    try {
+      pipe->forward_backward(c10::ivalue::Tuple::create({ids, c10::IValue(), ids}), c10::IValue(),
+                             loss_of_output());
+      pipe->synchronize();
+      return true;
+    } catch (const roundpipe::StageError& e) {
+      if (!e.out_of_memory) throw;
+      return false;
+    }
+  };
+  int64_t good = 0, bad = 0;
+  for (int64_t seq = 1024; seq <= (int64_t{1} << 20); seq *= 2) {
+    const bool ok = fits(seq);
+    std::printf("  seq %7lld: %s\n", static_cast<long long>(seq), ok ? "fits" : "out of memory");
+    if (!ok) {
+      bad = seq;
+      break;
+    }
+    good = seq;
+  }
+  while (bad > 0 && bad - good > 1024) {
+    const int64_t mid = (good + bad) / 2 / 1024 * 1024;
+    const bool ok = fits(mid);
+    std::printf("  seq %7lld: %s\n", static_cast<long long>(mid), ok ? "fits" : "out of memory");
+    (ok ? good : bad) = mid;
+  }
+  std::printf("max sequence length (batch 1, %s recompute, cap %.3g GiB): %lld tokens\n",
+              s.recompute.c_str(), s.memory_cap_gib, static_cast<long long>(good));
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"roundpipe-bench: throughput and ceilings of RoundPipe on the native Qwen3 preset"};
+  Setup s;
+  app.add_option("--shape", s.shape, "tiny, 1.7B or 4B");
+  app.add_option("--devices", s.devices,
+                 "device spec (default: $ROUNDPIPE_DEVICES, else GPUs, else sim)");
+  app.add_option("--dtype", s.dtype, "bfloat16, float16 or float32");
+  app.add_option("--batch", s.batch, "sequences per iteration");
+  app.add_option("--seq", s.seq, "tokens per sequence");
+  app.add_option("--microbatches", s.microbatches,
+                 "microbatches per iteration (default: devices + 1)");
+  app.add_option("--warmup", s.warmup, "untimed iterations first");
+  app.add_option("--steps", s.steps, "timed iterations");
+  app.add_option("--recompute", s.recompute, "stage or layer");
+  app.add_option("--memory-cap", s.memory_cap_gib,
+                 "device memory limit in GiB (plan and --max-seq)");
+  app.add_flag("--max-seq", s.max_seq, "search the longest sequence that trains (batch 1)");
+  CLI11_PARSE(app, argc, argv);
+  try {
+    return s.max_seq ? max_seq(s) : train(s);
+  } catch (const c10::Error& e) {
+    std::fprintf(stderr, "roundpipe-bench: %s\n", e.what_without_backtrace());
+    return 1;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "roundpipe-bench: %s\n", e.what());
+    return 1;
+  }
+}
