@@ -59,6 +59,10 @@ struct PlanEstimate {
 // do not fit.
 PlanEstimate plan_stages(const std::vector<LayerCost>& layers, const PlanRequest& request);
 
+// The predicted stages and time of a given plan (e.g. a hand-written one).
+PlanEstimate estimate_plan(const std::vector<LayerCost>& layers, const ExecutePlan& plan,
+                           const PlanRequest& request);
+
 // The stand-in costs before any timing: from each layer's parameter and
 // buffer bytes and its trainable bytes.
 std::vector<LayerCost> costs_from_bytes(const std::vector<int64_t>& layer_bytes,

@@ -25,53 +25,55 @@ struct Costs {
   std::vector<double> forward, backward;  // per-layer compute of a forward / backward stage
 };
 
-// A stage's memory: its parameters, and for backward stages their gradients
-// and one microbatch's activations of every layer (stage-grain recompute);
-// a forward stage keeps only the largest layer's activations alive.
-int64_t stage_memory(const std::vector<LayerCost>& layers, const LayerRange& r, bool backward) {
+// What a stage holds, grown one layer at a time. Its memory: parameters,
+// and for backward stages their gradients and one microbatch's activations
+// of every layer (stage-grain recompute); a forward stage keeps only the
+// largest layer's activations alive.
+struct StageLoad {
+  double compute = 0;
   int64_t params = 0, grads = 0, acts = 0, max_act = 0;
-  for (int l = r.begin; l < r.end; ++l) {
-    params += layers[l].param_bytes;
-    grads += layers[l].grad_bytes;
-    acts += layers[l].activation_bytes;
-    max_act = std::max(max_act, layers[l].activation_bytes);
+  void add(const LayerCost& layer, double cost) {
+    compute += cost;
+    params += layer.param_bytes;
+    grads += layer.grad_bytes;
+    acts += layer.activation_bytes;
+    max_act = std::max(max_act, layer.activation_bytes);
   }
-  return backward ? params + grads + acts : params + max_act;
+  int64_t memory(bool backward) const {
+    return backward ? params + grads + acts : params + max_act;
+  }
+};
+
+int64_t stage_memory(const std::vector<LayerCost>& layers, const LayerRange& r, bool backward) {
+  StageLoad load;
+  for (int l = r.begin; l < r.end; ++l) load.add(layers[l], 0);
+  return load.memory(backward);
 }
 
-// Stages of `cost` <= budget and memory <= cap over layers [begin, end):
-// ascending, or descending (deep to shallow) from end.
+// Stages of compute <= budget and memory <= cap over layers [begin, end):
+// ascending, or descending (deep to shallow) from end. A stage holds at
+// least one layer.
 std::vector<LayerRange> pack(const std::vector<LayerCost>& layers, const std::vector<double>& cost,
                              int begin, int end, double budget, int64_t cap, bool backward,
                              bool descending) {
   std::vector<LayerRange> stages;
-  if (!descending) {
-    int start = begin;
-    for (int l = begin; l < end; ++l) {
-      if (l == start) continue;
-      LayerRange grown{start, l + 1};
-      double load = 0;
-      for (int k = start; k <= l; ++k) load += cost[k];
-      if (load > budget || (cap > 0 && stage_memory(layers, grown, backward) > cap)) {
-        stages.push_back({start, l});
-        start = l;
-      }
+  StageLoad load;
+  int edge = descending ? end : begin;  // where the open stage starts
+  for (int i = 0; i < end - begin; ++i) {
+    const int l = descending ? end - 1 - i : begin + i;
+    StageLoad grown = load;
+    grown.add(layers[l], cost[l]);
+    const bool too_big = grown.compute > budget || (cap > 0 && grown.memory(backward) > cap);
+    if (l != (descending ? edge - 1 : edge) && too_big) {
+      stages.push_back(descending ? LayerRange{l + 1, edge} : LayerRange{edge, l});
+      edge = descending ? l + 1 : l;
+      grown = StageLoad();
+      grown.add(layers[l], cost[l]);
     }
-    if (end > start) stages.push_back({start, end});
-    return stages;
+    load = grown;
   }
-  int stop = end;
-  for (int l = end - 1; l >= begin; --l) {
-    if (l == stop - 1) continue;
-    LayerRange grown{l, stop};
-    double load = 0;
-    for (int k = l; k < stop; ++k) load += cost[k];
-    if (load > budget || (cap > 0 && stage_memory(layers, grown, backward) > cap)) {
-      stages.push_back({l + 1, stop});
-      stop = l + 1;
-    }
-  }
-  if (stop > begin) stages.push_back({begin, stop});
+  const LayerRange last = descending ? LayerRange{begin, edge} : LayerRange{edge, end};
+  if (last.size() > 0) stages.push_back(last);
   return stages;
 }
 
@@ -116,6 +118,16 @@ double simulate(const std::vector<StageEstimate>& stages, const PlanRequest& req
   return finish.back();
 }
 
+// Per-layer compute of a forward stage and of a backward stage.
+Costs costs_of(const std::vector<LayerCost>& layers) {
+  Costs c;
+  for (const auto& layer : layers) {
+    c.forward.push_back(std::max(layer.forward, 1e-12));
+    c.backward.push_back(std::max(layer.recompute + layer.backward, 1e-12));
+  }
+  return c;
+}
+
 }  // namespace
 
 std::vector<LayerCost> costs_from_bytes(const std::vector<int64_t>& layer_bytes,
@@ -135,11 +147,7 @@ PlanEstimate plan_stages(const std::vector<LayerCost>& layers, const PlanRequest
   TORCH_CHECK(L >= 1, "a RoundPipe model needs at least one layer");
   TORCH_CHECK(request.num_devices >= 1 && request.num_microbatches >= 1,
               "plan_stages: needs at least one device and one microbatch");
-  Costs c;
-  for (const auto& layer : layers) {
-    c.forward.push_back(std::max(layer.forward, 1e-12));
-    c.backward.push_back(std::max(layer.recompute + layer.backward, 1e-12));
-  }
+  const auto c = costs_of(layers);
   // Every layer must fit a stage of its own.
   const int64_t cap = request.memory_limit_bytes / 2;
   if (cap > 0) {
@@ -170,18 +178,13 @@ PlanEstimate plan_stages(const std::vector<LayerCost>& layers, const PlanRequest
   best.iteration = std::numeric_limits<double>::infinity();
   size_t best_stages = 0;
   for (double budget : budgets) {
-    PlanEstimate candidate;
-    auto& plan = candidate.plan;
+    ExecutePlan plan;
     plan.backward = pack(layers, c.backward, 0, L, budget, cap, true, true);
     const int forward_end = request.fused ? plan.backward.front().begin : L;
     plan.forward = pack(layers, c.forward, 0, forward_end, budget, cap, false, false);
     const size_t stages = plan.forward.size() + plan.backward.size();
     if (static_cast<int>(stages) < request.min_stages) continue;
-    for (const auto& r : plan.forward)
-      candidate.stages.push_back(estimate(layers, c.forward, r, false, request));
-    for (const auto& r : plan.backward)
-      candidate.stages.push_back(estimate(layers, c.backward, r, true, request));
-    candidate.iteration = simulate(candidate.stages, request);
+    auto candidate = estimate_plan(layers, plan, request);
     if (candidate.iteration < best.iteration * (1 - 1e-9) ||
         (candidate.iteration <= best.iteration * (1 + 1e-9) && stages < best_stages)) {
       best = std::move(candidate);
@@ -192,6 +195,19 @@ PlanEstimate plan_stages(const std::vector<LayerCost>& layers, const PlanRequest
               "no plan has at least min_stages = ", request.min_stages, " stages for a model of ",
               L, " layers");
   return best;
+}
+
+PlanEstimate estimate_plan(const std::vector<LayerCost>& layers, const ExecutePlan& plan,
+                           const PlanRequest& request) {
+  PlanEstimate e;
+  e.plan = plan;
+  const auto c = costs_of(layers);
+  for (const auto& r : plan.forward)
+    e.stages.push_back(estimate(layers, c.forward, r, false, request));
+  for (const auto& r : plan.backward)
+    e.stages.push_back(estimate(layers, c.backward, r, true, request));
+  e.iteration = simulate(e.stages, request);
+  return e;
 }
 
 std::string PlanEstimate::describe() const {
