@@ -583,7 +583,10 @@ PlanEstimate Engine::auto_plan(bool fused, int num_microbatches, int min_stages,
 }
 
 ExecutePlan Engine::default_plan(bool fused) const {
-  const int n = options_.model_run_config.num_microbatch.value_or(pool_.size() + 1);
+  return default_plan(fused, options_.model_run_config.num_microbatch.value_or(pool_.size() + 1));
+}
+
+ExecutePlan Engine::default_plan(bool fused, int n) const {
   auto estimate = auto_plan(fused, n, 0, std::nullopt);
   if (options_.verbose) {
     std::lock_guard<std::mutex> lock(plan_log_mu_);
@@ -1303,7 +1306,8 @@ std::shared_ptr<CallState> Engine::start_call(const c10::IValue& input, const Ru
   call->preserve_rng = *call->config.preserve_rng_state;
   call->weights_version = version_for_new_calls_;
   TORCH_CHECK(call->n >= 1, name_, ": num_microbatch must be at least 1, got ", call->n);
-  call->plan = call->config.execute_plan ? *call->config.execute_plan : default_plan(fused);
+  call->plan =
+      call->config.execute_plan ? *call->config.execute_plan : default_plan(fused, call->n);
   call->plan.validate(num_layers(), fused);
 
   const auto inputs = flatten_tensors(input);

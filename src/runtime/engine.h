@@ -109,6 +109,8 @@ class Engine {
   const DevicePool& pool() const { return pool_; }
   const std::string& name() const { return name_; }
   ExecutePlan default_plan(bool fused) const;
+  // The automatic plan for a call of `n` microbatches (verbose: logged).
+  ExecutePlan default_plan(bool fused, int n) const;
   // The automatic plan with its predicted stage times and memory, under
   // model_memory_limit (default: what the smallest device has left).
   PlanEstimate auto_plan(bool fused, int num_microbatches, int min_stages,
