@@ -30,6 +30,22 @@ TEST_P(DeviceTest, UploadComputeDownloadRoundTrip) {
   }
 }
 
+TEST_P(DeviceTest, CountsTheBytesItMoves) {
+  auto device = make_devices(GetParam()).front();
+  const auto before = device->transfer_stats();
+  std::vector<at::Tensor> host = {at::randn({1000}), at::randn({24}, at::kDouble)};
+  auto [params, up] = device->upload(Queue::kParamUpload, host, nullptr);
+  auto [acts, act_up] = device->upload(Queue::kActUpload, {host[0]}, nullptr);
+  device->wait(Queue::kCompute, up);
+  device->wait(Queue::kCompute, act_up);
+  auto [back, down] = device->download(params);
+  down->synchronize();
+  const auto after = device->transfer_stats();
+  EXPECT_EQ(after.param_upload_bytes - before.param_upload_bytes, 1000 * 4 + 24 * 8);
+  EXPECT_EQ(after.activation_upload_bytes - before.activation_upload_bytes, 1000 * 4);
+  EXPECT_EQ(after.download_bytes - before.download_bytes, 1000 * 4 + 24 * 8);
+}
+
 TEST_P(DeviceTest, CrossDeviceHandOffWaitsForTheEvent) {
   auto devices = make_devices(GetParam());
   auto& a = devices.front();
