@@ -9,12 +9,12 @@ set -uo pipefail
 out="${OUT:-$PWD/gpu-out}"; mkdir -p "$out"
 steps="${STEPS:-10}"
 # The machine's python3 (a venv with torch and transformers): install there.
-py=python3; pipflags=()
-$py -m pip install -q "${pipflags[@]}" --no-index --find-links .deps/wheels "scikit-build-core>=0.10" pytest 2>&1 | tail -2
+py=python3
+$py -m pip install -q --no-index --find-links .deps/wheels "scikit-build-core>=0.10" pytest 2>&1 | tail -2
 { nvidia-smi --query-gpu=name,memory.total --format=csv,noheader; nproc; $py --version
   $py -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)'; } 2>&1 | tee "$out/machine.txt"
 start=$(date +%s)
-JOBS=16 PYTHON=$py scripts/install_python.sh "${pipflags[@]}" 2>&1 | tee "$out/pip_install.log" | tail -2
+JOBS=16 PYTHON=$py scripts/install_python.sh 2>&1 | tee "$out/pip_install.log" | tail -2
 echo "pip install took $(( $(date +%s) - start ))s" | tee -a "$out/pip_install.log"
 # The C++ tool for the side-by-side figure, built meanwhile.
 (JOBS=8 PYTHON=$py scripts/build.sh build-gpu -DROUNDPIPE_BUILD_TESTS=OFF > "$out/cpp_build.log" 2>&1) &

@@ -126,7 +126,7 @@ class RoundPipe(PassThroughToModel, nn.Module):
         object.__setattr__(self, "_model", model)
         object.__setattr__(self, "_model_run_config", model_run_config)
         object.__setattr__(self, "_engine", _C.Engine(
-            _layers, optim_dtype, name or "RoundPipe", pin_model, devices or "", None,
+            _layers, optim_dtype, name or "RoundPipe", pin_model, devices or "",
             model_memory_limit, bool(verbose)))
         object.__setattr__(self, "_names", self._original_names())
         object.__setattr__(self, "training", model.training)
@@ -166,8 +166,6 @@ class RoundPipe(PassThroughToModel, nn.Module):
         if return_outputs:
             return loss, self._user_output(out, config)
         return loss
-
-    __call__ = nn.Module.__call__
 
     # ------------------------------------------------------------ optimizer
 

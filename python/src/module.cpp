@@ -145,10 +145,10 @@ class EngineReaper {
   std::thread thread_;
 };
 
-struct ReleaseGilDelete {
+struct ReapEngine {
   void operator()(RoundPipe* p) const { EngineReaper::get().post(p); }
 };
-using EnginePtr = std::unique_ptr<RoundPipe, ReleaseGilDelete>;
+using EnginePtr = std::unique_ptr<RoundPipe, ReapEngine>;
 
 py::list named_list(const std::vector<std::pair<std::string, at::Tensor>>& items) {
   py::list out;
@@ -248,8 +248,7 @@ PYBIND11_MODULE(_C, m) {
   py::class_<RoundPipe, EnginePtr>(m, "Engine")
       .def(py::init([](std::vector<LayerPtr> layers, std::optional<at::ScalarType> optim_dtype,
                        std::string name, std::string pin_model, std::string devices,
-                       py::object model_run_config, std::optional<double> model_memory_limit,
-                       bool verbose) {
+                       std::optional<double> model_memory_limit, bool verbose) {
              RoundPipeOptions options;
              options.model_memory_limit_gib = model_memory_limit;
              options.verbose = verbose;
@@ -257,13 +256,13 @@ PYBIND11_MODULE(_C, m) {
              options.pin_model = pin_mode_from_string(pin_model);
              options.name = std::move(name);
              options.devices = std::move(devices);
-             options.model_run_config = run_config_from(model_run_config);
+             // The package resolves run configs (call > model) itself and
+             // hands each call its resolved one.
              py::gil_scoped_release release;
              return EnginePtr(new RoundPipe(std::move(layers), std::move(options)));
            }),
            py::arg("layers"), py::arg("optim_dtype"), py::arg("name"), py::arg("pin_model"),
-           py::arg("devices"), py::arg("model_run_config"), py::arg("model_memory_limit"),
-           py::arg("verbose"))
+           py::arg("devices"), py::arg("model_memory_limit"), py::arg("verbose"))
       .def("forward",
            [](RoundPipe& self, py::object input, py::object run_config) {
              auto value = to_ivalue(input);

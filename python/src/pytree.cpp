@@ -125,9 +125,8 @@ PyRef::PyRef(py::object obj)
       }) {}
 
 namespace {
-// "Type: message" and the Python traceback, formatted by Python's traceback
-// module (not pybind11's frame walk, which crashed on Python 3.12 for an
-// exception raised on a thread whose Python state is gone by then).
+// The Python traceback and "Type: message", formatted by Python's traceback
+// module (so the caller sees where in the layer it was raised).
 std::string describe_python_error(const py::error_already_set& error) {
   try {
     auto lines = py::module_::import("traceback")

@@ -49,9 +49,8 @@ class PythonError : public std::runtime_error {
 };
 
 // Gives the calling (engine) thread a Python thread state that lives as long
-// as the thread. Without it each GIL acquisition creates and deletes one, and
-// deleting a thread state while the traceback of an exception raised on it
-// is still alive crashed CPython 3.12.3.
+// as the thread, so that taking the GIL there does not create and delete one
+// every time.
 void keep_thread_state();
 
 // Runs `f` with the GIL held; a Python exception leaves as PythonError.
