@@ -19,7 +19,11 @@
 
 #ifdef ROUNDPIPE_WITH_CUDA
 #include <c10/cuda/CUDACachingAllocator.h>
+#include <torch/csrc/autograd/profiler_kineto.h>
 #include <torch/cuda.h>
+
+#include <algorithm>
+#include <map>
 #endif
 
 namespace {
@@ -89,7 +93,8 @@ struct Setup {
   int64_t batch = 4, seq = 256;
   int microbatches = 0, warmup = 3, steps = 5;
   double memory_cap_gib = 0;
-  bool max_seq = false;
+  bool max_seq = false, verbose = false;
+  int profile_steps = 0;
 };
 
 c10::ScalarType dtype_of(const std::string& name) {
@@ -108,12 +113,64 @@ std::unique_ptr<roundpipe::RoundPipe> wrap(roundpipe::models::CausalLM& model, c
                                                  : roundpipe::RecomputeGrain::kStage);
   options.set_model_run_config(run);
   if (s.memory_cap_gib > 0) options.set_model_memory_limit_gib(s.memory_cap_gib);
+  options.set_verbose(s.verbose);
   return std::make_unique<roundpipe::RoundPipe>(model.sequential(), options);
 }
 
 roundpipe::LossFn loss_of_output() {
   return [](const c10::IValue& out, const c10::IValue&) { return out.toTensor(); };
 }
+
+
+#ifdef ROUNDPIPE_WITH_CUDA
+// Kernel time by name over `steps` iterations (CUPTI sees the kernels of
+// every worker thread), so that a reader sees where device time goes: the
+// busy fraction per stream says whether a GPU waits (bubbles, uploads) or
+// computes, and the kernel table which computation dominates.
+template <typename Step>
+void profile_kernels(int steps, const DevicePtr& device, Step step, double wall_per_step) {
+  namespace prof = torch::autograd::profiler;
+  using torch::profiler::impl::ActivityType;
+  const std::set<ActivityType> activities{ActivityType::CUDA};
+  const torch::profiler::impl::ProfilerConfig config(torch::profiler::impl::ProfilerState::KINETO);
+  prof::prepareProfiler(config, activities);
+  prof::enableProfiler(config, activities);
+  for (int i = 0; i < steps; ++i) step();
+  synchronize(device);
+  auto result = prof::disableProfiler();
+  struct Row {
+    double us = 0;
+    int64_t calls = 0;
+  };
+  std::map<std::string, Row> by_name;
+  std::map<int64_t, double> by_stream;
+  double total = 0;
+  for (const auto& e : result->events()) {
+    if (e.deviceType() != c10::DeviceType::CUDA) continue;
+    const double us = e.durationNs() / 1000.0;
+    auto name = e.name();
+    if (name.size() > 90) name = name.substr(0, 90);
+    by_name[name].us += us;
+    by_name[name].calls += 1;
+    by_stream[e.deviceResourceId()] += us;
+    total += us;
+  }
+  std::vector<std::pair<std::string, Row>> rows(by_name.begin(), by_name.end());
+  std::sort(rows.begin(), rows.end(),
+            [](const auto& a, const auto& b) { return a.second.us > b.second.us; });
+  std::printf("profile: %d step(s), device activity %.1f ms per step (wall %.1f ms per step)\n",
+              steps, total / 1000.0 / steps, wall_per_step * 1000.0);
+  for (const auto& [stream, us] : by_stream)
+    std::printf("  stream %lld busy %.1f ms per step (%.0f%% of wall)\n",
+                static_cast<long long>(stream), us / 1000.0 / steps,
+                100.0 * us / 1e6 / steps / wall_per_step);
+  std::printf("  %8s %6s %7s  %s\n", "ms/step", "share", "calls", "kernel or copy");
+  for (size_t i = 0; i < rows.size() && i < 40; ++i)
+    std::printf("  %8.2f %5.1f%% %7lld  %s\n", rows[i].second.us / 1000.0 / steps,
+                100.0 * rows[i].second.us / total,
+                static_cast<long long>(rows[i].second.calls / steps), rows[i].first.c_str());
+}
+#endif
 
 int train(const Setup& s) {
   auto config = roundpipe::models::CausalLMConfig::from_json_string(shape_json(s.shape), s.shape);
@@ -179,6 +236,10 @@ int train(const Setup& s) {
               100.0 * h2d / copy);
   std::printf("  peak device memory            %12.2f GiB\n", peak / 1073741824.0);
   std::printf("  parameters %.1fM (linear %.1fM)\n", all / 1e6, linear / 1e6);
+#ifdef ROUNDPIPE_WITH_CUDA
+  if (s.profile_steps > 0 && device->torch_device().is_cuda())
+    profile_kernels(s.profile_steps, device, run_step, seconds / s.steps);
+#endif
   return 0;
 }
 
@@ -252,6 +313,9 @@ int main(int argc, char** argv) {
   app.add_option("--recompute", s.recompute, "stage or layer");
   app.add_option("--memory-cap", s.memory_cap_gib,
                  "device memory limit in GiB (plan and --max-seq)");
+  app.add_flag("--verbose", s.verbose, "log layer timings and the chosen plan");
+  app.add_option("--profile", s.profile_steps,
+                 "after timing, profile this many steps' kernels (CUDA only)");
   app.add_flag("--max-seq", s.max_seq, "search the longest sequence that trains (batch 1)");
   CLI11_PARSE(app, argc, argv);
   try {
