@@ -5,6 +5,8 @@
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
+#include <torch/csrc/autograd/autograd.h>
+#include <torch/csrc/autograd/custom_function.h>
 #include <torch/nn/cloneable.h>
 #include <unistd.h>
 
@@ -17,6 +19,7 @@
 
 #include "roundpipe/atomic_directory.h"
 #include "roundpipe/layer.h"
+#include "roundpipe/models/fused_ops.h"
 #include "roundpipe/safetensors.h"
 
 namespace fs = std::filesystem;
@@ -74,12 +77,7 @@ struct RMSNormImpl : torch::nn::Cloneable<RMSNormImpl> {
   at::Tensor weight;
   RMSNormImpl(int64_t d, double e) : dim(d), eps(e) { reset(); }
   void reset() override { weight = register_parameter("weight", at::ones({dim})); }
-  at::Tensor forward(const at::Tensor& x) {
-    const auto dtype = x.scalar_type();
-    auto h = x.to(at::kFloat);
-    h = h * at::rsqrt(h.pow(2).mean(-1, /*keepdim=*/true) + eps);
-    return weight * h.to(dtype);
-  }
+  at::Tensor forward(const at::Tensor& x) { return ops::rms_norm(x, weight, eps); }
 };
 TORCH_MODULE(RMSNorm);
 
@@ -154,11 +152,6 @@ struct InputAdapterImpl : torch::nn::Cloneable<InputAdapterImpl> {
 };
 TORCH_MODULE(InputAdapter);
 
-at::Tensor rotate_half(const at::Tensor& x) {
-  auto halves = x.chunk(2, -1);
-  return at::cat({-halves[1], halves[0]}, -1);
-}
-
 Linear make_linear(int64_t in, int64_t out, bool bias) {
   return Linear(in, out, bias);
 }
@@ -195,10 +188,10 @@ struct AttentionImpl : torch::nn::Cloneable<AttentionImpl> {
       q = q_norm(q);
       k = k_norm(k);
     }
-    q = q.transpose(1, 2);
-    k = k.transpose(1, 2);
-    q = q * cos + rotate_half(q) * sin;
-    k = k * cos + rotate_half(k) * sin;
+    // Rotary in the projections' [B, T, heads, hd] layout (no copy), then
+    // the [B, heads, T, hd] views attention takes.
+    q = ops::rotary(q, cos, sin).transpose(1, 2);
+    k = ops::rotary(k, cos, sin).transpose(1, 2);
     auto attn =
         at::scaled_dot_product_attention(q, k, v, mask, 0.0, /*is_causal=*/!mask.has_value(),
                                          1.0 / std::sqrt(static_cast<double>(hd)),
@@ -208,9 +201,77 @@ struct AttentionImpl : torch::nn::Cloneable<AttentionImpl> {
 };
 TORCH_MODULE(Attention);
 
+// The MLP of a long sequence, token chunk by token chunk: forward keeps only
+// its input; backward recomputes one chunk's [chunk, intermediate]
+// activations at a time, so the MLP's activation memory is bounded by the
+// chunk, not the sequence (the rest of a layer is linear in the sequence).
+struct TokenChunkedMLP : torch::autograd::Function<TokenChunkedMLP> {
+  // down(swiglu(gate(x), up(x))); an absent bias is an empty tensor (custom
+  // functions take no undefined inputs).
+  static at::Tensor body(const at::Tensor& x, const std::vector<at::Tensor>& p) {
+    auto bias = [&](int i) { return p[i].numel() > 0 ? p[i] : at::Tensor(); };
+    return at::linear(ops::swiglu(at::linear(x, p[0], bias(1)), at::linear(x, p[2], bias(3))), p[4],
+                      bias(5));
+  }
+  static at::Tensor no_bias_if_absent(const at::Tensor& b) {
+    return b.defined() ? b : at::empty({0});
+  }
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
+                            const at::Tensor& gate_w, const at::Tensor& gate_b,
+                            const at::Tensor& up_w, const at::Tensor& up_b,
+                            const at::Tensor& down_w, const at::Tensor& down_b, int64_t chunk) {
+    const std::vector<at::Tensor> p = {gate_w, gate_b, up_w, up_b, down_w, down_b};
+    const auto flat = x.reshape({-1, x.size(-1)});
+    auto out = at::empty({flat.size(0), down_w.size(0)}, x.options());
+    for (int64_t start = 0; start < flat.size(0); start += chunk) {
+      const int64_t len = std::min(chunk, flat.size(0) - start);
+      out.narrow(0, start, len).copy_(body(flat.narrow(0, start, len), p));
+    }
+    ctx->save_for_backward({x, gate_w, gate_b, up_w, up_b, down_w, down_b});
+    ctx->saved_data["chunk"] = chunk;
+    auto sizes = x.sizes().vec();
+    sizes.back() = down_w.size(0);
+    return out.view(sizes);
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const int64_t chunk = ctx->saved_data["chunk"].toInt();
+    const auto flat = saved[0].reshape({-1, saved[0].size(-1)});
+    const auto grad = grads[0].reshape({flat.size(0), -1});
+    auto grad_x = at::empty_like(flat);
+    // Parameter gradients add up over chunks in float32.
+    std::vector<at::Tensor> params, sums(6);
+    for (int i = 1; i <= 6; ++i)
+      params.push_back(saved[i].numel() > 0 ? saved[i].detach().requires_grad_() : saved[i]);
+    for (int64_t start = 0; start < flat.size(0); start += chunk) {
+      const int64_t len = std::min(chunk, flat.size(0) - start);
+      c10::AutoGradMode grad_mode(true);
+      auto x = flat.narrow(0, start, len).detach().requires_grad_();
+      std::vector<at::Tensor> inputs = {x};
+      for (const auto& t : params)
+        if (t.numel() > 0) inputs.push_back(t);
+      const auto g = torch::autograd::grad({body(x, params)}, inputs, {grad.narrow(0, start, len)});
+      grad_x.narrow(0, start, len).copy_(g[0]);
+      size_t k = 1;
+      for (int i = 0; i < 6; ++i) {
+        if (params[i].numel() == 0) continue;
+        sums[i] = sums[i].defined() ? sums[i].add_(g[k]) : g[k].to(at::kFloat);
+        ++k;
+      }
+    }
+    torch::autograd::variable_list out = {grad_x.view(saved[0].sizes())};
+    for (int i = 0; i < 6; ++i)
+      out.push_back(sums[i].defined() ? sums[i].to(saved[i + 1].scalar_type()) : at::Tensor());
+    out.push_back(at::Tensor());  // chunk
+    return out;
+  }
+};
+
 struct MLPImpl : torch::nn::Cloneable<MLPImpl> {
   CausalLMConfig config;
   Linear gate_proj{nullptr}, up_proj{nullptr}, down_proj{nullptr};
+  int64_t chunk_tokens = 0;  // > 0: longer inputs that need gradients go by TokenChunkedMLP
   explicit MLPImpl(CausalLMConfig c) : config(std::move(c)) { reset(); }
   void reset() override {
     const auto& c = config;
@@ -221,19 +282,44 @@ struct MLPImpl : torch::nn::Cloneable<MLPImpl> {
     down_proj =
         register_module("down_proj", make_linear(c.intermediate_size, c.hidden_size, c.mlp_bias));
   }
-  at::Tensor forward(const at::Tensor& x) { return down_proj(at::silu(gate_proj(x)) * up_proj(x)); }
+  at::Tensor forward(const at::Tensor& x) {
+    if (chunk_tokens > 0 && x.numel() / x.size(-1) > chunk_tokens && !at::GradMode::is_enabled()) {
+      // Without grad nothing is kept: chunks bound the intermediates alone.
+      const auto flat = x.reshape({-1, x.size(-1)});
+      auto out = at::empty({flat.size(0), config.hidden_size}, x.options());
+      for (int64_t start = 0; start < flat.size(0); start += chunk_tokens) {
+        const auto piece = flat.narrow(0, start, std::min(chunk_tokens, flat.size(0) - start));
+        out.narrow(0, start, piece.size(0))
+            .copy_(down_proj(ops::swiglu(gate_proj(piece), up_proj(piece))));
+      }
+      auto sizes = x.sizes().vec();
+      sizes.back() = config.hidden_size;
+      return out.view(sizes);
+    }
+    if (chunk_tokens > 0 && x.numel() / x.size(-1) > chunk_tokens)
+      return TokenChunkedMLP::apply(
+          x, gate_proj->weight, TokenChunkedMLP::no_bias_if_absent(gate_proj->bias),
+          up_proj->weight, TokenChunkedMLP::no_bias_if_absent(up_proj->bias), down_proj->weight,
+          TokenChunkedMLP::no_bias_if_absent(down_proj->bias), chunk_tokens);
+    return down_proj(ops::swiglu(gate_proj(x), up_proj(x)));
+  }
 };
 TORCH_MODULE(MLP);
 
 struct DecoderLayerImpl : torch::nn::Cloneable<DecoderLayerImpl> {
   CausalLMConfig config;
+  int64_t mlp_chunk_tokens;
   Attention self_attn{nullptr};
   MLP mlp{nullptr};
   RMSNorm input_layernorm{nullptr}, post_attention_layernorm{nullptr};
-  explicit DecoderLayerImpl(CausalLMConfig c) : config(std::move(c)) { reset(); }
+  DecoderLayerImpl(CausalLMConfig c, int64_t mlp_chunk)
+      : config(std::move(c)), mlp_chunk_tokens(mlp_chunk) {
+    reset();
+  }
   void reset() override {
     self_attn = register_module("self_attn", Attention(config));
     mlp = register_module("mlp", MLP(config));
+    mlp->chunk_tokens = mlp_chunk_tokens;
     input_layernorm =
         register_module("input_layernorm", RMSNorm(config.hidden_size, config.rms_norm_eps));
     post_attention_layernorm = register_module("post_attention_layernorm",
@@ -244,8 +330,7 @@ struct DecoderLayerImpl : torch::nn::Cloneable<DecoderLayerImpl> {
     auto h = e[0].toTensor();
     std::optional<at::Tensor> mask;
     if (e[3].isTensor()) mask = e[3].toTensor();
-    h = h + self_attn(input_layernorm(h), e[1].toTensor().unsqueeze(1),
-                      e[2].toTensor().unsqueeze(1), mask);
+    h = h + self_attn(input_layernorm(h), e[1].toTensor(), e[2].toTensor(), mask);
     h = h + mlp(post_attention_layernorm(h));
     std::vector<c10::IValue> out(e.begin(), e.end());  // everything but the hidden state passes on
     out[0] = h;
@@ -253,7 +338,8 @@ struct DecoderLayerImpl : torch::nn::Cloneable<DecoderLayerImpl> {
   }
   std::shared_ptr<torch::nn::Module> clone(
       const std::optional<c10::Device>& device = std::nullopt) const override {
-    return copy_module(*this, [&] { return std::make_shared<DecoderLayerImpl>(config); });
+    return copy_module(
+        *this, [&] { return std::make_shared<DecoderLayerImpl>(config, mlp_chunk_tokens); });
   }
 };
 TORCH_MODULE(DecoderLayer);
@@ -349,7 +435,7 @@ CausalLM::CausalLM(CausalLMConfig config, CausalLMOptions options)
   InputAdapter input(config_);
   sequential_->push_back(input);
   for (int64_t i = 0; i < config_.num_hidden_layers; ++i)
-    sequential_->push_back(DecoderLayer(config_));
+    sequential_->push_back(DecoderLayer(config_, options_.mlp_chunk_tokens));
   sequential_->push_back(OutputAdapter(
       config_, options_, config_.tie_word_embeddings ? input->embed_tokens->weight : at::Tensor()));
   c10::NoGradGuard no_grad;

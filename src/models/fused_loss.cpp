@@ -1,9 +1,21 @@
 // Chunked linear + cross-entropy: forward and backward one token chunk at a
-// time; the logits of a chunk are recomputed in backward.
+// time, so the [tokens, vocab] logits never exist whole.
+//
+// Plain path (CPU, simulated devices): the logits of a chunk are recomputed
+// in backward. CUDA path: when a gradient is wanted, forward computes it too,
+// chunk by chunk, with a fused kernel that turns a chunk's logits into its
+// loss and, in place, its gradient, so no logits are recomputed and no
+// float32 copy of them is made; backward only scales by the incoming
+// gradient. Nothing waits on the host (the token count stays on the device).
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/custom_function.h>
 
 #include "roundpipe/models/causal_lm.h"
+#include "roundpipe/models/fused_ops.h"
+
+#ifdef ROUNDPIPE_WITH_CUDA
+#include "models/fused_launch.h"
+#endif
 
 namespace roundpipe::models {
 namespace {
@@ -57,11 +69,68 @@ struct ChunkedLinearCrossEntropy : torch::autograd::Function<ChunkedLinearCrossE
   }
 };
 
+#ifdef ROUNDPIPE_WITH_CUDA
+struct FusedLinearCrossEntropy : torch::autograd::Function<FusedLinearCrossEntropy> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& hidden,
+                            const at::Tensor& weight, const at::Tensor& labels, int64_t chunk) {
+    const bool want_grad = hidden.requires_grad() || weight.requires_grad();
+    const int64_t n = hidden.size(0), vocab = weight.size(0);
+    const auto scale = labels.ne(-100).sum().clamp_min(1).to(at::kFloat).reciprocal();
+    auto loss_sum = at::zeros({}, hidden.options().dtype(at::kFloat));
+    at::Tensor grad_hidden, grad_weight;
+    if (want_grad) {
+      grad_hidden = at::empty_like(hidden);
+      grad_weight = at::zeros(weight.sizes(), weight.options().dtype(at::kFloat));
+    }
+    for (int64_t start = 0; start < n; start += chunk) {
+      const int64_t len = std::min(chunk, n - start);
+      const auto h = hidden.narrow(0, start, len);
+      auto logits = at::mm(h, weight.t());  // becomes the chunk's gradient in place
+      ops::check_launch(kernels::cross_entropy(ops::kernel_dtype(logits), logits.data_ptr(),
+                                               labels.data_ptr<int64_t>() + start, len, vocab,
+                                               scale.data_ptr<float>(), loss_sum.data_ptr<float>(),
+                                               want_grad, ops::current_stream()));
+      if (!want_grad) continue;
+      auto rows = grad_hidden.narrow(0, start, len);
+      at::mm_out(rows, logits, weight);
+      // Accumulate the weight's gradient in float32 straight from the
+      // low-precision product (cuBLAS with a float32 output).
+      at::addmm_outf(grad_weight, logits.t(), h, at::kFloat, 1, 1, grad_weight);
+    }
+    ctx->save_for_backward({grad_hidden, grad_weight});
+    ctx->saved_data["weight_dtype"] = static_cast<int64_t>(weight.scalar_type());
+    return loss_sum * scale;
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grad_out) {
+    const auto saved = ctx->get_saved_variables();
+    const auto g = grad_out[0].to(at::kFloat);
+    const auto weight_dtype = static_cast<at::ScalarType>(ctx->saved_data["weight_dtype"].toInt());
+    return {saved[0] * g.to(saved[0].scalar_type()), (saved[1] * g).to(weight_dtype), at::Tensor(),
+            at::Tensor()};
+  }
+};
+
+// Logit rows of whole 16-byte packs, contiguous operands.
+bool fused_loss_takes(const at::Tensor& hidden, const at::Tensor& weight,
+                      const at::Tensor& labels) {
+  return ops::fused_available(hidden) && weight.scalar_type() == hidden.scalar_type() &&
+         (weight.size(0) * hidden.element_size()) % 16 == 0 && labels.scalar_type() == at::kLong &&
+         labels.is_cuda();
+}
+#endif
+
 }  // namespace
 
 at::Tensor chunked_linear_cross_entropy(const at::Tensor& hidden, const at::Tensor& weight,
                                         const at::Tensor& labels, int64_t chunk_tokens) {
   TORCH_CHECK(chunk_tokens > 0, "loss_chunk_tokens must be positive");
+#ifdef ROUNDPIPE_WITH_CUDA
+  if (fused_loss_takes(hidden, weight, labels))
+    return FusedLinearCrossEntropy::apply(hidden.contiguous(), weight.contiguous(),
+                                          labels.contiguous(), chunk_tokens);
+#endif
   return ChunkedLinearCrossEntropy::apply(hidden, weight, labels, chunk_tokens);
 }
 

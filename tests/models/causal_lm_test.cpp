@@ -64,10 +64,13 @@ TEST_P(CausalLMTest, PlainModelMatchesTransformers) {
   const auto dir = reference_root() / GetParam().name;
   const auto ref = safetensors::load_file((dir / "reference.safetensors").string());
   for (bool return_logits : {true, false}) {
-    SCOPED_TRACE(return_logits ? "logits + loss" : "fused chunked loss");
+    SCOPED_TRACE(return_logits ? "logits + loss"
+                               : "fused chunked loss, MLP in token chunks recomputed in backward");
     auto model = models::CausalLM::from_pretrained(
-        dir.string(),
-        models::CausalLMOptions().set_return_logits(return_logits).set_loss_chunk_tokens(5));
+        dir.string(), models::CausalLMOptions()
+                          .set_return_logits(return_logits)
+                          .set_loss_chunk_tokens(5)
+                          .set_mlp_chunk_tokens(return_logits ? 0 : 5));
     auto out = model.sequential()->forward<c10::IValue>(model_input(ref, GetParam().padded));
     at::Tensor loss;
     if (return_logits) {

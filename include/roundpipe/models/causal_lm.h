@@ -26,6 +26,10 @@ struct CausalLMOptions {
   c10::ScalarType dtype = c10::kFloat;  // weights and compute dtype
   bool return_logits = false;
   int64_t loss_chunk_tokens = 2048;  // tokens per chunk of the fused linear + cross-entropy
+  // A microbatch of more tokens than this runs each MLP token chunk by token
+  // chunk, recomputing a chunk's activations in backward (long sequences:
+  // bounded activation memory for 1/3 more MLP forward work); 0 = never.
+  int64_t mlp_chunk_tokens = 16384;
   // Allocate the weights in pinned host memory, so that from_pretrained
   // copies the mapped checkpoint straight into memory the GPUs upload from
   // (RoundPipe's pin_model=alloc then keeps it as is). Needs CUDA.
@@ -44,6 +48,10 @@ struct CausalLMOptions {
   }
   CausalLMOptions& set_loss_chunk_tokens(int64_t v) {
     loss_chunk_tokens = v;
+    return *this;
+  }
+  CausalLMOptions& set_mlp_chunk_tokens(int64_t v) {
+    mlp_chunk_tokens = v;
     return *this;
   }
   CausalLMOptions& set_init_weights(bool v) {
