@@ -1,24 +1,41 @@
 #!/usr/bin/env bash
-# On the GPU machine, in one call: build roundpipe-bench, then for each
-# Qwen3 shape print its table next to the GPU-resident HuggingFace run of the
-# same shape and settings, and search the longest sequence under a 24 GiB cap.
-# Logs go to $OUT. SHAPES, STEPS, DEVICES override the defaults.
+# On the GPU machine, in one call: build (with TESTS=1 also the test suite,
+# then run the GPU-only checks: the fused kernels against the plain LibTorch
+# compositions, the presets through RoundPipe against transformers), then for
+# each Qwen3 shape and each device set print roundpipe-bench's table (with a
+# kernel profile) next to the GPU-resident HuggingFace run of the same shape
+# and settings, and search the longest sequence under a 24 GiB cap.
+# Logs go to $OUT. SHAPES, STEPS, DEVICES (space-separated device specs, e.g.
+# "cuda:0 cuda" on two GPUs), SKIP_HF, SKIP_MAX_SEQ override the defaults.
 set -uo pipefail
 out="${OUT:-$PWD/gpu-out}"; mkdir -p "$out"
 export PYTHON="${PYTHON:-python3}"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/machine.txt" 2>&1
-date -u >> "$out/machine.txt"
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; nproc; date -u; git log -1 --oneline; } \
+  > "$out/machine.txt" 2>&1
 SECONDS=0
-JOBS=16 scripts/build.sh build-gpu -DROUNDPIPE_BUILD_TESTS=OFF 2>&1 | tail -1 | tee "$out/build.log"
+tests=OFF; [ -n "${TESTS:-}" ] && tests=ON
+BUILD_TARGETS="${BUILD_TARGETS:-}" JOBS=16 scripts/build.sh build-gpu -DROUNDPIPE_BUILD_TESTS=$tests 2>&1 | tail -1 | tee "$out/build.log"
 echo "build: ${SECONDS}s" | tee -a "$out/build.log"
+if [ "$tests" = ON ]; then
+  ./build-gpu/tests/roundpipe_tests \
+    --gtest_filter='*FusedOps*:*ThroughRoundPipeMatchesTransformers*:*HostArena*' 2>&1 |
+    grep -E '^\[  |Failure|error|Expected|Which is|relative' | tee "$out/gpu_tests.log" | tail -6
+fi
 steps="${STEPS:-10}"
 for shape in ${SHAPES:-1.7B 4B}; do
-  ./build-gpu/roundpipe-bench --shape "$shape" --batch 16 --seq 4096 --microbatches 4 --warmup 5 \
-    --steps "$steps" --devices "${DEVICES:-cuda}" --verbose --profile "${PROFILE:-2}" \
-    2>&1 | tee "$out/bench_$shape.log"
-  "$PYTHON" bench/hf_resident_train.py "$shape" 16 4096 4 "$steps" bfloat16 2>&1 | tail -1 | tee -a "$out/bench_$shape.log"
+  for devices in ${DEVICES:-cuda}; do
+    ./build-gpu/roundpipe-bench --shape "$shape" --batch 16 --seq 4096 --microbatches 4 --warmup 5 \
+      --steps "$steps" --devices "$devices" --verbose --profile "${PROFILE:-2}" \
+      > "$out/bench_${shape}_${devices/:/}.log" 2>&1
+    grep -v '^  layer' "$out/bench_${shape}_${devices/:/}.log" | grep -A12 '^roundpipe-bench' | head -14
+  done
+  if [ -z "${SKIP_HF:-}" ]; then
+    "$PYTHON" bench/hf_resident_train.py "$shape" 16 4096 4 "$steps" bfloat16 2>&1 | tail -1 |
+      tee "$out/hf_$shape.log"
+  fi
 done
 if [ -z "${SKIP_MAX_SEQ:-}" ]; then
   ./build-gpu/roundpipe-bench --shape 1.7B --max-seq --recompute layer --memory-cap 24 \
-    --devices cuda 2>&1 | tee "$out/max_seq_1.7B.log"
+    --seq-start "${SEQ_START:-16384}" --seq-limit "${SEQ_LIMIT:-131072}" --devices cuda:0 2>&1 | tee "$out/max_seq_1.7B.log"
 fi
+echo "total: ${SECONDS}s"

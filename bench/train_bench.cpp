@@ -93,6 +93,7 @@ struct Setup {
   int64_t batch = 4, seq = 256;
   int microbatches = 0, warmup = 3, steps = 5;
   double memory_cap_gib = 0;
+  int64_t seq_start = 1024, seq_limit = int64_t{1} << 20;  // --max-seq search range
   bool max_seq = false, verbose = false;
   int profile_steps = 0;
 };
@@ -120,7 +121,6 @@ std::unique_ptr<roundpipe::RoundPipe> wrap(roundpipe::models::CausalLM& model, c
 roundpipe::LossFn loss_of_output() {
   return [](const c10::IValue& out, const c10::IValue&) { return out.toTensor(); };
 }
-
 
 #ifdef ROUNDPIPE_WITH_CUDA
 // Kernel time by name over `steps` iterations (CUPTI sees the kernels of
@@ -236,6 +236,17 @@ int train(const Setup& s) {
               100.0 * h2d / copy);
   std::printf("  peak device memory            %12.2f GiB\n", peak / 1073741824.0);
   std::printf("  parameters %.1fM (linear %.1fM)\n", all / 1e6, linear / 1e6);
+  // Host memory of the model state, staging copies and downloads (pin_model=alloc: one arena).
+  const auto host = pipe->host_memory_stats();
+  std::printf(
+      "  host pinned bytes             %12.2f GiB = %.3f x the model-state bytes",
+      host.arena.pinned_bytes / 1073741824.0,
+      static_cast<double>(host.arena.pinned_bytes) / std::max<int64_t>(host.model_state_bytes, 1));
+  if (host.arena.pinned_bytes < host.arena.reserved_bytes) {
+    std::printf(" (%.2f GiB of the arena unpinned)",
+                (host.arena.reserved_bytes - host.arena.pinned_bytes) / 1073741824.0);
+  }
+  std::printf("\n");
 #ifdef ROUNDPIPE_WITH_CUDA
   if (s.profile_steps > 0 && device->torch_device().is_cuda())
     profile_kernels(s.profile_steps, device, run_step, seconds / s.steps);
@@ -252,6 +263,7 @@ int max_seq(Setup s) {
   // The cap is real on a GPU: the caching allocator refuses beyond it (on
   // simulated devices give the budget in the spec, e.g. sim:1,mem=24GiB).
   if (s.memory_cap_gib > 0 && torch::cuda::is_available()) {
+    (void)torch::empty({1}, torch::Device(torch::kCUDA, 0));  // the allocator exists from here
     const auto total = roundpipe::make_devices(s.devices.empty() ? "cuda" : s.devices)
                            .at(0)
                            ->memory_stats()
@@ -275,7 +287,7 @@ int max_seq(Setup s) {
     }
   };
   int64_t good = 0, bad = 0;
-  for (int64_t seq = 1024; seq <= (int64_t{1} << 20); seq *= 2) {
+  for (int64_t seq = s.seq_start; seq <= s.seq_limit; seq *= 2) {
     const bool ok = fits(seq);
     std::printf("  seq %7lld: %s\n", static_cast<long long>(seq), ok ? "fits" : "out of memory");
     if (!ok) {
@@ -290,8 +302,10 @@ int max_seq(Setup s) {
     std::printf("  seq %7lld: %s\n", static_cast<long long>(mid), ok ? "fits" : "out of memory");
     (ok ? good : bad) = mid;
   }
-  std::printf("max sequence length (batch 1, %s recompute, cap %.3g GiB): %lld tokens\n",
-              s.recompute.c_str(), s.memory_cap_gib, static_cast<long long>(good));
+  std::printf("max sequence length (batch 1, %s recompute, cap %.3g GiB): %s%lld tokens\n",
+              s.recompute.c_str(), s.memory_cap_gib, bad == 0 ? ">= " : "",
+              static_cast<long long>(good));
+  if (bad == 0) std::printf("  (every length up to --seq-limit fits)\n");
   return 0;
 }
 
@@ -316,6 +330,8 @@ int main(int argc, char** argv) {
   app.add_flag("--verbose", s.verbose, "log layer timings and the chosen plan");
   app.add_option("--profile", s.profile_steps,
                  "after timing, profile this many steps' kernels (CUDA only)");
+  app.add_option("--seq-start", s.seq_start, "--max-seq: first length tried (doubling)");
+  app.add_option("--seq-limit", s.seq_limit, "--max-seq: longest length tried");
   app.add_flag("--max-seq", s.max_seq, "search the longest sequence that trains (batch 1)");
   CLI11_PARSE(app, argc, argv);
   try {

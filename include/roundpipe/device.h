@@ -37,6 +37,10 @@ class Event {
 };
 using EventPtr = std::shared_ptr<Event>;
 
+// Makes the host tensors download() copies into: contiguous CPU tensors of
+// the given sizes and dtype (the engine passes blocks of its HostArena).
+using HostAllocator = std::function<at::Tensor(at::IntArrayRef sizes, at::ScalarType dtype)>;
+
 struct DeviceMemoryStats {
   int64_t budget_bytes = 0;  // what the device may hold (0: unlimited)
   int64_t in_use_bytes = 0;  // tracked device tensors alive now
@@ -79,9 +83,14 @@ class Device {
                                                               const std::vector<at::Tensor>& host,
                                                               const EventPtr& after) = 0;
   // Copies device tensors produced by the compute queue so far into new host
-  // tensors (pinned where the backend supports it) on kDownload.
+  // tensors on kDownload: made by `allocate` when given, else by the backend
+  // (pinned where it supports that).
+  // Host tensors that upload() reads and download() writes stay referenced by
+  // the device until their copy has completed, so memory that is reused as
+  // soon as its last tensor goes (a HostArena block) is never reused under a
+  // copy still in flight.
   virtual std::pair<std::vector<at::Tensor>, EventPtr> download(
-      const std::vector<at::Tensor>& device_tensors) = 0;
+      const std::vector<at::Tensor>& device_tensors, const HostAllocator& allocate = nullptr) = 0;
 
   // The random generator that ops on this device draw from.
   virtual at::Generator generator() = 0;

@@ -16,6 +16,7 @@
 #include "roundpipe/device.h"
 #include "roundpipe/errors.h"
 #include "roundpipe/execute_plan.h"
+#include "roundpipe/host_arena.h"
 #include "roundpipe/layer.h"
 #include "roundpipe/microbatch.h"
 #include "roundpipe/optim/adam.h"
@@ -90,6 +91,17 @@ struct RoundPipeOptions {
 // loss_fn(output of the last layer, label) -> a 0-dim loss, run on the
 // device for every microbatch.
 using LossFn = std::function<at::Tensor(const c10::IValue& output, const c10::IValue& label)>;
+
+// Host memory of a RoundPipe. With pin_model=alloc the parameters' home
+// copies, the fused optimizer's staging copies and every download (gradients,
+// activations) are blocks of one HostArena (pinned on CUDA; pageable on
+// simulated devices); with register or off the arena stays empty.
+struct HostMemoryStats {
+  HostArenaStats arena;
+  // Bytes of the parameters' home copies (shared storages once; with alloc,
+  // what the arena's first, exact-size chunk was reserved for, before rounding).
+  int64_t model_state_bytes = 0;
+};
 
 struct ForwardBackwardResult {
   at::Tensor loss;     // sum of the microbatch losses (CPU, 0-dim)
@@ -169,6 +181,7 @@ class RoundPipe {
   PlanEstimate auto_plan(bool fused, int num_microbatches, int min_stages = 0,
                          std::optional<double> memory_limit_gib = std::nullopt) const;
   std::optional<c10::ScalarType> optim_dtype() const;
+  HostMemoryStats host_memory_stats() const;
 
  private:
   std::unique_ptr<detail::Engine> engine_;

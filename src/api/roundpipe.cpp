@@ -64,6 +64,9 @@ PlanEstimate RoundPipe::auto_plan(bool fused, int num_microbatches, int min_stag
 std::optional<c10::ScalarType> RoundPipe::optim_dtype() const {
   return engine_->optim_dtype();
 }
+HostMemoryStats RoundPipe::host_memory_stats() const {
+  return engine_->host_memory_stats();
+}
 
 }  // namespace roundpipe
 

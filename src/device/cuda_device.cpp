@@ -8,7 +8,11 @@
 #include <c10/cuda/CUDAStream.h>
 
 #include <array>
+#include <condition_variable>
+#include <deque>
+#include <mutex>
 #include <optional>
+#include <thread>
 
 #include "roundpipe/device.h"
 
@@ -50,6 +54,15 @@ class CudaDevice final : public Device {
       // Activation uploads are on the critical path: give them priority.
       streams_[q] = c10::cuda::getStreamFromPool(q == static_cast<int>(Queue::kActUpload), index_);
     }
+    releaser_ = std::thread([this] { release_loop(); });
+  }
+  ~CudaDevice() override {
+    {
+      std::lock_guard<std::mutex> lock(held_mu_);
+      stopping_ = true;
+      held_cv_.notify_all();
+    }
+    releaser_.join();  // after releasing what is still held, in order
   }
 
   std::string name() const override { return "cuda:" + std::to_string(index_); }
@@ -109,24 +122,28 @@ class CudaDevice final : public Device {
       c10::cuda::CUDAStreamGuard guard(stream(queue));
       for (size_t i = 0; i < dst.size(); ++i) dst[i].copy_(host[i], /*non_blocking=*/true);
     }
+    hold_until_copied(queue, host);
     return {dst, record(queue)};
   }
 
   std::pair<std::vector<at::Tensor>, EventPtr> download(
-      const std::vector<at::Tensor>& device_tensors) override {
+      const std::vector<at::Tensor>& device_tensors, const HostAllocator& allocate) override {
     count_download(device_tensors);
     wait(Queue::kDownload, record(Queue::kCompute));
     std::vector<at::Tensor> dst;
     dst.reserve(device_tensors.size());
     c10::cuda::CUDAStreamGuard guard(stream(Queue::kDownload));
     for (const auto& t : device_tensors) {
-      auto host = at::empty(t.sizes(), t.options().device(c10::kCPU).pinned_memory(true));
+      auto host = allocate
+                      ? allocate(t.sizes(), t.scalar_type())
+                      : at::empty(t.sizes(), t.options().device(c10::kCPU).pinned_memory(true));
       host.copy_(t, /*non_blocking=*/true);
       // The compute side may free `t` before this copy has read it.
       c10::cuda::CUDACachingAllocator::recordStream(t.storage().data_ptr(),
                                                     stream(Queue::kDownload));
       dst.push_back(host);
     }
+    hold_until_copied(Queue::kDownload, dst);
     return {dst, record(Queue::kDownload)};
   }
 
@@ -150,7 +167,47 @@ class CudaDevice final : public Device {
  private:
   const c10::cuda::CUDAStream& stream(Queue q) const { return streams_[static_cast<int>(q)]; }
 
+  // Keeps the host side of the copies just enqueued on `queue` referenced
+  // until they have completed (see Device::download): the releaser thread
+  // drops them then, in order. Its events block without spinning, so the
+  // thread sleeps while copies run.
+  struct Held {
+    at::cuda::CUDAEvent done{cudaEventDisableTiming | cudaEventBlockingSync};
+    std::vector<at::Tensor> host;
+  };
+  void hold_until_copied(Queue queue, const std::vector<at::Tensor>& host) {
+    Held held;
+    held.done.record(stream(queue));
+    held.host = host;
+    std::lock_guard<std::mutex> lock(held_mu_);
+    held_.push_back(std::move(held));
+    held_cv_.notify_one();
+  }
+  void release_loop() {
+    c10::cuda::set_device(index_);
+    for (;;) {
+      Held held;
+      {
+        std::unique_lock<std::mutex> lock(held_mu_);
+        held_cv_.wait(lock, [&] { return stopping_ || !held_.empty(); });
+        if (held_.empty()) return;
+        held = std::move(held_.front());
+        held_.pop_front();
+      }
+      try {
+        held.done.synchronize();
+      } catch (...) {
+        // The driver is shutting down: no copy runs any more.
+      }
+    }  // `held` goes here: its host memory may be reused
+  }
+
   c10::DeviceIndex index_;
+  std::mutex held_mu_;
+  std::condition_variable held_cv_;
+  std::deque<Held> held_;
+  bool stopping_ = false;
+  std::thread releaser_;
   std::array<c10::cuda::CUDAStream, 4> streams_ = {
       c10::cuda::getDefaultCUDAStream(), c10::cuda::getDefaultCUDAStream(),
       c10::cuda::getDefaultCUDAStream(), c10::cuda::getDefaultCUDAStream()};

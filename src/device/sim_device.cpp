@@ -198,11 +198,12 @@ class SimDevice final : public Device {
   }
 
   std::pair<std::vector<at::Tensor>, EventPtr> download(
-      const std::vector<at::Tensor>& device_tensors) override {
+      const std::vector<at::Tensor>& device_tensors, const HostAllocator& allocate) override {
     std::vector<at::Tensor> dst;
     dst.reserve(device_tensors.size());
     for (const auto& t : device_tensors) {
-      dst.push_back(at::empty(t.sizes(), at::TensorOptions().dtype(t.scalar_type())));
+      dst.push_back(allocate ? allocate(t.sizes(), t.scalar_type())
+                             : at::empty(t.sizes(), at::TensorOptions().dtype(t.scalar_type())));
     }
     count_download(device_tensors);
     copy_queue(Queue::kDownload)

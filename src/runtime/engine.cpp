@@ -2,6 +2,7 @@
 #include "runtime/engine.h"
 
 #include <ATen/CPUGeneratorImpl.h>
+#include <ATen/EmptyTensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros_like.h>
 #include <c10/core/GradMode.h>
@@ -9,13 +10,16 @@
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/custom_function.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdio>
+#include <cstring>
 #include <set>
 #include <sstream>
 #include <unordered_map>
 
 #include "roundpipe/ivalue_tree.h"
+#include "roundpipe/parallel.h"
 #include "roundpipe/rng.h"
 
 namespace roundpipe::detail {
@@ -174,12 +178,13 @@ std::pair<std::vector<at::Tensor>, EventPtr> upload_flat(Device& device, Queue q
 }
 
 std::pair<std::vector<at::Tensor>, EventPtr> download_flat(Device& device,
-                                                           const std::vector<at::Tensor>& tensors) {
+                                                           const std::vector<at::Tensor>& tensors,
+                                                           const HostAllocator& allocate) {
   std::vector<at::Tensor> defined;
   for (const auto& t : tensors) {
     if (t.defined()) defined.push_back(t.detach());
   }
-  auto [copies, event] = device.download(defined);
+  auto [copies, event] = device.download(defined, allocate);
   std::vector<at::Tensor> out;
   size_t next = 0;
   for (const auto& t : tensors) out.push_back(t.defined() ? copies[next++] : at::Tensor());
@@ -192,8 +197,9 @@ std::pair<c10::IValue, EventPtr> upload_value(Device& device, const c10::IValue&
   return {replace_tensors(value, tensors), event};
 }
 
-std::pair<c10::IValue, EventPtr> download_value(Device& device, const c10::IValue& value) {
-  auto [tensors, event] = download_flat(device, flatten_tensors(value));
+std::pair<c10::IValue, EventPtr> download_value(Device& device, const c10::IValue& value,
+                                                const HostAllocator& allocate) {
+  auto [tensors, event] = download_flat(device, flatten_tensors(value), allocate);
   return {replace_tensors(value, tensors), event};
 }
 
@@ -454,6 +460,86 @@ void Worker::prefetch_next() {
 
 // ---------------------------------------------------------------- engine
 
+namespace {
+
+// Parameters whose homes share one storage (by data pointer, as register
+// mode pins them), with the byte range of the storage their views cover.
+struct HomeGroup {
+  const char* base = nullptr;  // the storage's data
+  int64_t begin = 0, end = 0;  // bytes from base; begin a multiple of `align`
+  int64_t align = 1;           // the largest element size among the views
+  std::vector<int> entries;
+};
+
+std::vector<HomeGroup> home_groups(const std::vector<ParamEntry>& params) {
+  std::vector<HomeGroup> groups;
+  std::unordered_map<const char*, size_t> by_base;
+  for (size_t i = 0; i < params.size(); ++i) {
+    const auto& home = params[i].home;
+    if (home.numel() == 0) continue;
+    const int64_t item = static_cast<int64_t>(home.element_size());
+    const int64_t begin = home.storage_offset() * item;
+    const int64_t end = static_cast<int64_t>(at::detail::computeStorageNbytes(
+        home.sizes(), home.strides(), item, home.storage_offset()));
+    const auto* base = static_cast<const char*>(home.storage().data());
+    auto [it, inserted] = by_base.emplace(base, groups.size());
+    if (inserted) groups.push_back({base, begin, end, item, {}});
+    auto& group = groups[it->second];
+    group.begin = std::min(group.begin, begin);
+    group.end = std::max(group.end, end);
+    group.align = std::max(group.align, item);
+    group.entries.push_back(static_cast<int>(i));
+  }
+  // Element sizes are powers of two: every view's offset from an aligned
+  // begin is a whole number of its elements.
+  for (auto& group : groups) group.begin -= group.begin % group.align;
+  return groups;
+}
+
+// Copies each group's range into one block of a chunk reserved for all of
+// them and rebinds the parameters to it (views of one storage stay views of
+// one block; the model's parameter tensors keep their identity).
+void move_homes_into(HostArena& arena, std::vector<ParamEntry>& params,
+                     const std::vector<HomeGroup>& groups) {
+  int64_t total = 0;
+  for (const auto& group : groups) total += arena.block_bytes(group.end - group.begin);
+  arena.reserve(total);
+  struct Piece {
+    char* dst;
+    const char* src;
+    int64_t bytes;
+  };
+  constexpr int64_t kPiece = int64_t{64} << 20;
+  std::vector<Piece> pieces;
+  std::vector<c10::Storage> storages;
+  for (const auto& group : groups) {
+    const int64_t bytes = group.end - group.begin;
+    auto block = arena.allocate(bytes);
+    auto* dst = static_cast<char*>(block.get());
+    for (int64_t done = 0; done < bytes; done += kPiece) {
+      pieces.push_back(
+          {dst + done, group.base + group.begin + done, std::min(kPiece, bytes - done)});
+    }
+    storages.emplace_back(c10::Storage::use_byte_size_t(), bytes, std::move(block),
+                          /*allocator=*/nullptr, /*resizable=*/false);
+  }
+  parallel_for_each(static_cast<int64_t>(pieces.size()), [&](int64_t i) {
+    std::memcpy(pieces[i].dst, pieces[i].src, static_cast<size_t>(pieces[i].bytes));
+  });
+  for (size_t g = 0; g < groups.size(); ++g) {
+    for (int i : groups[g].entries) {
+      auto& home = params[i].home;
+      const int64_t item = static_cast<int64_t>(home.element_size());
+      auto moved = at::empty({0}, at::TensorOptions().dtype(home.scalar_type()));
+      moved.set_(storages[g], (home.storage_offset() * item - groups[g].begin) / item, home.sizes(),
+                 home.strides());
+      home.set_data(moved);
+    }
+  }
+}
+
+}  // namespace
+
 Engine::Engine(std::vector<LayerPtr> layers, RoundPipeOptions options)
     : name_(options.name.empty() ? "RoundPipe" : options.name),
       options_(std::move(options)),
@@ -498,14 +584,32 @@ Engine::Engine(std::vector<LayerPtr> layers, RoundPipeOptions options)
     layer_grad_bytes_.push_back(grad_bytes);
   }
   timings_ = std::make_unique<LayerTimings>(num_layers());
-  // Pinned home memory makes uploads fast and truly asynchronous (a simple
-  // correct version: alloc = one pinned copy per parameter; register = pin
-  // the existing storage in place; the exact-size arena comes later).
+  // Pinned home memory makes uploads fast and truly asynchronous. alloc: the
+  // homes move into the arena's first chunk, reserved at their exact size,
+  // and the fused optimizer's staging copies and all downloads come from the
+  // arena too (pinned where the devices support it; on simulated devices the
+  // arena runs unpinned, so CI exercises the same code). register: pin the
+  // existing storage in place. off: nothing is pinned.
   const bool can_pin = pool_.at(0)->supports_pinned_memory();
-  if (options_.pin_model == PinMode::kAlloc && can_pin) {
-    for (auto& entry : params_) {
-      if (!entry.home.is_pinned()) entry.home.set_data(entry.home.pin_memory());
+  auto homes = home_groups(params_);
+  for (const auto& group : homes) model_state_bytes_ += group.end - group.begin;
+  // Chunks for downloads and staging copies: a quarter of the model state,
+  // within [2 MiB, 256 MiB] (a small model pins little; a larger request
+  // gets a chunk of its own size).
+  host_arena_ = std::make_unique<HostArena>(
+      HostArenaOptions()
+          .set_chunk_bytes(std::clamp(model_state_bytes_ / 4, int64_t{2} << 20, int64_t{256} << 20))
+          .set_pin(options_.pin_model == PinMode::kAlloc && can_pin));
+  if (options_.pin_model == PinMode::kAlloc) {
+    if (can_pin) {
+      std::erase_if(homes, [&](const HomeGroup& group) {
+        return params_[group.entries.front()].home.is_pinned();  // pinned already
+      });
     }
+    move_homes_into(*host_arena_, params_, homes);
+    host_allocator_ = [this](at::IntArrayRef sizes, at::ScalarType dtype) {
+      return host_arena_->empty(sizes, dtype);
+    };
   } else if (options_.pin_model == PinMode::kRegister && can_pin) {
     std::set<void*> seen;
     for (auto& entry : params_) {
@@ -803,7 +907,9 @@ void Engine::step_fused(optim::Adam& adam, bool is_async, optim::GradScaler* sca
           if (is_async) {
             // The next calls still read the current weights: write the new
             // ones aside, publish() swaps them in.
-            if (!entry.staging.defined()) {
+            if (!entry.staging.defined() && host_allocator_) {
+              entry.staging = host_arena_->empty(entry.home.sizes(), entry.home.scalar_type());
+            } else if (!entry.staging.defined()) {
               entry.staging = at::empty_like(entry.home, at::MemoryFormat::Contiguous);
               if (entry.home.is_pinned()) entry.staging = entry.staging.pin_memory();
             }
@@ -1074,7 +1180,7 @@ struct StageRunner {
         for (int l = r.begin; l < r.end; ++l) {
           if (l > r.begin && call.act.count(l)) {
             phase = "download";
-            auto [saved, event] = download_value(device, x);
+            auto [saved, event] = download_value(device, x, engine.host_allocator_);
             CallState::put(*call.act.at(l)[m], saved, {}, event, rng.capture());
           }
           x = run_layer(l, x, false);
@@ -1083,7 +1189,7 @@ struct StageRunner {
       }
       layer = -1;
       phase = "download";
-      auto [out, event] = download_value(device, x);
+      auto [out, event] = download_value(device, x, engine.host_allocator_);
       CallState::put(*call.act.at(r.end)[m], out, {}, event, out_rng);
       flush_timings();
       worker.prefetch_next();
@@ -1110,7 +1216,7 @@ struct StageRunner {
   void send_input_grads(int l, int m, const std::vector<at::Tensor>& leaves) {
     phase = "download";
     auto grads = leaf_grads(leaves);
-    auto [host, event] = download_flat(device, grads);
+    auto [host, event] = download_flat(device, grads, engine.host_allocator_);
     if (l > 0) {
       CallState::put(*call.grad.at(l)[m], {}, host, event, {});
     } else if (call.training && !call.fused) {
@@ -1163,8 +1269,22 @@ struct StageRunner {
     }
   }
 
+  // A layer's input kept for its recompute: on the host, with the random
+  // state the layer started from.
+  struct SavedInput {
+    c10::IValue value;
+    EventPtr event;
+    RngState rng;
+  };
+
   void run_tail() {
     const auto& r = job.range;
+    // Layer grain holds one layer's activations at a time here too: a pass
+    // without grad saves each layer's input to the host, then the last
+    // layer and the loss run with grad, and each earlier layer is recomputed
+    // and backpropagated, last first (as run_backward does across stages).
+    const bool layer_grain = call.grain == RecomputeGrain::kLayer && r.end - r.begin > 1;
+    const int first_with_grad = layer_grain ? r.end - 1 : r.begin;
     for (int m = 0; m < call.n; ++m) {
       microbatch = m;
       Slot& in = call.wait(call.act.at(r.begin)[m]);
@@ -1177,10 +1297,20 @@ struct StageRunner {
       {
         auto lock = device.compute_lock();
         RngScope rng(device, in.rng);
+        std::vector<SavedInput> saved;
+        if (layer_grain) {
+          c10::NoGradGuard no_grad;
+          for (int l = r.begin; l < first_with_grad; ++l) {
+            phase = "download";
+            auto [value, event] = download_value(device, x, engine.host_allocator_);
+            saved.push_back({value, event, rng.capture()});
+            x = run_layer(l, x, false);
+          }
+        }
         c10::AutoGradMode grad_mode(true);
         std::vector<bool> none;
-        x = make_leaves(x, r.begin == 0 ? &none : nullptr, leaves);
-        for (int l = r.begin; l < r.end; ++l) x = run_layer(l, x, false);
+        x = make_leaves(x, first_with_grad == 0 ? &none : nullptr, leaves);
+        for (int l = first_with_grad; l < r.end; ++l) x = run_layer(l, x, false);
         layer = -1;
         phase = "loss";
         loss = call.loss_fn(x, label);
@@ -1192,16 +1322,39 @@ struct StageRunner {
         auto start = mark();
         if (loss.requires_grad()) torch::autograd::backward({loss.reshape({})});
         intervals.push_back({-1, LayerTimings::kBackward, start, mark()});
+        for (int l = first_with_grad - 1; l >= r.begin; --l) {
+          auto grads = leaf_grads(leaves);
+          const auto& s = saved[l - r.begin];
+          phase = "activation upload";
+          auto [input, event] = upload_value(device, s.value, s.event);
+          device.wait(Queue::kCompute, event);
+          apply_rng(device, s.rng);  // the scope restores the generator after
+          leaves.clear();
+          // The pass without grad made this layer's buffer writes already:
+          // the recompute's are undone (after backward, which may read them).
+          std::vector<at::Tensor> kept;
+          for (const auto& b : instances[l]->buffer_values()) kept.push_back(b.clone());
+          auto y = run_layer(l, make_leaves(input, l == 0 ? &none : nullptr, leaves), true);
+          phase = "backward";
+          start = mark();
+          backward_through(y, grads);
+          intervals.push_back({l, LayerTimings::kBackward, start, mark()});
+          c10::NoGradGuard no_grad;
+          auto now = instances[l]->buffer_values();
+          for (size_t i = 0; i < kept.size(); ++i) now[i].copy_(kept[i]);
+        }
       }
       flush_timings();
       if (r.begin > 0) send_input_grads(r.begin, m, leaves);
       phase = "download";
-      auto [host_loss, loss_event] = download_flat(device, {loss.detach().reshape({})});
+      auto [host_loss, loss_event] =
+          download_flat(device, {loss.detach().reshape({})}, engine.host_allocator_);
       CallState::put(*call.losses[m], {}, host_loss, loss_event, {});
       if (call.return_outputs) {
-        auto [out, event] = download_value(device, map_tensors(x, [](const at::Tensor& t) {
-                                             return t.defined() ? t.detach() : t;
-                                           }));
+        auto [out, event] = download_value(
+            device,
+            map_tensors(x, [](const at::Tensor& t) { return t.defined() ? t.detach() : t; }),
+            engine.host_allocator_);
         CallState::put(*call.outputs[m], out, {}, event, {});
       }
       worker.prefetch_next();
@@ -1231,7 +1384,7 @@ struct StageRunner {
       grads.push_back(g);
     }
     if (grads.empty()) return;
-    auto [host, event] = device.download(grads);
+    auto [host, event] = device.download(grads, engine.host_allocator_);
     job.call->begin_work();
     engine.host_tasks_.post(event, [call = job.call, ids, host] {
       for (size_t i = 0; i < ids.size(); ++i) {
@@ -1255,7 +1408,7 @@ struct StageRunner {
       homes.insert(homes.end(), home.begin(), home.end());
     }
     if (device_buffers.empty()) return;
-    auto [host, event] = device.download(device_buffers);
+    auto [host, event] = device.download(device_buffers, engine.host_allocator_);
     engine.host_tasks_.post(event, [homes, host] {
       for (size_t i = 0; i < homes.size(); ++i) homes[i].copy_(host[i]);
     });

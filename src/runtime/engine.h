@@ -15,6 +15,7 @@
 #include <thread>
 #include <vector>
 
+#include "roundpipe/host_arena.h"
 #include "roundpipe/optim/adam.h"
 #include "roundpipe/planner.h"
 #include "roundpipe/roundpipe.h"
@@ -116,6 +117,7 @@ class Engine {
   PlanEstimate auto_plan(bool fused, int num_microbatches, int min_stages,
                          std::optional<double> memory_limit_gib) const;
   std::optional<c10::ScalarType> optim_dtype() const { return options_.optim_dtype; }
+  HostMemoryStats host_memory_stats() const { return {host_arena_->stats(), model_state_bytes_}; }
 
   // Used by workers and the autograd function.
   void run_job(Job& job, Worker& worker);
@@ -168,6 +170,12 @@ class Engine {
   mutable std::string logged_plans_[2];  // verbose: the last plan logged (forward, fused)
   std::vector<void*> registered_;        // host memory pinned in place (pin_model=register)
   DevicePool pool_;
+  // pin_model=alloc: the parameters' homes, staging copies and downloads
+  // (pinned where the devices support it); downloads come from
+  // `host_allocator_`, empty in the other modes (the backend's own memory).
+  std::unique_ptr<HostArena> host_arena_;
+  HostAllocator host_allocator_;
+  int64_t model_state_bytes_ = 0;
   std::vector<std::unique_ptr<Worker>> workers_;
   HostTasks host_tasks_;
 

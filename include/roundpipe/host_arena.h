@@ -1,0 +1,79 @@
+// HostArena: host memory in large chunks (pinned where asked and possible),
+// carved into exact-size blocks. A block is its request rounded up to the
+// alignment, never to a power of two; a freed block is coalesced with its free
+// neighbours and reused best-fit. The engine keeps the model's parameters, the
+// fused optimizer's staging copies and every download in one arena, so pinned
+// memory stays close to what is actually held and is reused across iterations.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/Allocator.h>
+#include <c10/core/ScalarType.h>
+
+#include <cstdint>
+#include <memory>
+
+namespace roundpipe {
+
+struct HostArenaOptions {
+  // Size of a chunk taken when no free block fits (a larger request gets a
+  // chunk of its own size).
+  int64_t chunk_bytes = int64_t{256} << 20;
+  // Every block starts at and is rounded up to a multiple of this (a power of two).
+  int64_t alignment = 512;
+  // Registers each chunk with the driver (cudaHostRegister). Without CUDA the
+  // chunks stay pageable and the arena works the same.
+  bool pin = false;
+
+  HostArenaOptions& set_chunk_bytes(int64_t v) {
+    chunk_bytes = v;
+    return *this;
+  }
+  HostArenaOptions& set_alignment(int64_t v) {
+    alignment = v;
+    return *this;
+  }
+  HostArenaOptions& set_pin(bool v) {
+    pin = v;
+    return *this;
+  }
+};
+
+struct HostArenaStats {
+  int64_t reserved_bytes = 0;        // all chunks
+  int64_t pinned_bytes = 0;          // chunks the driver pinned
+  int64_t allocated_bytes = 0;       // live blocks (requests rounded to the alignment)
+  int64_t peak_allocated_bytes = 0;  // the most allocated_bytes has been
+  int64_t live_blocks = 0;
+  int64_t chunks = 0;
+};
+
+class HostArena {
+ public:
+  explicit HostArena(HostArenaOptions options = {});
+  // The chunks live on while any block does: tensors may outlive the arena.
+  ~HostArena();
+  HostArena(const HostArena&) = delete;
+  HostArena& operator=(const HostArena&) = delete;
+
+  // Adds one chunk of exactly `bytes` (rounded to the alignment); 0 adds none.
+  void reserve(int64_t bytes);
+  // A block of `bytes` (0: an empty pointer). The block returns to the arena
+  // when the DataPtr is destroyed, from any thread.
+  c10::DataPtr allocate(int64_t bytes);
+  // A contiguous CPU tensor whose storage is one block (no block when it has
+  // no elements).
+  at::Tensor empty(at::IntArrayRef sizes, at::ScalarType dtype);
+  // What a request of `bytes` takes: rounded up to the alignment.
+  int64_t block_bytes(int64_t bytes) const;
+
+  HostArenaStats stats() const;
+  const HostArenaOptions& options() const { return options_; }
+
+ private:
+  struct State;
+  HostArenaOptions options_;
+  std::shared_ptr<State> state_;
+};
+
+}  // namespace roundpipe
