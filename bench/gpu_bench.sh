@@ -24,7 +24,7 @@ fi
 steps="${STEPS:-10}"
 for shape in ${SHAPES:-1.7B 4B}; do
   for devices in ${DEVICES:-cuda}; do
-    ./build-gpu/roundpipe-bench --shape "$shape" --batch 16 --seq 4096 --microbatches 4 --warmup 5 \
+    ./build-gpu/roundpipe-bench --shape "$shape" --batch 16 --seq 4096 --microbatches 4 --warmup "${WARMUP:-5}" \
       --steps "$steps" --devices "$devices" --verbose --profile "${PROFILE:-2}" \
       > "$out/bench_${shape}_${devices/:/}.log" 2>&1
     grep -v '^  layer' "$out/bench_${shape}_${devices/:/}.log" | grep -A12 '^roundpipe-bench' | head -14
