@@ -247,6 +247,16 @@ int train(const Setup& s) {
                 (host.arena.reserved_bytes - host.arena.pinned_bytes) / 1073741824.0);
   }
   std::printf("\n");
+  // What the pinned bytes hold: the weights (one exact chunk) and the
+  // staging copies and download buffers, whose peak shows the arena's waste.
+  std::printf(
+      "  host arena                    %12.2f GiB reserved = %.3f x its peak live bytes "
+      "(%.2f GiB: weights %.2f, staging + downloads %.2f)\n",
+      host.arena.reserved_bytes / 1073741824.0,
+      static_cast<double>(host.arena.reserved_bytes) /
+          std::max<int64_t>(host.arena.peak_allocated_bytes, 1),
+      host.arena.peak_allocated_bytes / 1073741824.0, host.model_state_bytes / 1073741824.0,
+      (host.arena.peak_allocated_bytes - host.model_state_bytes) / 1073741824.0);
 #ifdef ROUNDPIPE_WITH_CUDA
   if (s.profile_steps > 0 && device->torch_device().is_cuda())
     profile_kernels(s.profile_steps, device, run_step, seconds / s.steps);

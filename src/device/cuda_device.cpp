@@ -70,7 +70,9 @@ class CudaDevice final : public Device {
   bool is_simulated() const override { return false; }
 
   void bind_compute_thread() override {
-    c10::cuda::set_device(index_);
+    // force: make the device's context current on this thread even when the
+    // device index already matches (cuBLAS otherwise finds no context).
+    c10::cuda::set_device(index_, /*force=*/true);
     c10::cuda::setCurrentCUDAStream(stream(Queue::kCompute));
   }
 
