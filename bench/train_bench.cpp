@@ -213,11 +213,13 @@ int train(const Setup& s) {
   for (int i = 0; i < s.steps; ++i) loss = run_step();
   pipe->synchronize();
   const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
-  int64_t params_up = 0, acts_up = 0, peak = 0;
+  int64_t params_up = 0, acts_up = 0, peak = 0, param_copies = 0, largest_copy = 0;
   for (int d = 0; d < pool.size() && d < 8; ++d) {
     const auto after = pool.at(d)->transfer_stats();
     params_up += after.param_upload_bytes - before[d].param_upload_bytes;
     acts_up += after.activation_upload_bytes - before[d].activation_upload_bytes;
+    param_copies += after.param_upload_copies - before[d].param_upload_copies;
+    largest_copy = std::max(largest_copy, after.largest_param_copy_bytes);
     peak = std::max(peak, pool.at(d)->memory_stats().peak_bytes);
   }
   const double tokens = static_cast<double>(s.batch) * s.seq * s.steps;
@@ -232,6 +234,8 @@ int train(const Setup& s) {
   std::printf("  H2D bytes per iteration       %12.2f GiB (parameters %.2f, activations %.2f)\n",
               (params_up + acts_up) / s.steps / 1073741824.0, params_up / s.steps / 1073741824.0,
               acts_up / s.steps / 1073741824.0);
+  std::printf("  parameter upload copies       %12.0f per iteration, the largest %.2f MiB\n",
+              static_cast<double>(param_copies) / s.steps, largest_copy / 1048576.0);
   std::printf("  H2D GB/s per device (average) %12.1f  = %.1f%% of the measured copy rate\n", h2d,
               100.0 * h2d / copy);
   std::printf("  peak device memory            %12.2f GiB\n", peak / 1073741824.0);

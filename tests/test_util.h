@@ -20,7 +20,9 @@ namespace roundpipe::testing {
 // sim with 1, 2 and 3 devices (the multi-device ones with copy jitter to
 // shake out missing waits), and the CUDA GPUs when there are any.
 inline std::vector<std::string> backends() {
-  std::vector<std::string> specs = {"sim:1", "sim:2,jitter_us=150", "sim:3,jitter_us=150"};
+  // sim:3 also slices parameter uploads into small chunks.
+  std::vector<std::string> specs = {"sim:1", "sim:2,jitter_us=150",
+                                    "sim:3,jitter_us=150,chunk=16KiB"};
   if (cuda_device_count() > 0) specs.push_back("cuda");
   if (const char* only = std::getenv("ROUNDPIPE_TEST_BACKENDS")) {
     specs.clear();

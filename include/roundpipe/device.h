@@ -52,7 +52,22 @@ struct DeviceTransferStats {
   int64_t param_upload_bytes = 0;
   int64_t activation_upload_bytes = 0;
   int64_t download_bytes = 0;
+  int64_t param_upload_copies = 0;  // chunks (see kParamUploadChunkBytes)
+  int64_t largest_param_copy_bytes = 0;
 };
+
+// Parameter uploads go in copies of at most this many bytes (as the
+// original's), small tensors grouped, large ones sliced, so that an
+// activation upload (on the critical path) never waits on the link behind
+// more than one chunk of parameters.
+constexpr int64_t kParamUploadChunkBytes = int64_t{256} << 20;
+
+// One chunk of a copy: (destination slice, source slice) pairs.
+using CopyChunk = std::vector<std::pair<at::Tensor, at::Tensor>>;
+// Splits the copies dst[i] <- src[i] into chunks of at most chunk_bytes, in
+// order (a tensor that is not contiguous is never sliced).
+std::vector<CopyChunk> copy_chunks(const std::vector<at::Tensor>& dst,
+                                   const std::vector<at::Tensor>& src, int64_t chunk_bytes);
 
 class Device {
  public:
@@ -105,7 +120,8 @@ class Device {
 
   virtual DeviceMemoryStats memory_stats() const = 0;
   DeviceTransferStats transfer_stats() const {
-    return {uploaded_[0].load(), uploaded_[1].load(), downloaded_.load()};
+    return {uploaded_[0].load(), uploaded_[1].load(), downloaded_.load(), param_copies_.load(),
+            largest_param_copy_.load()};
   }
   // Whether host tensors may be pinned for this backend.
   virtual bool supports_pinned_memory() const = 0;
@@ -116,6 +132,14 @@ class Device {
     uploaded_[queue == Queue::kParamUpload ? 0 : 1] += bytes_of(tensors);
   }
   void count_download(const std::vector<at::Tensor>& tensors) { downloaded_ += bytes_of(tensors); }
+  void count_param_chunk(const CopyChunk& chunk) {
+    int64_t bytes = 0;
+    for (const auto& [dst, src] : chunk) bytes += static_cast<int64_t>(src.nbytes());
+    param_copies_ += 1;
+    int64_t largest = largest_param_copy_.load();
+    while (bytes > largest && !largest_param_copy_.compare_exchange_weak(largest, bytes)) {
+    }
+  }
 
  private:
   static int64_t bytes_of(const std::vector<at::Tensor>& tensors) {
@@ -125,6 +149,8 @@ class Device {
   }
   std::atomic<int64_t> uploaded_[2] = {0, 0};
   std::atomic<int64_t> downloaded_{0};
+  std::atomic<int64_t> param_copies_{0};
+  std::atomic<int64_t> largest_param_copy_{0};
 };
 using DevicePtr = std::shared_ptr<Device>;
 
@@ -135,6 +161,9 @@ struct SimDeviceOptions {
   int64_t copy_jitter_us = 0;
   // Simulated link bandwidth for copies in GB/s (0 = as fast as memcpy).
   double bandwidth_gbps = 0;
+  // The largest parameter-upload copy (spec option chunk=SIZE; tests use
+  // small ones to exercise the slicing).
+  int64_t param_chunk_bytes = kParamUploadChunkBytes;
 };
 
 // Makes `count` simulated devices named sim:0..sim:count-1.

@@ -122,7 +122,16 @@ class CudaDevice final : public Device {
     wait(queue, after);
     {
       c10::cuda::CUDAStreamGuard guard(stream(queue));
-      for (size_t i = 0; i < dst.size(); ++i) dst[i].copy_(host[i], /*non_blocking=*/true);
+      if (queue == Queue::kParamUpload) {
+        // Copies of at most kParamUploadChunkBytes: between two of them the
+        // copy engine can serve the activation-upload stream.
+        for (const auto& chunk : copy_chunks(dst, host, kParamUploadChunkBytes)) {
+          count_param_chunk(chunk);
+          for (const auto& [d, s] : chunk) d.copy_(s, /*non_blocking=*/true);
+        }
+      } else {
+        for (size_t i = 0; i < dst.size(); ++i) dst[i].copy_(host[i], /*non_blocking=*/true);
+      }
     }
     hold_until_copied(queue, host);
     return {dst, record(queue)};

@@ -1,6 +1,7 @@
 // Device selection (specs, $ROUNDPIPE_DEVICES) and the round-robin pool.
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <sstream>
 
@@ -49,11 +50,53 @@ std::string default_device_spec() {
   return env ? std::string(env) : std::string("auto");
 }
 
+std::vector<CopyChunk> copy_chunks(const std::vector<at::Tensor>& dst,
+                                   const std::vector<at::Tensor>& src, int64_t chunk_bytes) {
+  TORCH_CHECK(dst.size() == src.size() && chunk_bytes > 0, "copy_chunks: bad arguments");
+  std::vector<CopyChunk> chunks(1);
+  int64_t filled = 0;  // bytes in chunks.back()
+  for (size_t i = 0; i < src.size(); ++i) {
+    const int64_t bytes = static_cast<int64_t>(src[i].nbytes());
+    if (bytes == 0) continue;
+    const bool sliceable = src[i].is_contiguous() && dst[i].is_contiguous();
+    const int64_t left = std::max<int64_t>(chunk_bytes - filled, 0);
+    if (bytes <= left || !sliceable) {
+      if (filled > 0 && bytes > left) {
+        chunks.emplace_back();
+        filled = 0;
+      }
+      chunks.back().emplace_back(dst[i].detach(), src[i].detach());
+      filled += bytes;
+      continue;
+    }
+    // Slices of whole elements, the first filling what the chunk has left.
+    // Detached: a copy is no autograd op (parameters require grad).
+    const auto flat_src = src[i].detach().view(-1), flat_dst = dst[i].detach().view(-1);
+    const int64_t item = static_cast<int64_t>(src[i].element_size());
+    const int64_t per_chunk = std::max<int64_t>(chunk_bytes / item, 1);
+    int64_t start = 0;
+    while (start < flat_src.numel()) {
+      int64_t room = std::max<int64_t>(chunk_bytes - filled, 0) / item;
+      if (room == 0) {
+        chunks.emplace_back();
+        filled = 0;
+        room = per_chunk;
+      }
+      const int64_t n = std::min(room, flat_src.numel() - start);
+      chunks.back().emplace_back(flat_dst.narrow(0, start, n), flat_src.narrow(0, start, n));
+      filled += n * item;
+      start += n;
+    }
+  }
+  if (chunks.back().empty()) chunks.pop_back();
+  return chunks;
+}
+
 std::vector<DevicePtr> make_devices(const std::string& spec_in) {
   const std::string spec = spec_in.empty() ? "auto" : spec_in;
   const std::string help =
       "Valid device specs: 'auto', 'cuda', 'cuda:0,1', 'sim:N' with optional ',mem=SIZE', "
-      "',jitter_us=N', ',gbps=X' (e.g. ROUNDPIPE_DEVICES=sim:3,mem=256MiB).";
+      "',jitter_us=N', ',gbps=X', ',chunk=SIZE' (e.g. ROUNDPIPE_DEVICES=sim:3,mem=256MiB).";
   if (spec == "auto") {
     if (cuda_device_count() > 0) return make_cuda_devices();
     return make_sim_devices(1);
@@ -86,16 +129,18 @@ std::vector<DevicePtr> make_devices(const std::string& spec_in) {
       const auto eq = parts[i].find('=');
       TORCH_CHECK(eq != std::string::npos, "bad option '", parts[i], "' in '", spec, "'. ", help);
       const std::string key = parts[i].substr(0, eq), value = parts[i].substr(eq + 1);
-      TORCH_CHECK(key == "mem" || key == "jitter_us" || key == "gbps", "unknown sim option '", key,
-                  "'. ", help);
+      TORCH_CHECK(key == "mem" || key == "jitter_us" || key == "gbps" || key == "chunk",
+                  "unknown sim option '", key, "'. ", help);
       try {
         if (key == "mem") options.memory_budget_bytes = parse_size(value);
         if (key == "jitter_us") options.copy_jitter_us = std::stoll(value);
         if (key == "gbps") options.bandwidth_gbps = std::stod(value);
+        if (key == "chunk") options.param_chunk_bytes = parse_size(value);
       } catch (const std::exception&) {
         TORCH_CHECK(false, "bad value '", value, "' for sim option '", key, "'. ", help);
       }
     }
+    TORCH_CHECK(options.param_chunk_bytes > 0, "chunk must be positive in '", spec, "'. ", help);
     return make_sim_devices(count, options);
   }
   TORCH_CHECK(false, "unknown device spec '", spec, "'. ", help);

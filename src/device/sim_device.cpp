@@ -193,7 +193,24 @@ class SimDevice final : public Device {
     for (const auto& t : host) dst.push_back(allocate(t.sizes(), t.scalar_type()));
     count_upload(queue, host);
     wait(queue, after);
-    copy_queue(queue).push([dst, host, this] { copy_all(dst, host); }, true);
+    if (queue == Queue::kParamUpload) {
+      // One queue task per chunk, as the CUDA backend issues one copy each.
+      for (auto& chunk : copy_chunks(dst, host, options_.param_chunk_bytes)) {
+        count_param_chunk(chunk);
+        copy_queue(queue).push(
+            [chunk = std::move(chunk), this] {  // the slices keep the storages alive
+              std::vector<at::Tensor> to, from;
+              for (const auto& [d, s] : chunk) {
+                to.push_back(d);
+                from.push_back(s);
+              }
+              copy_all(to, from);
+            },
+            true);
+      }
+    } else {
+      copy_queue(queue).push([dst, host, this] { copy_all(dst, host); }, true);
+    }
     return {dst, record(queue)};
   }
 

@@ -106,6 +106,54 @@ TEST(SimDevice, BandwidthThrottleSlowsCopies) {
   EXPECT_GE(std::chrono::steady_clock::now() - start, std::chrono::milliseconds(9));
 }
 
+// Parameter uploads go in chunks of at most the chunk size: small tensors
+// grouped, large ones sliced, contents intact.
+TEST(CopyChunks, GroupSmallTensorsAndSliceLargeOnes) {
+  const int64_t chunk = 4096;  // bytes: 1024 floats
+  std::vector<at::Tensor> src = {at::randn({100}),  at::randn({3000}), at::randn({10}),
+                                 at::randn({1024}), at::randn({0}),    at::randn({7})};
+  std::vector<at::Tensor> dst;
+  for (const auto& t : src) dst.push_back(at::empty_like(t));
+  const auto chunks = copy_chunks(dst, src, chunk);
+  int64_t total = 0;
+  for (const auto& c : chunks) {
+    int64_t bytes = 0;
+    for (const auto& [d, s] : c) {
+      EXPECT_EQ(d.sizes(), s.sizes());
+      bytes += s.nbytes();
+      d.copy_(s);
+    }
+    EXPECT_LE(bytes, chunk);
+    EXPECT_GT(bytes, 0);
+    total += bytes;
+  }
+  // 100 + 3000 + 10 + 1024 + 7 floats pack into ceil(4141 / 1024) = 5 full-or-last chunks.
+  EXPECT_EQ(total, (100 + 3000 + 10 + 1024 + 7) * 4);
+  EXPECT_EQ(chunks.size(), 5u);
+  for (size_t i = 0; i < src.size(); ++i) EXPECT_TRUE(at::equal(dst[i], src[i])) << i;
+  // A non-contiguous tensor is one copy, whatever its size.
+  auto strided = at::randn({64, 64}).t();
+  auto strided_dst = at::empty_like(strided);
+  const auto whole = copy_chunks({strided_dst}, {strided}, chunk);
+  ASSERT_EQ(whole.size(), 1u);
+  EXPECT_EQ(whole[0].size(), 1u);
+}
+
+TEST(SimDevice, ParameterUploadsGoInChunks) {
+  auto device = make_devices("sim:1,chunk=64KiB,jitter_us=50").front();
+  // Parameters require grad: the slicing must not be an autograd op.
+  std::vector<at::Tensor> host = {at::randn({5000}).requires_grad_(), at::randn({100000}),
+                                  at::randn({300})};
+  auto [dev, up] = device->upload(Queue::kParamUpload, host, nullptr);
+  up->synchronize();
+  for (size_t i = 0; i < host.size(); ++i) EXPECT_TRUE(at::equal(dev[i], host[i])) << i;
+  const auto stats = device->transfer_stats();
+  EXPECT_EQ(stats.param_upload_bytes, (5000 + 100000 + 300) * 4);
+  EXPECT_LE(stats.largest_param_copy_bytes, 64 * 1024);
+  // 421,200 bytes in chunks of 65,536: 7 copies.
+  EXPECT_EQ(stats.param_upload_copies, 7);
+}
+
 TEST(DeviceSpec, ParsesSimSpecs) {
   auto devices = make_devices("sim:3,mem=1MiB,jitter_us=10");
   ASSERT_EQ(devices.size(), 3u);
@@ -115,7 +163,8 @@ TEST(DeviceSpec, ParsesSimSpecs) {
 }
 
 TEST(DeviceSpec, RejectsBadSpecsWithHelp) {
-  for (const char* bad : {"tpu", "sim:x", "sim:2,mem=5XB", "sim:2,colour=red", "cuda:a"}) {
+  for (const char* bad :
+       {"tpu", "sim:x", "sim:2,mem=5XB", "sim:2,colour=red", "cuda:a", "sim:1,chunk=0"}) {
     try {
       make_devices(bad);
       FAIL() << bad << " was accepted";

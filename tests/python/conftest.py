@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-BACKENDS = ["sim:1", "sim:2", "sim:3,jitter_us=200"]
+BACKENDS = ["sim:1", "sim:2", "sim:3,jitter_us=200,chunk=16KiB"]
 if torch.cuda.is_available():
     BACKENDS.append("cuda")
 
