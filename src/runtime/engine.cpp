@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <set>
@@ -680,10 +681,37 @@ PlanEstimate Engine::auto_plan(bool fused, int num_microbatches, int min_stages,
         request.memory_limit_bytes = left;
     }
   }
-  // Measured times once every layer has them, else bytes stand in.
-  return plan_stages(timings_->complete() ? timings_->costs(layer_bytes_, layer_grad_bytes_)
-                                          : costs_from_bytes(layer_bytes_, layer_grad_bytes_),
-                     request);
+  // Measured times once every layer has them (with the measured upload
+  // rate, in the same unit), else bytes stand in.
+  if (!timings_->complete())
+    return plan_stages(costs_from_bytes(layer_bytes_, layer_grad_bytes_), request);
+  request.upload_bytes_per_second = upload_bytes_per_second();
+  return plan_stages(timings_->costs(layer_bytes_, layer_grad_bytes_), request);
+}
+
+double Engine::upload_bytes_per_second() const {
+  std::call_once(upload_probe_once_, [this] {
+    // A parameter-sized upload from the memory parameters live in (the
+    // arena: pinned in alloc mode), timed on the host, the second of two
+    // (the first pays for allocation). 1-64 MiB: a layer's parameters.
+    int64_t total = 0;
+    for (int64_t b : layer_bytes_) total += b;
+    const int64_t bytes =
+        std::clamp<int64_t>(total / std::max<int64_t>(num_layers(), 1), 1 << 20, 64 << 20);
+    auto host = host_allocator_ ? host_allocator_({bytes}, at::kByte)
+                                : at::empty({bytes}, at::TensorOptions().dtype(at::kByte));
+    host.zero_();
+    auto& device = *pool_.at(0);
+    double seconds = 0;
+    for (int i = 0; i < 2; ++i) {
+      const auto start = std::chrono::steady_clock::now();
+      auto [copy, done] = device.upload(Queue::kParamUpload, {host}, nullptr);
+      done->synchronize();
+      seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    }
+    upload_bytes_per_second_ = seconds > 0 ? bytes / seconds : 0;
+  });
+  return upload_bytes_per_second_;
 }
 
 ExecutePlan Engine::default_plan(bool fused) const {

@@ -166,6 +166,11 @@ class Engine {
   std::vector<int64_t> layer_bytes_;
   std::vector<int64_t> layer_grad_bytes_;  // bytes of the parameters that require grad
   std::unique_ptr<LayerTimings> timings_;  // measured per-layer compute times
+  // Host-to-device bytes per second, probed once on the first device when
+  // the planner first plans on measured times (0 until then).
+  double upload_bytes_per_second() const;
+  mutable std::once_flag upload_probe_once_;
+  mutable double upload_bytes_per_second_ = 0;
   mutable std::mutex plan_log_mu_;
   mutable std::string logged_plans_[2];  // verbose: the last plan logged (forward, fused)
   std::vector<void*> registered_;        // host memory pinned in place (pin_model=register)

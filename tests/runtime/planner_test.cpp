@@ -177,5 +177,26 @@ TEST(Planner, MeasuredTimesReplaceBytesAfterWarmUp) {
   EXPECT_GT(measured.iteration, 0.0);
 }
 
+// Once it plans on measured times, the engine probes the host-to-device rate
+// and the plan's stages carry their upload times: here a 20 MB/s link, so
+// each 1 MiB layer takes about 50 ms to upload.
+TEST(Planner, MeasuredPlansSeeTheUploadRate) {
+  torch::manual_seed(0);
+  torch::nn::Sequential model;
+  for (int l = 0; l < 4; ++l) model->push_back(torch::nn::Linear(512, 512));
+  RoundPipe pipe(model, RoundPipeOptions().set_devices("sim:2,gbps=0.02"));
+  for (const auto& s : pipe.auto_plan(/*fused=*/true, 3).stages) EXPECT_EQ(s.upload, 0);
+  auto x = torch::randn({6, 512}), y = torch::randn({6, 512});
+  for (int i = 0; i < 3; ++i) pipe.forward_backward(x, y, testing::mse_loss);
+  pipe.synchronize();
+  const auto measured = pipe.auto_plan(/*fused=*/true, 3);
+  const double layer_bytes = (512.0 * 512 + 512) * 4;
+  for (const auto& s : measured.stages) {
+    const double expected = s.range.size() * layer_bytes / 0.02e9;
+    EXPECT_GT(s.upload, 0.5 * expected) << measured.describe();
+    EXPECT_LT(s.upload, 2.0 * expected) << measured.describe();
+  }
+}
+
 }  // namespace
 }  // namespace roundpipe
