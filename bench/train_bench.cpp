@@ -128,7 +128,8 @@ roundpipe::LossFn loss_of_output() {
 // busy fraction per stream says whether a GPU waits (bubbles, uploads) or
 // computes, and the kernel table which computation dominates.
 template <typename Step>
-void profile_kernels(int steps, const DevicePtr& device, Step step, double wall_per_step) {
+void profile_kernels(int steps, const roundpipe::DevicePool& pool, Step step,
+                     double wall_per_step) {
   namespace prof = torch::autograd::profiler;
   using torch::profiler::impl::ActivityType;
   const std::set<ActivityType> activities{ActivityType::CUDA};
@@ -136,14 +137,14 @@ void profile_kernels(int steps, const DevicePtr& device, Step step, double wall_
   prof::prepareProfiler(config, activities);
   prof::enableProfiler(config, activities);
   for (int i = 0; i < steps; ++i) step();
-  synchronize(device);
+  for (int d = 0; d < pool.size(); ++d) synchronize(pool.at(d));
   auto result = prof::disableProfiler();
   struct Row {
     double us = 0;
     int64_t calls = 0;
   };
   std::map<std::string, Row> by_name;
-  std::map<int64_t, double> by_stream;
+  std::map<std::pair<int, int64_t>, double> by_stream;  // (GPU, stream)
   double total = 0;
   for (const auto& e : result->events()) {
     if (e.deviceType() != c10::DeviceType::CUDA) continue;
@@ -152,7 +153,7 @@ void profile_kernels(int steps, const DevicePtr& device, Step step, double wall_
     if (name.size() > 90) name = name.substr(0, 90);
     by_name[name].us += us;
     by_name[name].calls += 1;
-    by_stream[e.deviceResourceId()] += us;
+    by_stream[{e.deviceIndex(), e.deviceResourceId()}] += us;
     total += us;
   }
   std::vector<std::pair<std::string, Row>> rows(by_name.begin(), by_name.end());
@@ -160,9 +161,9 @@ void profile_kernels(int steps, const DevicePtr& device, Step step, double wall_
             [](const auto& a, const auto& b) { return a.second.us > b.second.us; });
   std::printf("profile: %d step(s), device activity %.1f ms per step (wall %.1f ms per step)\n",
               steps, total / 1000.0 / steps, wall_per_step * 1000.0);
-  for (const auto& [stream, us] : by_stream)
-    std::printf("  stream %lld busy %.1f ms per step (%.0f%% of wall)\n",
-                static_cast<long long>(stream), us / 1000.0 / steps,
+  for (const auto& [where, us] : by_stream)
+    std::printf("  gpu %d stream %lld busy %.1f ms per step (%.0f%% of wall)\n", where.first,
+                static_cast<long long>(where.second), us / 1000.0 / steps,
                 100.0 * us / 1e6 / steps / wall_per_step);
   std::printf("  %8s %6s %7s  %s\n", "ms/step", "share", "calls", "kernel or copy");
   for (size_t i = 0; i < rows.size() && i < 40; ++i)
@@ -263,7 +264,7 @@ int train(const Setup& s) {
       (host.arena.peak_allocated_bytes - host.model_state_bytes) / 1073741824.0);
 #ifdef ROUNDPIPE_WITH_CUDA
   if (s.profile_steps > 0 && device->torch_device().is_cuda())
-    profile_kernels(s.profile_steps, device, run_step, seconds / s.steps);
+    profile_kernels(s.profile_steps, pool, run_step, seconds / s.steps);
 #endif
   return 0;
 }
