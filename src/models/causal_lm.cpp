@@ -240,23 +240,28 @@ struct TokenChunkedMLP : torch::autograd::Function<TokenChunkedMLP> {
     const auto flat = saved[0].reshape({-1, saved[0].size(-1)});
     const auto grad = grads[0].reshape({flat.size(0), -1});
     auto grad_x = at::empty_like(flat);
-    // Parameter gradients add up over chunks in float32.
+    // Parameter gradients add up over chunks in float32 (or wider).
+    // Leaves for the parameters autograd wants gradients of (frozen ones
+    // and absent biases stay plain tensors).
     std::vector<at::Tensor> params, sums(6);
-    for (int i = 1; i <= 6; ++i)
-      params.push_back(saved[i].numel() > 0 ? saved[i].detach().requires_grad_() : saved[i]);
+    for (int i = 1; i <= 6; ++i) {
+      const bool wanted = saved[i].numel() > 0 && ctx->needs_input_grad(i);
+      params.push_back(wanted ? saved[i].detach().requires_grad_() : saved[i].detach());
+    }
     for (int64_t start = 0; start < flat.size(0); start += chunk) {
       const int64_t len = std::min(chunk, flat.size(0) - start);
       c10::AutoGradMode grad_mode(true);
       auto x = flat.narrow(0, start, len).detach().requires_grad_();
       std::vector<at::Tensor> inputs = {x};
       for (const auto& t : params)
-        if (t.numel() > 0) inputs.push_back(t);
+        if (t.requires_grad()) inputs.push_back(t);
       const auto g = torch::autograd::grad({body(x, params)}, inputs, {grad.narrow(0, start, len)});
       grad_x.narrow(0, start, len).copy_(g[0]);
       size_t k = 1;
       for (int i = 0; i < 6; ++i) {
-        if (params[i].numel() == 0) continue;
-        sums[i] = sums[i].defined() ? sums[i].add_(g[k]) : g[k].to(at::kFloat);
+        if (!params[i].requires_grad()) continue;
+        sums[i] = sums[i].defined() ? sums[i].add_(g[k])
+                                    : g[k].to(at::promote_types(g[k].scalar_type(), at::kFloat));
         ++k;
       }
     }

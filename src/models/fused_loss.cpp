@@ -73,15 +73,15 @@ struct ChunkedLinearCrossEntropy : torch::autograd::Function<ChunkedLinearCrossE
 struct FusedLinearCrossEntropy : torch::autograd::Function<FusedLinearCrossEntropy> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& hidden,
                             const at::Tensor& weight, const at::Tensor& labels, int64_t chunk) {
-    const bool want_grad = hidden.requires_grad() || weight.requires_grad();
+    // Only the gradients autograd will ask for (a frozen lm_head needs none).
+    const bool want_hidden = hidden.requires_grad(), want_weight = weight.requires_grad();
+    const bool want_grad = want_hidden || want_weight;
     const int64_t n = hidden.size(0), vocab = weight.size(0);
     const auto scale = labels.ne(-100).sum().clamp_min(1).to(at::kFloat).reciprocal();
     auto loss_sum = at::zeros({}, hidden.options().dtype(at::kFloat));
     at::Tensor grad_hidden, grad_weight;
-    if (want_grad) {
-      grad_hidden = at::empty_like(hidden);
-      grad_weight = at::zeros(weight.sizes(), weight.options().dtype(at::kFloat));
-    }
+    if (want_hidden) grad_hidden = at::empty_like(hidden);
+    if (want_weight) grad_weight = at::zeros(weight.sizes(), weight.options().dtype(at::kFloat));
     for (int64_t start = 0; start < n; start += chunk) {
       const int64_t len = std::min(chunk, n - start);
       const auto h = hidden.narrow(0, start, len);
@@ -90,12 +90,13 @@ struct FusedLinearCrossEntropy : torch::autograd::Function<FusedLinearCrossEntro
                                                labels.data_ptr<int64_t>() + start, len, vocab,
                                                scale.data_ptr<float>(), loss_sum.data_ptr<float>(),
                                                want_grad, ops::current_stream()));
-      if (!want_grad) continue;
-      auto rows = grad_hidden.narrow(0, start, len);
-      at::mm_out(rows, logits, weight);
+      if (want_hidden) {
+        auto rows = grad_hidden.narrow(0, start, len);
+        at::mm_out(rows, logits, weight);
+      }
       // Accumulate the weight's gradient in float32 straight from the
       // low-precision product (cuBLAS with a float32 output).
-      at::addmm_outf(grad_weight, logits.t(), h, at::kFloat, 1, 1, grad_weight);
+      if (want_weight) at::addmm_outf(grad_weight, logits.t(), h, at::kFloat, 1, 1, grad_weight);
     }
     ctx->save_for_backward({grad_hidden, grad_weight});
     ctx->saved_data["weight_dtype"] = static_cast<int64_t>(weight.scalar_type());
@@ -107,7 +108,8 @@ struct FusedLinearCrossEntropy : torch::autograd::Function<FusedLinearCrossEntro
     const auto saved = ctx->get_saved_variables();
     const auto g = grad_out[0].to(at::kFloat);
     const auto weight_dtype = static_cast<at::ScalarType>(ctx->saved_data["weight_dtype"].toInt());
-    return {saved[0] * g.to(saved[0].scalar_type()), (saved[1] * g).to(weight_dtype), at::Tensor(),
+    return {saved[0].defined() ? saved[0] * g.to(saved[0].scalar_type()) : at::Tensor(),
+            saved[1].defined() ? (saved[1] * g).to(weight_dtype) : at::Tensor(), at::Tensor(),
             at::Tensor()};
   }
 };

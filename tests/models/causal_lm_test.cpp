@@ -151,6 +151,53 @@ std::string config_error(const std::string& json) {
   return "(accepted)";
 }
 
+// The token-chunked MLP (recomputed per chunk in backward) gives the
+// unchunked model's loss and gradients, frozen weights included.
+TEST(CausalLMChunkedMLP, MatchesUnchunkedWithFrozenWeights) {
+  const auto config = models::CausalLMConfig::from_json_string(
+      R"({"model_type": "qwen3", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 48,
+          "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+          "head_dim": 8, "max_position_embeddings": 64, "rms_norm_eps": 1e-6,
+          "rope_theta": 10000.0, "tie_word_embeddings": false})",
+      "tiny");
+  auto run = [&](int64_t chunk) {
+    torch::manual_seed(3);
+    models::CausalLM model(config, models::CausalLMOptions()
+                                       .set_dtype(at::kDouble)
+                                       .set_mlp_chunk_tokens(chunk)
+                                       .set_loss_chunk_tokens(7));
+    for (auto& item : model.sequential()->named_parameters()) {
+      if (item.key().find("1.mlp.gate_proj") == 0) item.value().requires_grad_(false);
+    }
+    auto ids = torch::randint(0, 64, {3, 11});
+    auto loss = model.sequential()->forward<c10::IValue>(
+        c10::IValue(c10::ivalue::Tuple::create({ids, c10::IValue(), ids})));
+    loss.toTensor().backward();
+    {
+      // Without grad the chunks run as a plain loop: the same loss.
+      torch::NoGradGuard no_grad;
+      auto again = model.sequential()->forward<c10::IValue>(
+          c10::IValue(c10::ivalue::Tuple::create({ids, c10::IValue(), ids})));
+      EXPECT_NEAR(again.toTensor().item<double>(), loss.toTensor().item<double>(), 1e-12);
+    }
+    std::vector<std::pair<std::string, at::Tensor>> grads;
+    for (const auto& item : model.sequential()->named_parameters())
+      grads.emplace_back(item.key(), item.value().grad());
+    return std::make_pair(loss.toTensor().item<double>(), grads);
+  };
+  const auto [plain_loss, plain] = run(0);
+  const auto [chunked_loss, chunked] = run(5);  // 33 tokens: 7 chunks
+  EXPECT_NEAR(chunked_loss, plain_loss, 1e-12);
+  ASSERT_EQ(plain.size(), chunked.size());
+  for (size_t i = 0; i < plain.size(); ++i) {
+    SCOPED_TRACE(plain[i].first);
+    ASSERT_EQ(plain[i].second.defined(), chunked[i].second.defined());
+    if (plain[i].first.find("1.mlp.gate_proj") == 0) EXPECT_FALSE(chunked[i].second.defined());
+    if (plain[i].second.defined())
+      EXPECT_TENSOR_NEAR(chunked[i].second, plain[i].second, 1e-10, "gradient");
+  }
+}
+
 TEST(CausalLMConfig, ErrorsNameTheFieldAndTheFix) {
   EXPECT_NE(config_error("{").find("not valid JSON"), std::string::npos);
   EXPECT_NE(config_error(R"({"model_type":"gpt2"})").find("supported presets: qwen3, llama"),

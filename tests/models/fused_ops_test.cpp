@@ -124,6 +124,10 @@ TEST_P(FusedOpsTest, LinearCrossEntropyMatchesFloatFormula) {
   (expected * 3).backward();
   EXPECT_LT(relative_error(h1.grad(), h2.grad()), 3 * tol);
   EXPECT_LT(relative_error(w1.grad(), w2.grad()), 3 * tol);
+  // A frozen weight: the hidden state's gradient alone, the same.
+  auto h3 = hidden.clone().requires_grad_();
+  roundpipe::models::chunked_linear_cross_entropy(h3, weight, labels, 128).backward();
+  EXPECT_LT(relative_error(h3.grad() * 3, h1.grad()), tol);
   // Without a gradient wanted the same loss comes out.
   torch::NoGradGuard no_grad;
   auto plain_loss = roundpipe::models::chunked_linear_cross_entropy(hidden, weight, labels, 128);
