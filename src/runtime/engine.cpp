@@ -704,6 +704,10 @@ double Engine::upload_bytes_per_second() const {
     auto& device = *pool_.at(0);
     double seconds = 0;
     for (int i = 0; i < 2; ++i) {
+      // Time the copy alone: an upload also waits for the compute queued
+      // before it (a previous call's tail may still run on the device).
+      device.record(Queue::kCompute)->synchronize();
+      device.record(Queue::kParamUpload)->synchronize();
       const auto start = std::chrono::steady_clock::now();
       auto [copy, done] = device.upload(Queue::kParamUpload, {host}, nullptr);
       done->synchronize();
