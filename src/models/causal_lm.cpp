@@ -276,7 +276,7 @@ struct TokenChunkedMLP : torch::autograd::Function<TokenChunkedMLP> {
 struct MLPImpl : torch::nn::Cloneable<MLPImpl> {
   CausalLMConfig config;
   Linear gate_proj{nullptr}, up_proj{nullptr}, down_proj{nullptr};
-  int64_t chunk_tokens = 0;  // > 0: longer inputs that need gradients go by TokenChunkedMLP
+  int64_t chunk_tokens = 0;  // > 0: longer inputs go by TokenChunkedMLP
   explicit MLPImpl(CausalLMConfig c) : config(std::move(c)) { reset(); }
   void reset() override {
     const auto& c = config;
@@ -288,19 +288,8 @@ struct MLPImpl : torch::nn::Cloneable<MLPImpl> {
         register_module("down_proj", make_linear(c.intermediate_size, c.hidden_size, c.mlp_bias));
   }
   at::Tensor forward(const at::Tensor& x) {
-    if (chunk_tokens > 0 && x.numel() / x.size(-1) > chunk_tokens && !at::GradMode::is_enabled()) {
-      // Without grad nothing is kept: chunks bound the intermediates alone.
-      const auto flat = x.reshape({-1, x.size(-1)});
-      auto out = at::empty({flat.size(0), config.hidden_size}, x.options());
-      for (int64_t start = 0; start < flat.size(0); start += chunk_tokens) {
-        const auto piece = flat.narrow(0, start, std::min(chunk_tokens, flat.size(0) - start));
-        out.narrow(0, start, piece.size(0))
-            .copy_(down_proj(ops::swiglu(gate_proj(piece), up_proj(piece))));
-      }
-      auto sizes = x.sizes().vec();
-      sizes.back() = config.hidden_size;
-      return out.view(sizes);
-    }
+    // With or without grad: without, the function keeps nothing and its
+    // chunks alone bound the intermediates.
     if (chunk_tokens > 0 && x.numel() / x.size(-1) > chunk_tokens)
       return TokenChunkedMLP::apply(
           x, gate_proj->weight, TokenChunkedMLP::no_bias_if_absent(gate_proj->bias),
