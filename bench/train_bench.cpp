@@ -98,13 +98,6 @@ struct Setup {
   int profile_steps = 0;
 };
 
-c10::ScalarType dtype_of(const std::string& name) {
-  if (name == "bfloat16") return torch::kBFloat16;
-  if (name == "float16") return torch::kHalf;
-  if (name == "float32") return torch::kFloat;
-  throw std::invalid_argument("--dtype: bfloat16, float16 or float32");
-}
-
 std::unique_ptr<roundpipe::RoundPipe> wrap(roundpipe::models::CausalLM& model, const Setup& s) {
   auto options =
       roundpipe::RoundPipeOptions().set_optim_dtype(torch::kFloat).set_devices(s.devices);
@@ -175,7 +168,7 @@ void profile_kernels(int steps, const roundpipe::DevicePool& pool, Step step,
 
 int train(const Setup& s) {
   auto config = roundpipe::models::CausalLMConfig::from_json_string(shape_json(s.shape), s.shape);
-  const auto dtype = dtype_of(s.dtype);
+  const auto dtype = roundpipe::dtype_from_string(s.dtype);
   roundpipe::models::CausalLM model(config, roundpipe::models::CausalLMOptions().set_dtype(dtype));
   auto pipe = wrap(model, s);
   const auto& pool = pipe->devices();
@@ -272,8 +265,8 @@ int train(const Setup& s) {
 // Doubles the sequence until a step fails for memory, then bisects.
 int max_seq(Setup s) {
   auto config = roundpipe::models::CausalLMConfig::from_json_string(shape_json(s.shape), s.shape);
-  roundpipe::models::CausalLM model(
-      config, roundpipe::models::CausalLMOptions().set_dtype(dtype_of(s.dtype)));
+  roundpipe::models::CausalLM model(config, roundpipe::models::CausalLMOptions().set_dtype(
+                                                roundpipe::dtype_from_string(s.dtype)));
 #ifdef ROUNDPIPE_WITH_CUDA
   // The cap is real on a GPU: the caching allocator refuses beyond it (on
   // simulated devices give the budget in the spec, e.g. sim:1,mem=24GiB).

@@ -37,6 +37,8 @@ enum class PinMode {
   kOff,       // leave host memory pageable (e.g. mmap-loaded weights)
 };
 PinMode pin_mode_from_string(const std::string& text);
+// float32/fp32, bfloat16/bf16, float16/fp16 (command lines, configs).
+c10::ScalarType dtype_from_string(const std::string& text);
 
 struct RoundPipeOptions {
   // dtype of the optimizer's master copies; default: the parameter dtype.

@@ -14,6 +14,13 @@ PinMode pin_mode_from_string(const std::string& text) {
   TORCH_CHECK(false, "unknown pin_model '", text, "': use alloc, register or off");
 }
 
+c10::ScalarType dtype_from_string(const std::string& text) {
+  if (text == "float32" || text == "fp32") return c10::kFloat;
+  if (text == "bfloat16" || text == "bf16") return c10::kBFloat16;
+  if (text == "float16" || text == "fp16") return c10::kHalf;
+  TORCH_CHECK(false, "unknown dtype '", text, "': use float32, bfloat16 or float16");
+}
+
 RoundPipe::RoundPipe(torch::nn::Sequential model, RoundPipeOptions options)
     : RoundPipe(layers_of(model), std::move(options)) {}
 

@@ -20,13 +20,6 @@ namespace {
 using Clock = std::chrono::steady_clock;
 namespace fs = std::filesystem;
 
-c10::ScalarType parse_dtype(const std::string& name) {
-  if (name == "float32" || name == "fp32") return c10::kFloat;
-  if (name == "bfloat16" || name == "bf16") return c10::kBFloat16;
-  if (name == "float16" || name == "fp16") return c10::kHalf;
-  TORCH_CHECK(false, "--dtype must be float32, bfloat16 or float16, not '", name, "'");
-}
-
 std::string eta(double seconds) {
   char text[32];
   const int64_t s = static_cast<int64_t>(seconds);
@@ -40,7 +33,7 @@ std::string eta(double seconds) {
 TrainSummary run_training(const TrainOptions& args) {
   TrainSummary summary;
   torch::manual_seed(args.seed);
-  const auto dtype = parse_dtype(args.dtype);
+  const auto dtype = dtype_from_string(args.dtype);
   auto model_options =
       roundpipe::models::CausalLMOptions().set_dtype(dtype).set_loss_chunk_tokens(args.loss_chunk);
   roundpipe::RunConfig run_config;
