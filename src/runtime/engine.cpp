@@ -939,11 +939,13 @@ void Engine::step_fused(optim::Adam& adam, bool is_async, optim::GradScaler* sca
           if (is_async) {
             // The next calls still read the current weights: write the new
             // ones aside, publish() swaps them in.
-            if (!entry.staging.defined() && host_allocator_) {
-              entry.staging = host_arena_->empty(entry.home.sizes(), entry.home.scalar_type());
-            } else if (!entry.staging.defined()) {
-              entry.staging = at::empty_like(entry.home, at::MemoryFormat::Contiguous);
-              if (entry.home.is_pinned()) entry.staging = entry.staging.pin_memory();
+            if (!entry.staging.defined()) {
+              if (host_allocator_) {  // alloc mode: from the arena
+                entry.staging = host_allocator_(entry.home.sizes(), entry.home.scalar_type());
+              } else {
+                entry.staging = at::empty_like(entry.home, at::MemoryFormat::Contiguous);
+                if (entry.home.is_pinned()) entry.staging = entry.staging.pin_memory();
+              }
             }
             entry.staged = true;
             outs.push_back(entry.staging);
