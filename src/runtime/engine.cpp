@@ -1304,7 +1304,8 @@ struct StageRunner {
   }
 
   // A layer's input kept for its recompute: on the host, with the random
-  // state the layer started from.
+  // state the layer started from. Local to one microbatch of the tail (the
+  // call's slots would hold every microbatch's inputs until the call ends).
   struct SavedInput {
     c10::IValue value;
     EventPtr event;
