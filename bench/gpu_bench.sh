@@ -6,7 +6,8 @@
 # kernel profile) next to the GPU-resident HuggingFace run of the same shape
 # and settings, and search the longest sequence under a 24 GiB cap.
 # Logs go to $OUT. SHAPES, STEPS, DEVICES (space-separated device specs, e.g.
-# "cuda:0 cuda" on two GPUs), SKIP_HF, SKIP_MAX_SEQ override the defaults.
+# "cuda:0 cuda" on two GPUs), SKIP_HF, SKIP_TRANSFER, SKIP_MAX_SEQ override the
+# defaults. At most 8 log files: what the device tool brings back.
 set -uo pipefail
 out="${OUT:-$PWD/gpu-out}"; mkdir -p "$out"
 export PYTHON="${PYTHON:-python3}"
@@ -18,7 +19,7 @@ BUILD_TARGETS="${BUILD_TARGETS:-}" JOBS=16 scripts/build.sh build-gpu -DROUNDPIP
 echo "build: ${SECONDS}s" | tee -a "$out/build.log"
 if [ "$tests" = ON ]; then
   ./build-gpu/tests/roundpipe_tests \
-    --gtest_filter='*FusedOps*:*ThroughRoundPipeMatchesTransformers*:*HostArena*' 2>&1 |
+    --gtest_filter='*FusedOps*:*ThroughRoundPipeMatchesTransformers*:*HostArena*:*cuda*' 2>&1 |
     grep -E '^\[  |Failure|error|Expected|Which is|relative' | tee "$out/gpu_tests.log" | tail -6
 fi
 steps="${STEPS:-10}"
@@ -27,13 +28,23 @@ for shape in ${SHAPES:-1.7B 4B}; do
     ./build-gpu/roundpipe-bench --shape "$shape" --batch 16 --seq 4096 --microbatches 4 --warmup "${WARMUP:-5}" \
       --steps "$steps" --devices "$devices" --verbose --profile "${PROFILE:-2}" \
       > "$out/bench_${shape}_${devices/:/}.log" 2>&1
-    grep -v '^  layer' "$out/bench_${shape}_${devices/:/}.log" | grep -A12 '^roundpipe-bench' | head -14
+    grep -v '^  layer' "$out/bench_${shape}_${devices/:/}.log" | grep -A15 '^roundpipe-bench' | head -17
   done
   if [ -z "${SKIP_HF:-}" ]; then
     "$PYTHON" bench/hf_resident_train.py "$shape" 16 4096 4 "$steps" bfloat16 2>&1 | tail -1 |
       tee "$out/hf_$shape.log"
   fi
 done
+if [ -z "${SKIP_TRANSFER:-}" ]; then
+  # Transfer-bound: frozen linear weights (no optimizer work on them), one
+  # 4096-token sequence, an 8 GiB plan limit (several stages, each uploaded
+  # in forward and again in backward): the uploads set the pace, so the H2D
+  # line shows how close they run to the measured copy rate.
+  ./build-gpu/roundpipe-bench --shape 1.7B --batch 1 --seq 4096 --microbatches 1 --freeze-linear \
+    --memory-cap 8 --warmup 3 --steps "$steps" --devices cuda:0 --verbose --profile "${PROFILE:-2}" \
+    > "$out/bench_transfer_bound.log" 2>&1
+  grep -v '^  layer' "$out/bench_transfer_bound.log" | grep -A15 '^roundpipe-bench' | head -17
+fi
 if [ -z "${SKIP_MAX_SEQ:-}" ]; then
   ./build-gpu/roundpipe-bench --shape 1.7B --max-seq --recompute layer --memory-cap 24 \
     --seq-start "${SEQ_START:-16384}" --seq-limit "${SEQ_LIMIT:-131072}" --devices cuda:0 2>&1 | tee "$out/max_seq_1.7B.log"

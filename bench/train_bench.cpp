@@ -95,6 +95,7 @@ struct Setup {
   double memory_cap_gib = 0;
   int64_t seq_start = 1024, seq_limit = int64_t{1} << 20;  // --max-seq search range
   bool max_seq = false, verbose = false;
+  bool freeze_linear = false;  // train only the norms: uploads, not compute, bound a small batch
   int profile_steps = 0;
 };
 
@@ -170,6 +171,11 @@ int train(const Setup& s) {
   auto config = roundpipe::models::CausalLMConfig::from_json_string(shape_json(s.shape), s.shape);
   const auto dtype = roundpipe::dtype_from_string(s.dtype);
   roundpipe::models::CausalLM model(config, roundpipe::models::CausalLMOptions().set_dtype(dtype));
+  if (s.freeze_linear) {
+    for (auto& p : model.sequential()->parameters()) {
+      if (p.dim() == 2) p.requires_grad_(false);
+    }
+  }
   auto pipe = wrap(model, s);
   const auto& pool = pipe->devices();
   const auto device = pool.at(0);
@@ -202,6 +208,7 @@ int train(const Setup& s) {
   pipe->synchronize();
   roundpipe::DeviceTransferStats before[8];
   for (int d = 0; d < pool.size() && d < 8; ++d) before[d] = pool.at(d)->transfer_stats();
+  const auto waits_before = pipe->pipeline_stats();
   const auto start = Clock::now();
   at::Tensor loss;
   for (int i = 0; i < s.steps; ++i) loss = run_step();
@@ -217,14 +224,17 @@ int train(const Setup& s) {
     peak = std::max(peak, pool.at(d)->memory_stats().peak_bytes);
   }
   const double tokens = static_cast<double>(s.batch) * s.seq * s.steps;
-  const double tflops = 6.0 * linear * tokens / seconds / 1e12;  // model FLOPs (no recompute)
+  // Model FLOPs (no recompute): 2 forward, 2 input gradient, 2 weight
+  // gradient per weight and token; frozen weights have no weight gradient.
+  const int flops_per_weight = s.freeze_linear ? 4 : 6;
+  const double tflops = flops_per_weight * linear * tokens / seconds / 1e12;
   const double h2d = (params_up + acts_up) / seconds / 1e9 / pool.size();
   std::printf("train: %d timed steps in %.2fs, loss %.4f (sum over microbatches)\n", s.steps,
               seconds, loss.item<double>());
   std::printf("  tokens/s                      %12.0f\n", tokens / seconds);
   std::printf(
-      "  linear TFLOP/s (6 x P x T)    %12.1f  = %.1f%% of the measured matmul rate per device\n",
-      tflops, 100.0 * tflops / pool.size() / matmul);
+      "  linear TFLOP/s (%d x P x T)    %12.1f  = %.1f%% of the measured matmul rate per device\n",
+      flops_per_weight, tflops, 100.0 * tflops / pool.size() / matmul);
   std::printf("  H2D bytes per iteration       %12.2f GiB (parameters %.2f, activations %.2f)\n",
               (params_up + acts_up) / s.steps / 1073741824.0, params_up / s.steps / 1073741824.0,
               acts_up / s.steps / 1073741824.0);
@@ -255,6 +265,18 @@ int train(const Setup& s) {
           std::max<int64_t>(host.arena.peak_allocated_bytes, 1),
       host.arena.peak_allocated_bytes / 1073741824.0, host.model_state_bytes / 1073741824.0,
       (host.arena.peak_allocated_bytes - host.model_state_bytes) / 1073741824.0);
+  // What the threads waited for, per timed step: an optimizer slower than
+  // the devices shows as workers waiting for weights.
+  const auto waits = pipe->pipeline_stats();
+  const double per_step = 1000.0 / s.steps;
+  std::printf(
+      "  per step (ms): optimizer update %.0f, its wait for gradients %.0f, publish %.0f; "
+      "workers waiting for weights %.0f; call start waiting %.0f\n",
+      (waits.optimizer_update_seconds - waits_before.optimizer_update_seconds) * per_step,
+      (waits.optimizer_grad_wait_seconds - waits_before.optimizer_grad_wait_seconds) * per_step,
+      (waits.optimizer_publish_seconds - waits_before.optimizer_publish_seconds) * per_step,
+      (waits.weight_wait_seconds - waits_before.weight_wait_seconds) * per_step,
+      (waits.call_start_wait_seconds - waits_before.call_start_wait_seconds) * per_step);
 #ifdef ROUNDPIPE_WITH_CUDA
   if (s.profile_steps > 0 && device->torch_device().is_cuda())
     profile_kernels(s.profile_steps, pool, run_step, seconds / s.steps);
@@ -336,6 +358,9 @@ int main(int argc, char** argv) {
   app.add_option("--memory-cap", s.memory_cap_gib,
                  "device memory limit in GiB (plan and --max-seq)");
   app.add_flag("--verbose", s.verbose, "log layer timings and the chosen plan");
+  app.add_flag("--freeze-linear", s.freeze_linear,
+               "freeze every 2-D weight (train the norms only): with a small batch the "
+               "parameter uploads, not compute or the optimizer, set the pace");
   app.add_option("--profile", s.profile_steps,
                  "after timing, profile this many steps' kernels (CUDA only)");
   app.add_option("--seq-start", s.seq_start, "--max-seq: first length tried (doubling)");

@@ -105,6 +105,19 @@ struct HostMemoryStats {
   int64_t model_state_bytes = 0;
 };
 
+// Where the engine's threads spent their wall time since it was built, in
+// seconds: what a slow pipeline waits for. Workers waiting for weights wait
+// for the optimizer (its update, or its publish behind the previous call's
+// uploads); a call start waits for the earlier calls' forward work to land.
+struct PipelineStats {
+  int64_t optimizer_updates = 0;
+  double optimizer_update_seconds = 0;     // the update itself (e.g. the Adam pass)
+  double optimizer_grad_wait_seconds = 0;  // waiting for the calls' last gradients
+  double optimizer_publish_seconds = 0;    // publishing weights, readers of the old ones included
+  double weight_wait_seconds = 0;          // workers waiting for published weights (all devices)
+  double call_start_wait_seconds = 0;      // new calls waiting for earlier calls
+};
+
 struct ForwardBackwardResult {
   at::Tensor loss;     // sum of the microbatch losses (CPU, 0-dim)
   c10::IValue output;  // merged outputs when asked for, else None
@@ -184,6 +197,7 @@ class RoundPipe {
                          std::optional<double> memory_limit_gib = std::nullopt) const;
   std::optional<c10::ScalarType> optim_dtype() const;
   HostMemoryStats host_memory_stats() const;
+  PipelineStats pipeline_stats() const;
 
  private:
   std::unique_ptr<detail::Engine> engine_;

@@ -74,6 +74,9 @@ std::optional<c10::ScalarType> RoundPipe::optim_dtype() const {
 HostMemoryStats RoundPipe::host_memory_stats() const {
   return engine_->host_memory_stats();
 }
+PipelineStats RoundPipe::pipeline_stats() const {
+  return engine_->pipeline_stats();
+}
 
 }  // namespace roundpipe
 

@@ -74,21 +74,35 @@ struct CallState {
   std::map<int, at::Tensor> param_grads;
   int64_t weights_version = 0;  // the optimizer version its uploads read
 
-  // Jobs and host tasks of this call still to run.
+  // Jobs and host tasks of this call still to run; of those, the forward-side
+  // ones (forward and tail jobs and their buffer commits), which the next
+  // call waits for: it reads the buffers they commit.
   std::mutex work_mu;
   std::condition_variable work_cv;
   int outstanding = 0;
-  void begin_work() {
+  int forward_outstanding = 0;
+  void begin_work(bool forward_side = false) {
     std::lock_guard<std::mutex> lock(work_mu);
     ++outstanding;
+    if (forward_side) ++forward_outstanding;
   }
-  void end_work() {
+  void end_work(bool forward_side = false) {
     std::lock_guard<std::mutex> lock(work_mu);
-    if (--outstanding == 0) work_cv.notify_all();
+    --outstanding;
+    if (forward_side) --forward_outstanding;
+    if (outstanding == 0 || forward_outstanding == 0) work_cv.notify_all();
   }
   void wait_idle() {
     std::unique_lock<std::mutex> lock(work_mu);
     work_cv.wait(lock, [&] { return outstanding == 0; });
+  }
+  void wait_forward_side() {
+    std::unique_lock<std::mutex> lock(work_mu);
+    work_cv.wait(lock, [&] { return forward_outstanding == 0; });
+  }
+  bool idle() {
+    std::lock_guard<std::mutex> lock(work_mu);
+    return outstanding == 0;
   }
 
   std::atomic<bool> aborted{false};
@@ -784,7 +798,7 @@ void Engine::release_instance(int layer, std::unique_ptr<LayerInstance> instance
 
 void Engine::job_finished(Job& job) {
   release_reads(job);
-  job.call->end_work();
+  job.call->end_work(/*forward_side=*/job.kind != kBackwardJob);
   std::lock_guard<std::mutex> lock(inflight_mu_);
   --inflight_;
   inflight_cv_.notify_all();
@@ -807,13 +821,25 @@ bool Engine::params_published(const Job& job) {
 }
 
 void Engine::wait_params_published(const Job& job) {
-  std::unique_lock<std::mutex> lock(versions_mu_);
-  versions_cv_.wait(lock, [&] {
-    for (int id : job.param_ids) {
-      if (params_[id].published < job.call->weights_version) return false;
-    }
-    return true;
-  });
+  const auto start = std::chrono::steady_clock::now();
+  {
+    std::unique_lock<std::mutex> lock(versions_mu_);
+    versions_cv_.wait(lock, [&] {
+      for (int id : job.param_ids) {
+        if (params_[id].published < job.call->weights_version) return false;
+      }
+      return true;
+    });
+  }
+  add_seconds(&PipelineStats::weight_wait_seconds, start);
+}
+
+void Engine::add_seconds(double PipelineStats::*field,
+                         std::chrono::steady_clock::time_point start) {
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  std::lock_guard<std::mutex> lock(stats_mu_);
+  stats_.*field += seconds;
 }
 
 void Engine::wait_for_jobs() {
@@ -825,6 +851,26 @@ void Engine::fence() {
   wait_for_jobs();
   host_tasks_.drain();
   optimizer_.rethrow_failure();
+  // A training call that failed in the background is reported once, here.
+  for (auto it = unconsumed_calls_.begin(); it != unconsumed_calls_.end(); ++it) {
+    if ((*it)->aborted) {
+      auto failed = *it;
+      unconsumed_calls_.erase(it);
+      failed->rethrow_if_failed();
+    }
+  }
+}
+
+void Engine::wait_for_earlier_calls() {
+  std::erase_if(background_calls_, [](const auto& weak) {
+    auto call = weak.lock();
+    return !call || call->idle();
+  });
+  for (const auto& weak : background_calls_) {
+    if (auto call = weak.lock()) call->wait_forward_side();
+  }
+  optimizer_.rethrow_failure();
+  host_tasks_.rethrow_failure();
   // A training call that failed in the background is reported once, here.
   for (auto it = unconsumed_calls_.begin(); it != unconsumed_calls_.end(); ++it) {
     if ((*it)->aborted) {
@@ -977,25 +1023,38 @@ void Engine::queue_step(std::function<void(std::map<int, at::Tensor>&)> update_m
   optimizer_.post(
       nullptr, [this, calls = std::move(calls), update_masters = std::move(update_masters), update,
                 is_async, fused]() mutable {
+        using Clock = std::chrono::steady_clock;
+        auto start = Clock::now();
         if (pending_publish_ >= 0) {
           publish(pending_publish_);  // the previous update, now that its readers are known
           pending_publish_ = -1;
+          add_seconds(&PipelineStats::optimizer_publish_seconds, start);
         }
+        start = Clock::now();
         auto grads = take_call_grads(std::move(calls));
+        add_seconds(&PipelineStats::optimizer_grad_wait_seconds, start);
         // Calls already wait for this version: publish it even when the update
         // throws (the masters hold whatever it left), then report.
         std::exception_ptr error;
+        start = Clock::now();
         try {
           update_masters(grads);
         } catch (...) {
           error = std::current_exception();
         }
+        add_seconds(&PipelineStats::optimizer_update_seconds, start);
+        start = Clock::now();
         if (is_async) {
           pending_publish_ = update + 1;
         } else if (fused) {
           publish_version_only(update + 1);  // the fused pass wrote the weights
         } else {
           publish(update + 1);
+        }
+        add_seconds(&PipelineStats::optimizer_publish_seconds, start);
+        {
+          std::lock_guard<std::mutex> lock(stats_mu_);
+          ++stats_.optimizer_updates;
         }
         if (error) std::rethrow_exception(error);
       });
@@ -1019,7 +1078,7 @@ void Engine::dispatch(const std::shared_ptr<CallState>& call, int kind, const La
     std::lock_guard<std::mutex> lock(versions_mu_);
     for (int id : job->param_ids) ++params_[id].reads[call->weights_version];
   }
-  call->begin_work();
+  call->begin_work(/*forward_side=*/kind != kBackwardJob);
   {
     std::lock_guard<std::mutex> lock(inflight_mu_);
     ++inflight_;
@@ -1444,8 +1503,10 @@ struct StageRunner {
     }
     if (device_buffers.empty()) return;
     auto [host, event] = device.download(device_buffers, engine.host_allocator_);
-    engine.host_tasks_.post(event, [homes, host] {
+    job.call->begin_work(/*forward_side=*/true);
+    engine.host_tasks_.post(event, [call = job.call, homes, host] {
       for (size_t i = 0; i < homes.size(); ++i) homes[i].copy_(host[i]);
+      call->end_work(/*forward_side=*/true);
     });
   }
 };
@@ -1484,7 +1545,9 @@ void Engine::run_job(Job& job, Worker& worker) {
 
 std::shared_ptr<CallState> Engine::start_call(const c10::IValue& input, const RunConfig& config,
                                               bool fused, bool training) {
-  fence();
+  const auto start = std::chrono::steady_clock::now();
+  wait_for_earlier_calls();
+  add_seconds(&PipelineStats::call_start_wait_seconds, start);
   auto call = std::make_shared<CallState>();
   call->config = resolve(config);
   call->fused = fused;
@@ -1493,6 +1556,7 @@ std::shared_ptr<CallState> Engine::start_call(const c10::IValue& input, const Ru
   call->grain = *call->config.recompute_grain;
   call->preserve_rng = *call->config.preserve_rng_state;
   call->weights_version = version_for_new_calls_;
+  background_calls_.push_back(call);
   TORCH_CHECK(call->n >= 1, name_, ": num_microbatch must be at least 1, got ", call->n);
   call->plan =
       call->config.execute_plan ? *call->config.execute_plan : default_plan(fused, call->n);
@@ -1541,6 +1605,9 @@ std::shared_ptr<CallState> Engine::start_call(const c10::IValue& input, const Ru
     piece = map_tensors(piece, [](const at::Tensor& t) { return t.defined() ? t.detach() : t; });
   }
   if (call->preserve_rng) {
+    // Under the compute lock: earlier calls' backward stages may still run,
+    // and on simulated devices their random streams borrow this generator.
+    auto compute = pool_.at(0)->compute_lock();
     auto gen = at::detail::getDefaultCPUGenerator();
     std::lock_guard<std::mutex> lock(gen.mutex());
     call->call_seed = gen.get<at::CPUGeneratorImpl>()->random64();
@@ -1822,6 +1889,7 @@ void Engine::synchronize() {
   wait_for_jobs();
   host_tasks_.drain();
   optimizer_.drain();
+  background_calls_.clear();  // all idle now
   if (pending_publish_ >= 0) {
     publish(pending_publish_);
     version_for_new_calls_ = pending_publish_;

@@ -6,6 +6,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/core/ivalue.h>
 
+#include <chrono>
 #include <condition_variable>
 #include <deque>
 #include <map>
@@ -118,6 +119,10 @@ class Engine {
                          std::optional<double> memory_limit_gib) const;
   std::optional<c10::ScalarType> optim_dtype() const { return options_.optim_dtype; }
   HostMemoryStats host_memory_stats() const { return {host_arena_->stats(), model_state_bytes_}; }
+  PipelineStats pipeline_stats() const {
+    std::lock_guard<std::mutex> lock(stats_mu_);
+    return stats_;
+  }
 
   // Used by workers and the autograd function.
   void run_job(Job& job, Worker& worker);
@@ -141,6 +146,11 @@ class Engine {
   // Waits for every job and host task of earlier calls; rethrows an error a
   // background backward pass left behind.
   void fence();
+  // What a new call waits for: the forward side of earlier calls (their
+  // buffer commits), not their backward stages, which run on ahead of it in
+  // the workers' queues (weight versions order the uploads). Rethrows
+  // errors already reported, like fence().
+  void wait_for_earlier_calls();
   // Waits until no stage job is queued or running on any device.
   void wait_for_jobs();
   // Waits for `calls` to finish and sums their parameter gradients; throws
@@ -192,6 +202,9 @@ class Engine {
   int inflight_ = 0;
   // Training calls whose gradients no step() or synchronize() took yet.
   std::vector<std::shared_ptr<CallState>> unconsumed_calls_;
+  // Calls that may still have work in flight (weak: a finished call's
+  // memory goes back as soon as its jobs and step let go of it).
+  std::vector<std::weak_ptr<CallState>> background_calls_;
 
   std::mutex versions_mu_;
   std::condition_variable versions_cv_;
@@ -199,6 +212,11 @@ class Engine {
   int64_t updates_ = 0;                // step() calls so far
   int64_t version_for_new_calls_ = 0;  // weights a new call reads
   int64_t pending_publish_ = -1;       // async: masters hold this version, homes not yet
+
+  mutable std::mutex stats_mu_;
+  PipelineStats stats_;
+  // Adds the seconds since `start` to one of stats_'s fields.
+  void add_seconds(double PipelineStats::*field, std::chrono::steady_clock::time_point start);
 };
 
 }  // namespace roundpipe::detail
