@@ -121,6 +121,76 @@ roundpipe::LossFn loss_of_output() {
 // every worker thread), so that a reader sees where device time goes: the
 // busy fraction per stream says whether a GPU waits (bubbles, uploads) or
 // computes, and the kernel table which computation dominates.
+// Where each GPU's compute stream (its busiest) sits idle: the largest gaps
+// between its kernels, when they happen, what ran before and after, and how
+// busy the GPU's other streams (uploads, downloads) were meanwhile.
+void print_compute_gaps(const torch::autograd::profiler::ProfilerResult& result, int gpus) {
+  struct Span {
+    int64_t start, end;
+    int64_t stream;
+    std::string name;
+  };
+  std::map<int, std::vector<Span>> by_gpu;
+  int64_t origin = std::numeric_limits<int64_t>::max();
+  for (const auto& e : result.events()) {
+    if (e.deviceType() != c10::DeviceType::CUDA) continue;
+    const int64_t start = static_cast<int64_t>(e.startNs());
+    by_gpu[e.deviceIndex()].push_back(
+        {start, start + static_cast<int64_t>(e.durationNs()), e.deviceResourceId(), e.name()});
+    origin = std::min(origin, start);
+  }
+  for (auto& [gpu, spans] : by_gpu) {
+    if (gpu >= gpus) continue;
+    std::map<int64_t, int64_t> busy;
+    for (const auto& sp : spans) busy[sp.stream] += sp.end - sp.start;
+    const int64_t compute =
+        std::max_element(busy.begin(), busy.end(), [](auto& a, auto& b) {
+          return a.second < b.second;
+        })->first;
+    std::vector<Span> kernels;
+    for (const auto& sp : spans)
+      if (sp.stream == compute) kernels.push_back(sp);
+    std::sort(kernels.begin(), kernels.end(),
+              [](const Span& a, const Span& b) { return a.start < b.start; });
+    struct Gap {
+      int64_t start, length;
+      size_t after;
+    };
+    std::vector<Gap> gaps;
+    int64_t idle = 0, reach = kernels.empty() ? 0 : kernels[0].end;
+    for (size_t i = 1; i < kernels.size(); ++i) {
+      const int64_t gap = kernels[i].start - reach;
+      if (gap > 1'000'000) {  // > 1 ms
+        gaps.push_back({reach, gap, i});
+        idle += gap;
+      }
+      reach = std::max(reach, kernels[i].end);
+    }
+    std::sort(gaps.begin(), gaps.end(), [](auto& a, auto& b) { return a.length > b.length; });
+    std::printf("  gpu %d compute stream %lld: %zu gaps over 1 ms, %.1f ms idle in all\n", gpu,
+                static_cast<long long>(compute), gaps.size(), idle / 1e6);
+    auto short_name = [](const std::string& n) { return n.substr(0, 48); };
+    for (size_t g = 0; g < gaps.size() && g < 12; ++g) {
+      const auto& gap = gaps[g];
+      std::string others;
+      for (const auto& [stream, total] : busy) {
+        if (stream == compute) continue;
+        int64_t overlap = 0;
+        for (const auto& sp : spans) {
+          if (sp.stream != stream) continue;
+          overlap += std::max<int64_t>(
+              0, std::min(sp.end, gap.start + gap.length) - std::max(sp.start, gap.start));
+        }
+        if (overlap > 0) others += " s" + std::to_string(stream) + ":" +
+                                   std::to_string(static_cast<int>(overlap / 1e6)) + "ms";
+      }
+      std::printf("    %6.1f ms at +%7.1f ms  after %s  before %s |%s\n", gap.length / 1e6,
+                  (gap.start - origin) / 1e6, short_name(kernels[gap.after - 1].name).c_str(),
+                  short_name(kernels[gap.after].name).c_str(), others.c_str());
+    }
+  }
+}
+
 template <typename Step>
 void profile_kernels(int steps, const roundpipe::DevicePool& pool, Step step,
                      double wall_per_step) {
@@ -150,6 +220,7 @@ void profile_kernels(int steps, const roundpipe::DevicePool& pool, Step step,
     by_stream[{e.deviceIndex(), e.deviceResourceId()}] += us;
     total += us;
   }
+  print_compute_gaps(*result, pool.size());
   std::vector<std::pair<std::string, Row>> rows(by_name.begin(), by_name.end());
   std::sort(rows.begin(), rows.end(),
             [](const auto& a, const auto& b) { return a.second.us > b.second.us; });

@@ -218,6 +218,14 @@ std::pair<c10::IValue, EventPtr> download_value(Device& device, const c10::IValu
   return {replace_tensors(value, tensors), event};
 }
 
+// Held while the engine borrows the CPU default generator outside the
+// random streams (a layer instance's initialisation; a call's seed draw),
+// so that the two never interleave. Taken after a device's compute lock.
+std::mutex& cpu_generator_borrow_mutex() {
+  static std::mutex mu;
+  return mu;
+}
+
 RngState capture_rng(Device& device, bool active) {
   RngState rng;
   rng.active = active;
@@ -774,8 +782,10 @@ std::unique_ptr<LayerInstance> Engine::acquire_instance(int layer, Device& devic
     }
   }
   // Cloning a module re-runs its initialisation, which draws from the CPU
-  // generator: keep that off every random stream (sim compute shares it).
+  // generator: keep that off every random stream (sim compute shares it)
+  // and off a new call's seed draw (calls overlap with these workers).
   auto lock = device.compute_lock();
+  std::lock_guard<std::mutex> borrow(cpu_generator_borrow_mutex());
   auto gen = at::detail::getDefaultCPUGenerator();
   at::Tensor saved;
   {
@@ -1605,9 +1615,11 @@ std::shared_ptr<CallState> Engine::start_call(const c10::IValue& input, const Ru
     piece = map_tensors(piece, [](const at::Tensor& t) { return t.defined() ? t.detach() : t; });
   }
   if (call->preserve_rng) {
-    // Under the compute lock: earlier calls' backward stages may still run,
-    // and on simulated devices their random streams borrow this generator.
+    // Earlier calls' backward stages may still run: on simulated devices
+    // their random streams borrow this generator (under the compute lock),
+    // on any device a new layer instance's initialisation does.
     auto compute = pool_.at(0)->compute_lock();
+    std::lock_guard<std::mutex> borrow(cpu_generator_borrow_mutex());
     auto gen = at::detail::getDefaultCPUGenerator();
     std::lock_guard<std::mutex> lock(gen.mutex());
     call->call_seed = gen.get<at::CPUGeneratorImpl>()->random64();

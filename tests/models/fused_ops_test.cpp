@@ -114,8 +114,10 @@ TEST_P(FusedOpsTest, LinearCrossEntropyMatchesFloatFormula) {
   labels.narrow(0, 10, 20).fill_(-100);  // ignored positions
   auto h1 = hidden.clone().requires_grad_(), w1 = weight.clone().requires_grad_();
   auto loss = roundpipe::models::chunked_linear_cross_entropy(h1, w1, labels, /*chunk=*/128);
-  auto h2 = hidden.to(torch::kFloat).requires_grad_(),
-       w2 = weight.to(torch::kFloat).requires_grad_();
+  // Copies (for float32, to() would return the tensors themselves and make
+  // `hidden` and `weight` below require grad).
+  auto h2 = hidden.to(torch::kFloat, false, /*copy=*/true).requires_grad_(),
+       w2 = weight.to(torch::kFloat, false, /*copy=*/true).requires_grad_();
   auto expected =
       at::cross_entropy_loss(at::matmul(h2, w2.t()), labels, {}, at::Reduction::Mean, -100);
   const double tol = GetParam() == torch::kFloat ? 1e-5 : 2e-2;
