@@ -26,10 +26,10 @@ fi
 steps="${STEPS:-10}"
 for shape in ${SHAPES:-1.7B 4B}; do
   for devices in ${DEVICES:-cuda}; do
-    ./build-gpu/roundpipe-bench --shape "$shape" --batch 16 --seq 4096 --microbatches 4 --warmup "${WARMUP:-5}" \
+    ROUNDPIPE_TRACE="${TRACE:-}" ./build-gpu/roundpipe-bench --shape "$shape" --batch 16 --seq 4096 --microbatches 4 --warmup "${WARMUP:-5}" \
       --steps "$steps" --devices "$devices" --verbose --profile "${PROFILE:-2}" \
       > "$out/bench_${shape}_${devices/:/}.log" 2>&1
-    grep -v '^  layer' "$out/bench_${shape}_${devices/:/}.log" | grep -A15 '^roundpipe-bench' | head -17
+    grep -v "^  layer\|^\[trace" "$out/bench_${shape}_${devices/:/}.log" | grep -A18 '^roundpipe-bench' | head -20
   done
   if [ -z "${SKIP_HF:-}" ]; then
     "$PYTHON" bench/hf_resident_train.py "$shape" 16 4096 4 "$steps" bfloat16 2>&1 | tail -1 |
@@ -41,10 +41,10 @@ if [ -z "${SKIP_TRANSFER:-}" ]; then
   # 4096-token sequence, an 8 GiB plan limit (several stages, each uploaded
   # in forward and again in backward): the uploads set the pace, so the H2D
   # line shows how close they run to the measured copy rate.
-  ./build-gpu/roundpipe-bench --shape 1.7B --batch 1 --seq 4096 --microbatches 1 --freeze-linear \
+  ROUNDPIPE_TRACE="${TRACE:-}" ./build-gpu/roundpipe-bench --shape 1.7B --batch 1 --seq 4096 --microbatches 1 --freeze-linear \
     --memory-cap 8 --warmup 3 --steps "$steps" --devices cuda:0 --verbose --profile "${PROFILE:-2}" \
     > "$out/bench_transfer_bound.log" 2>&1
-  grep -v '^  layer' "$out/bench_transfer_bound.log" | grep -A15 '^roundpipe-bench' | head -17
+  grep -v '^  layer\|^\[trace' "$out/bench_transfer_bound.log" | grep -A18 '^roundpipe-bench' | head -20
 fi
 if [ -z "${SKIP_MAX_SEQ:-}" ]; then
   ./build-gpu/roundpipe-bench --shape 1.7B --max-seq --recompute layer --memory-cap 24 \

@@ -14,6 +14,7 @@
 
 #include <CLI/CLI.hpp>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <string>
 
@@ -141,10 +142,15 @@ void print_compute_gaps(const torch::autograd::profiler::ProfilerResult& result,
   }
   for (auto& [gpu, spans] : by_gpu) {
     if (gpu >= gpus) continue;
-    std::map<int64_t, int64_t> busy;
-    for (const auto& sp : spans) busy[sp.stream] += sp.end - sp.start;
+    std::map<int64_t, int64_t> busy, kernel_time;
+    for (const auto& sp : spans) {
+      busy[sp.stream] += sp.end - sp.start;
+      if (sp.name.rfind("Memcpy", 0) != 0 && sp.name.rfind("Memset", 0) != 0)
+        kernel_time[sp.stream] += sp.end - sp.start;
+    }
+    if (kernel_time.empty()) continue;
     const int64_t compute =
-        std::max_element(busy.begin(), busy.end(), [](auto& a, auto& b) {
+        std::max_element(kernel_time.begin(), kernel_time.end(), [](auto& a, auto& b) {
           return a.second < b.second;
         })->first;
     std::vector<Span> kernels;
@@ -184,8 +190,10 @@ void print_compute_gaps(const torch::autograd::profiler::ProfilerResult& result,
         if (overlap > 0) others += " s" + std::to_string(stream) + ":" +
                                    std::to_string(static_cast<int>(overlap / 1e6)) + "ms";
       }
-      std::printf("    %6.1f ms at +%7.1f ms  after %s  before %s |%s\n", gap.length / 1e6,
-                  (gap.start - origin) / 1e6, short_name(kernels[gap.after - 1].name).c_str(),
+      // The absolute stamp is ROUNDPIPE_TRACE's (wall-clock ms modulo 100 s).
+      std::printf("    %6.1f ms at +%7.1f ms (@%9.3f)  after %s  before %s |%s\n",
+                  gap.length / 1e6, (gap.start - origin) / 1e6,
+                  std::fmod(gap.start / 1e6, 1e5), short_name(kernels[gap.after - 1].name).c_str(),
                   short_name(kernels[gap.after].name).c_str(), others.c_str());
     }
   }
@@ -282,9 +290,20 @@ int train(const Setup& s) {
   const auto waits_before = pipe->pipeline_stats();
   const auto start = Clock::now();
   at::Tensor loss;
-  for (int i = 0; i < s.steps; ++i) loss = run_step();
+  std::vector<Clock::time_point> returned;  // when each call's losses came back
+  for (int i = 0; i < s.steps; ++i) {
+    loss = run_step();
+    returned.push_back(Clock::now());
+  }
   pipe->synchronize();
+  // From synchronize() to synchronize(): the pipeline fills once and drains
+  // once. A long run sees the steady state instead: the time between loss
+  // returns (each is the same point of a call), which calls overlap into.
   const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  const double step_seconds =
+      s.steps > 1
+          ? std::chrono::duration<double>(returned.back() - returned.front()).count() / (s.steps - 1)
+          : seconds;
   int64_t params_up = 0, acts_up = 0, peak = 0, param_copies = 0, largest_copy = 0;
   for (int d = 0; d < pool.size() && d < 8; ++d) {
     const auto after = pool.at(d)->transfer_stats();
@@ -294,15 +313,18 @@ int train(const Setup& s) {
     largest_copy = std::max(largest_copy, after.largest_param_copy_bytes);
     peak = std::max(peak, pool.at(d)->memory_stats().peak_bytes);
   }
-  const double tokens = static_cast<double>(s.batch) * s.seq * s.steps;
+  const double tokens_per_step = static_cast<double>(s.batch) * s.seq;
   // Model FLOPs (no recompute): 2 forward, 2 input gradient, 2 weight
   // gradient per weight and token; frozen weights have no weight gradient.
   const int flops_per_weight = s.freeze_linear ? 4 : 6;
-  const double tflops = flops_per_weight * linear * tokens / seconds / 1e12;
-  const double h2d = (params_up + acts_up) / seconds / 1e9 / pool.size();
+  const double tflops = flops_per_weight * linear * tokens_per_step / step_seconds / 1e12;
+  const double h2d = (params_up + acts_up) / s.steps / step_seconds / 1e9 / pool.size();
   std::printf("train: %d timed steps in %.2fs, loss %.4f (sum over microbatches)\n", s.steps,
               seconds, loss.item<double>());
-  std::printf("  tokens/s                      %12.0f\n", tokens / seconds);
+  std::printf("  tokens/s                      %12.0f  (steady state: %.1f ms between loss returns)\n",
+              tokens_per_step / step_seconds, step_seconds * 1000);
+  std::printf("  tokens/s with fill and drain  %12.0f  (synchronize to synchronize)\n",
+              tokens_per_step * s.steps / seconds);
   std::printf(
       "  linear TFLOP/s (%d x P x T)    %12.1f  = %.1f%% of the measured matmul rate per device\n",
       flops_per_weight, tflops, 100.0 * tflops / pool.size() / matmul);
@@ -350,7 +372,7 @@ int train(const Setup& s) {
       (waits.call_start_wait_seconds - waits_before.call_start_wait_seconds) * per_step);
 #ifdef ROUNDPIPE_WITH_CUDA
   if (s.profile_steps > 0 && device->torch_device().is_cuda())
-    profile_kernels(s.profile_steps, pool, run_step, seconds / s.steps);
+    profile_kernels(s.profile_steps, pool, run_step, step_seconds);
 #endif
   return 0;
 }

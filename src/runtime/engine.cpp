@@ -13,6 +13,9 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cmath>
+#include <cstdarg>
+#include <cstdlib>
 #include <cstdio>
 #include <cstring>
 #include <set>
@@ -30,8 +33,37 @@ enum JobKind : int { kForwardJob = 0, kBackwardJob = 1, kTailJob = 2 };
 // Unwinds a job of a call that already failed elsewhere.
 struct CallAborted {};
 
+// ROUNDPIPE_TRACE=1: host-side events on stderr, stamped with wall-clock
+// milliseconds (the profiler's clock, modulo 100 s) so that they line up
+// with a kernel timeline. Who: the thread's role ("gpu0", "optimizer", ...).
+thread_local const char* trace_who = "caller";
+bool tracing() {
+  static const bool on = [] {
+    const char* v = std::getenv("ROUNDPIPE_TRACE");
+    return v != nullptr && std::strcmp(v, "0") != 0;
+  }();
+  return on;
+}
+__attribute__((format(printf, 1, 2))) void trace(const char* format, ...) {
+  if (!tracing()) return;
+  char text[400];
+  va_list args;
+  va_start(args, format);
+  std::vsnprintf(text, sizeof(text), format, args);
+  va_end(args);
+  const double ms = std::chrono::duration<double, std::milli>(
+                        std::chrono::system_clock::now().time_since_epoch())
+                        .count();
+  std::fprintf(stderr, "[trace %9.3f %s] %s\n", std::fmod(ms, 1e5), trace_who, text);
+}
+double ms_since(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start)
+      .count();
+}
+
 // Everything one call (forward or forward_backward) shares between its jobs.
 struct CallState {
+  int64_t id = 0;    // calls so far on this engine (traces)
   RunConfig config;  // resolved
   int n = 1;         // microbatches
   ExecutePlan plan;
@@ -137,9 +169,13 @@ struct CallState {
     if (error) throw StageError(*error);
   }
   Slot& wait(const std::shared_ptr<Slot>& slot) {
+    const auto start = std::chrono::steady_clock::now();
     std::unique_lock<std::mutex> lock(slot->mu);
     slot->cv.wait(lock, [&] { return slot->ready || aborted.load(); });
     if (!slot->ready) throw CallAborted{};
+    if (tracing() && ms_since(start) > 0.5)
+      trace("call %lld: waited %.1f ms for a hand-off", static_cast<long long>(id),
+            ms_since(start));
     return *slot;
   }
   static void put(Slot& slot, c10::IValue value, std::vector<at::Tensor> tensors, EventPtr event,
@@ -419,6 +455,8 @@ class Worker {
   Worker(Engine& engine, DevicePtr device) : engine_(engine), device_(std::move(device)) {
     thread_ = std::thread([this] {
       device_->bind_compute_thread();
+      trace_name_ = device_->name();
+      trace_who = trace_name_.c_str();
       loop();
     });
   }
@@ -439,7 +477,7 @@ class Worker {
 
   // Starts the parameter upload of the next queued job (one stage ahead).
   void prefetch_next();
-  void ensure_params(Job& job);
+  void ensure_params(Job& job, bool prefetch = false);
 
  private:
   void loop() {
@@ -451,7 +489,11 @@ class Worker {
         if (jobs_.empty()) return;
         job = jobs_.front();
       }
+      trace("call %lld: start %s", static_cast<long long>(job->call->id),
+            job->describe().c_str());
       engine_.run_job(*job, *this);
+      trace("call %lld: enqueued %s", static_cast<long long>(job->call->id),
+            job->describe().c_str());
       {
         std::lock_guard<std::mutex> lock(mu_);
         jobs_.pop_front();
@@ -466,6 +508,7 @@ class Worker {
   std::condition_variable cv_;
   std::deque<std::shared_ptr<Job>> jobs_;  // front: the running job
   bool stop_ = false;
+  std::string trace_name_;
   std::thread thread_;
   friend class Engine;
 };
@@ -478,7 +521,7 @@ void Worker::prefetch_next() {
     next = jobs_[1];
   }
   if (next->params_ready || next->call->aborted || !engine_.params_published(*next)) return;
-  ensure_params(*next);
+  ensure_params(*next, /*prefetch=*/true);
 }
 
 // ---------------------------------------------------------------- engine
@@ -1034,14 +1077,19 @@ void Engine::queue_step(std::function<void(std::map<int, at::Tensor>&)> update_m
       nullptr, [this, calls = std::move(calls), update_masters = std::move(update_masters), update,
                 is_async, fused]() mutable {
         using Clock = std::chrono::steady_clock;
+        trace_who = "optimizer";
         auto start = Clock::now();
         if (pending_publish_ >= 0) {
           publish(pending_publish_);  // the previous update, now that its readers are known
+          trace("published v%lld (%.1f ms)", static_cast<long long>(pending_publish_),
+                ms_since(start));
           pending_publish_ = -1;
           add_seconds(&PipelineStats::optimizer_publish_seconds, start);
         }
         start = Clock::now();
         auto grads = take_call_grads(std::move(calls));
+        trace("update %lld: gradients ready after %.1f ms", static_cast<long long>(update),
+              ms_since(start));
         add_seconds(&PipelineStats::optimizer_grad_wait_seconds, start);
         // Calls already wait for this version: publish it even when the update
         // throws (the masters hold whatever it left), then report.
@@ -1052,6 +1100,7 @@ void Engine::queue_step(std::function<void(std::map<int, at::Tensor>&)> update_m
         } catch (...) {
           error = std::current_exception();
         }
+        trace("update %lld: done in %.1f ms", static_cast<long long>(update), ms_since(start));
         add_seconds(&PipelineStats::optimizer_update_seconds, start);
         start = Clock::now();
         if (is_async) {
@@ -1096,13 +1145,18 @@ void Engine::dispatch(const std::shared_ptr<CallState>& call, int kind, const La
   workers_[pool_.next()]->submit(std::move(job));
 }
 
-void Worker::ensure_params(Job& job) {
+void Worker::ensure_params(Job& job, bool prefetch) {
   if (job.params_ready) return;
   auto& engine = engine_;
+  const auto start = std::chrono::steady_clock::now();
   engine.wait_params_published(job);
   std::vector<at::Tensor> host;
   for (int id : job.param_ids) host.push_back(engine.params_[id].home);
   auto [copies, event] = device_->upload(Queue::kParamUpload, host, nullptr);
+  trace("call %lld: parameter upload of %s enqueued (%s; %.1f ms)",
+        static_cast<long long>(job.call->id), job.describe().c_str(),
+        prefetch ? "prefetch" : "at its start",
+        ms_since(start));
   job.device_params = std::move(copies);
   job.params_ready = event;
   // Once the copies have read the home tensors, the optimizer may publish.
@@ -1184,9 +1238,13 @@ struct StageRunner {
     phase = "parameter upload";
     worker.ensure_params(job);
     worker.prefetch_next();
+    const auto start = std::chrono::steady_clock::now();
     for (int l = job.range.begin; l < job.range.end; ++l) {
       instances[l] = engine.acquire_instance(l, device);
     }
+    if (tracing() && ms_since(start) > 0.5)
+      trace("call %lld: layer instances took %.1f ms", static_cast<long long>(call.id),
+            ms_since(start));
     if (job.kind == kForwardJob) run_forward();
     if (job.kind == kBackwardJob) run_backward();
     if (job.kind == kTailJob) run_tail();
@@ -1566,6 +1624,10 @@ std::shared_ptr<CallState> Engine::start_call(const c10::IValue& input, const Ru
   call->grain = *call->config.recompute_grain;
   call->preserve_rng = *call->config.preserve_rng_state;
   call->weights_version = version_for_new_calls_;
+  call->id = calls_started_++;
+  trace("call %lld: starts after %.1f ms waiting for earlier calls, reads weights v%lld",
+        static_cast<long long>(call->id), ms_since(start),
+        static_cast<long long>(call->weights_version));
   background_calls_.push_back(call);
   TORCH_CHECK(call->n >= 1, name_, ": num_microbatch must be at least 1, got ", call->n);
   call->plan =
@@ -1877,6 +1939,7 @@ ForwardBackwardResult Engine::forward_backward(const c10::IValue& input, const c
     dispatch(call, kBackwardJob, plan.backward[i], static_cast<int>(i));
   }
   auto losses = collect(call, call->losses);
+  trace("call %lld: losses collected", static_cast<long long>(call->id));
   // From here the call's backward stages run on in the background; fence(),
   // step() and synchronize() report their errors.
   unconsumed_calls_.push_back(call);

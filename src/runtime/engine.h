@@ -210,6 +210,7 @@ class Engine {
   std::condition_variable versions_cv_;
   HostTasks optimizer_;                // the optimizer thread
   int64_t updates_ = 0;                // step() calls so far
+  int64_t calls_started_ = 0;
   int64_t version_for_new_calls_ = 0;  // weights a new call reads
   int64_t pending_publish_ = -1;       // async: masters hold this version, homes not yet
 
