@@ -35,6 +35,10 @@ struct PlanRequest {
   // Microbatches per call: a stage computes this many times per upload.
   int num_microbatches = 2;
   int min_stages = 0;  // at least this many stages in all
+  // The plan in use, if any: kept while it fits and predicts within
+  // keep_within (a fraction) of the best.
+  const ExecutePlan* incumbent = nullptr;
+  double keep_within = 0.03;
 };
 
 // One stage of a plan with its predicted time and memory.
@@ -49,7 +53,7 @@ struct StageEstimate {
 struct PlanEstimate {
   ExecutePlan plan;
   std::vector<StageEstimate> stages;  // forward stages in order, then backward deep to shallow
-  double iteration = 0;               // predicted time of one call (round-robin schedule)
+  double iteration = 0;  // predicted time per call of back-to-back calls (round-robin)
   // One line per stage (layers, compute, upload, memory) and the totals.
   std::string describe() const;
 };

@@ -109,16 +109,20 @@ class CudaDevice final : public Device {
     std::vector<at::Tensor> dst;
     dst.reserve(host.size());
     {
-      // Allocate in compute-stream order: the memory's last user is the
-      // compute stream, so its reuse needs no cross-stream bookkeeping.
-      c10::cuda::CUDAStreamGuard guard(stream(Queue::kCompute));
+      // Allocated in the upload stream's order and marked as used by the
+      // compute stream: the caching allocator hands the memory out again
+      // only once both streams have passed its last use. So the copy waits
+      // for nothing the compute stream does (waiting for all compute
+      // enqueued so far would serialise a prefetch behind the running stage).
+      c10::cuda::CUDAStreamGuard guard(stream(queue));
       for (const auto& t : host) {
         dst.push_back(
             at::empty(t.sizes(), t.options().device(torch_device()).pinned_memory(false)));
+        c10::cuda::CUDACachingAllocator::recordStream(dst.back().storage().data_ptr(),
+                                                      stream(Queue::kCompute));
       }
     }
     count_upload(queue, host);
-    wait(queue, record(Queue::kCompute));
     wait(queue, after);
     {
       c10::cuda::CUDAStreamGuard guard(stream(queue));

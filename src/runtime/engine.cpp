@@ -494,6 +494,8 @@ class Worker {
       engine_.run_job(*job, *this);
       trace("call %lld: enqueued %s", static_cast<long long>(job->call->id),
             job->describe().c_str());
+      job_ends_.push_back(device_->record(Queue::kCompute));
+      if (job_ends_.size() > 2) job_ends_.pop_front();
       {
         std::lock_guard<std::mutex> lock(mu_);
         jobs_.pop_front();
@@ -509,6 +511,12 @@ class Worker {
   std::deque<std::shared_ptr<Job>> jobs_;  // front: the running job
   bool stop_ = false;
   std::string trace_name_;
+  // Compute-queue events at the end of the last two jobs this worker
+  // enqueued, oldest first (worker thread only). A stage's parameters are
+  // allocated once the job two before it has left the device: however far
+  // the host runs ahead, at most two stages' parameters are resident (one
+  // running, one arriving), as the plan's memory budget assumes.
+  std::deque<EventPtr> job_ends_;
   std::thread thread_;
   friend class Engine;
 };
@@ -725,8 +733,10 @@ std::vector<std::pair<std::string, at::Tensor>> Engine::named_buffers() const {
 }
 
 PlanEstimate Engine::auto_plan(bool fused, int num_microbatches, int min_stages,
-                               std::optional<double> memory_limit_gib) const {
+                               std::optional<double> memory_limit_gib,
+                               const ExecutePlan* incumbent) const {
   PlanRequest request;
+  request.incumbent = incumbent;
   request.num_devices = pool_.size();
   request.fused = fused;
   request.num_microbatches = num_microbatches;
@@ -788,7 +798,17 @@ ExecutePlan Engine::default_plan(bool fused) const {
 }
 
 ExecutePlan Engine::default_plan(bool fused, int n) const {
-  auto estimate = auto_plan(fused, n, 0, std::nullopt);
+  std::optional<ExecutePlan> incumbent;
+  {
+    std::lock_guard<std::mutex> lock(plan_log_mu_);
+    auto it = plans_in_use_.find({fused, n});
+    if (it != plans_in_use_.end()) incumbent = it->second;
+  }
+  auto estimate = auto_plan(fused, n, 0, std::nullopt, incumbent ? &*incumbent : nullptr);
+  {
+    std::lock_guard<std::mutex> lock(plan_log_mu_);
+    plans_in_use_[{fused, n}] = estimate.plan;
+  }
   if (options_.verbose) {
     std::lock_guard<std::mutex> lock(plan_log_mu_);
     auto& logged = logged_plans_[fused ? 1 : 0];
@@ -865,12 +885,26 @@ void Engine::release_reads(Job& job) {
   versions_cv_.notify_all();
 }
 
+bool Engine::weights_available(const ParamEntry& entry, int64_t version) {
+  return entry.published >= version || entry.staged_version == version;
+}
+
 bool Engine::params_published(const Job& job) {
   std::lock_guard<std::mutex> lock(versions_mu_);
   for (int id : job.param_ids) {
-    if (params_[id].published < job.call->weights_version) return false;
+    if (!weights_available(params_[id], job.call->weights_version)) return false;
   }
   return true;
+}
+
+std::vector<at::Tensor> Engine::weights_to_upload(const Job& job) {
+  std::lock_guard<std::mutex> lock(versions_mu_);
+  std::vector<at::Tensor> host;
+  for (int id : job.param_ids) {
+    const auto& entry = params_[id];
+    host.push_back(entry.published >= job.call->weights_version ? entry.home : entry.staging);
+  }
+  return host;
 }
 
 void Engine::wait_params_published(const Job& job) {
@@ -879,7 +913,7 @@ void Engine::wait_params_published(const Job& job) {
     std::unique_lock<std::mutex> lock(versions_mu_);
     versions_cv_.wait(lock, [&] {
       for (int id : job.param_ids) {
-        if (params_[id].published < job.call->weights_version) return false;
+        if (!weights_available(params_[id], job.call->weights_version)) return false;
       }
       return true;
     });
@@ -979,6 +1013,7 @@ std::vector<std::pair<std::string, at::Tensor>> Engine::optim_named_parameters()
 
 void Engine::publish(int64_t version) {
   for (auto& entry : params_) {
+    bool swapped = false;
     {
       std::unique_lock<std::mutex> lock(versions_mu_);
       versions_cv_.wait(lock, [&] {
@@ -987,13 +1022,18 @@ void Engine::publish(int64_t version) {
         }
         return true;
       });
+      if (entry.staged) {
+        // Under the lock: a worker may be picking `staging` to upload
+        // (Worker::ensure_params); its handle keeps pointing at this data.
+        auto previous = entry.home.detach();
+        entry.home.set_data(entry.staging);
+        entry.staging = previous;  // reused by the next fused async step
+        entry.staged = false;
+        entry.staged_version = -1;
+        swapped = true;
+      }
     }
-    if (entry.staged) {
-      auto previous = entry.home.detach();
-      entry.home.set_data(entry.staging);
-      entry.staging = previous;  // reused by the next fused async step
-      entry.staged = false;
-    } else if (entry.master.defined()) {
+    if (!swapped && entry.master.defined()) {
       c10::NoGradGuard no_grad;
       entry.home.copy_(entry.master);
     }
@@ -1100,6 +1140,15 @@ void Engine::queue_step(std::function<void(std::map<int, at::Tensor>&)> update_m
         } catch (...) {
           error = std::current_exception();
         }
+        if (is_async && fused && !error) {
+          // The staged weights are written: calls that read this version
+          // may upload them from the staging copies before publish().
+          std::lock_guard<std::mutex> lock(versions_mu_);
+          for (auto& entry : params_) {
+            if (entry.staged) entry.staged_version = update + 1;
+          }
+          versions_cv_.notify_all();
+        }
         trace("update %lld: done in %.1f ms", static_cast<long long>(update), ms_since(start));
         add_seconds(&PipelineStats::optimizer_update_seconds, start);
         start = Clock::now();
@@ -1150,8 +1199,11 @@ void Worker::ensure_params(Job& job, bool prefetch) {
   auto& engine = engine_;
   const auto start = std::chrono::steady_clock::now();
   engine.wait_params_published(job);
-  std::vector<at::Tensor> host;
-  for (int id : job.param_ids) host.push_back(engine.params_[id].home);
+  // The job two before this one: for a prefetch (the next job) the last one
+  // enqueued, for the running job the one before that.
+  const size_t back = prefetch ? 1 : 2;
+  if (job_ends_.size() >= back) job_ends_[job_ends_.size() - back]->synchronize();
+  const auto host = engine.weights_to_upload(job);
   auto [copies, event] = device_->upload(Queue::kParamUpload, host, nullptr);
   trace("call %lld: parameter upload of %s enqueued (%s; %.1f ms)",
         static_cast<long long>(job.call->id), job.describe().c_str(),

@@ -61,6 +61,10 @@ struct ParamEntry {
   // swaps it in as the home storage (the old storage becomes the next staging).
   at::Tensor staging;
   bool staged = false;
+  // The version `staging` holds once the update has written it (-1: none):
+  // a call that reads it uploads from there, without waiting for publish,
+  // which must wait until the previous version's readers are done.
+  int64_t staged_version = -1;
 };
 
 // Runs host work in order once the event it waits for has completed
@@ -116,7 +120,8 @@ class Engine {
   // The automatic plan with its predicted stage times and memory, under
   // model_memory_limit (default: what the smallest device has left).
   PlanEstimate auto_plan(bool fused, int num_microbatches, int min_stages,
-                         std::optional<double> memory_limit_gib) const;
+                         std::optional<double> memory_limit_gib,
+                         const ExecutePlan* incumbent = nullptr) const;
   std::optional<c10::ScalarType> optim_dtype() const { return options_.optim_dtype; }
   HostMemoryStats host_memory_stats() const { return {host_arena_->stats(), model_state_bytes_}; }
   PipelineStats pipeline_stats() const {
@@ -128,8 +133,13 @@ class Engine {
   void run_job(Job& job, Worker& worker);
   void job_finished(Job& job);
   // Weight-version fences for the parameters a job uploads.
+  // (A parameter's weights of a version are available once published, or
+  // once staged by a fused async step.)
+  static bool weights_available(const ParamEntry& entry, int64_t version);
   bool params_published(const Job& job);
   void wait_params_published(const Job& job);
+  // The host tensors that hold the job's weights version (home or staging).
+  std::vector<at::Tensor> weights_to_upload(const Job& job);
   void release_reads(Job& job);
   void run_backward_pass(const std::shared_ptr<CallState>& call);
   std::unique_ptr<LayerInstance> acquire_instance(int layer, Device& device);
@@ -183,6 +193,9 @@ class Engine {
   mutable double upload_bytes_per_second_ = 0;
   mutable std::mutex plan_log_mu_;
   mutable std::string logged_plans_[2];  // verbose: the last plan logged (forward, fused)
+  // The automatic plan in use per (fused, microbatches): kept while a new
+  // one would not be clearly faster (PlanRequest::incumbent).
+  mutable std::map<std::pair<bool, int>, ExecutePlan> plans_in_use_;
   std::vector<void*> registered_;        // host memory pinned in place (pin_model=register)
   DevicePool pool_;
   // pin_model=alloc: the parameters' homes, staging copies and downloads

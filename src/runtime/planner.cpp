@@ -92,30 +92,46 @@ StageEstimate estimate(const std::vector<LayerCost>& layers, const std::vector<d
   return s;
 }
 
-// The call's predicted time on the round-robin schedule: stage s runs on
-// device s mod D once that device is free, its parameters have arrived
-// (their upload starts when the stage two before it on the device released
-// its memory: one stage runs while the next prefetches), and microbatch 0
-// has left the stage before; its last microbatch ends no earlier than the
-// previous stage's last one plus its own time.
+// The time per call of back-to-back calls on the round-robin schedule (a
+// call starts while the one before still runs its last backward stages, so
+// the steady state, not one call's fill and drain, is what training sees).
+// Stages of consecutive calls take devices in turn (stage g of the sequence
+// on device g mod D); a stage runs once its device is free, its parameters
+// have arrived (their upload starts when the stage two before it on the
+// device has finished: one stage runs while the next arrives), and
+// microbatch 0 has left the stage before it in the same call; its last
+// microbatch ends no earlier than the previous stage's last one plus its
+// own time. A call is issued once the one before has returned: with the
+// fused tail, when its losses are known (the tail stage has finished);
+// otherwise when its backward is done (its last stage). Four calls are
+// simulated; the time per call is the spacing of the last two.
 double simulate(const std::vector<StageEstimate>& stages, const PlanRequest& request) {
-  const int D = request.num_devices;
+  const size_t D = static_cast<size_t>(request.num_devices);
   const double M = request.num_microbatches;
-  std::vector<double> start(stages.size()), finish(stages.size());
-  for (size_t s = 0; s < stages.size(); ++s) {
-    const double t = stages[s].compute;
-    const double device_free = s >= static_cast<size_t>(D) ? finish[s - D] : 0;
-    const double upload_from = s >= static_cast<size_t>(2 * D) ? finish[s - 2 * D] : 0;
-    double begin = std::max(device_free, upload_from + stages[s].upload);
+  const size_t S = stages.size();
+  const size_t forward_stages = static_cast<size_t>(
+      std::count_if(stages.begin(), stages.end(), [](const auto& s) { return !s.backward; }));
+  // The stage of a call whose end lets the next call be issued.
+  const size_t returns_after = request.fused && forward_stages < S ? forward_stages : S - 1;
+  constexpr size_t kCalls = 4;
+  std::vector<double> start(S * kCalls), finish(S * kCalls);
+  for (size_t g = 0; g < S * kCalls; ++g) {
+    const auto& stage = stages[g % S];
+    const size_t call = g / S;
+    const double t = stage.compute;
+    const double device_free = g >= D ? finish[g - D] : 0;
+    const double upload_from = g >= 2 * D ? finish[g - 2 * D] : 0;
+    const double issued = call > 0 ? finish[(call - 1) * S + returns_after] : 0;
+    double begin = std::max({device_free, std::max(upload_from, issued) + stage.upload, issued});
     double end = begin + M * t;
-    if (s > 0) {
-      begin = std::max(begin, start[s - 1] + stages[s - 1].compute);
-      end = std::max(begin + M * t, finish[s - 1] + t);
+    if (g % S > 0) {  // behind the stage before it in the same call
+      begin = std::max(begin, start[g - 1] + stages[g % S - 1].compute);
+      end = std::max(begin + M * t, finish[g - 1] + t);
     }
-    start[s] = begin;
-    finish[s] = end;
+    start[g] = begin;
+    finish[g] = end;
   }
-  return finish.back();
+  return finish[S * kCalls - 1] - finish[S * (kCalls - 1) - 1];
 }
 
 // Per-layer compute of a forward stage and of a backward stage.
@@ -194,6 +210,17 @@ PlanEstimate plan_stages(const std::vector<LayerCost>& layers, const PlanRequest
   TORCH_CHECK(std::isfinite(best.iteration),
               "no plan has at least min_stages = ", request.min_stages, " stages for a model of ",
               L, " layers");
+  // Keep the plan in use unless the new one is clearly faster: measured
+  // times wobble from call to call, and a plan that flips every call costs
+  // more than the percent it may win.
+  if (request.incumbent != nullptr) {
+    auto kept = estimate_plan(layers, *request.incumbent, request);
+    const bool fits = std::all_of(kept.stages.begin(), kept.stages.end(), [&](const auto& s) {
+      return cap == 0 || s.memory_bytes <= cap;
+    });
+    const bool valid = static_cast<int>(kept.stages.size()) >= request.min_stages;
+    if (fits && valid && kept.iteration <= best.iteration * (1 + request.keep_within)) return kept;
+  }
   return best;
 }
 
