@@ -6,7 +6,8 @@
 # kernel profile) next to the GPU-resident HuggingFace run of the same shape
 # and settings, and search the longest sequence under a 24 GiB cap.
 # Logs go to $OUT. SHAPES, STEPS, DEVICES (space-separated device specs, e.g.
-# "cuda:0 cuda" on two GPUs), SKIP_HF, SKIP_TRANSFER, SKIP_MAX_SEQ override the
+# "cuda:0 cuda" on two GPUs; DEVICES_4B for the 4B shape), TRACE (ROUNDPIPE_TRACE),
+# PROFILE (profiled steps), SKIP_HF, SKIP_TRANSFER, SKIP_MAX_SEQ override the
 # defaults. At most 8 log files: what the device tool brings back.
 set -uo pipefail
 out="${OUT:-$PWD/gpu-out}"; mkdir -p "$out"
@@ -25,7 +26,9 @@ if [ "$tests" = ON ]; then
 fi
 steps="${STEPS:-10}"
 for shape in ${SHAPES:-1.7B 4B}; do
-  for devices in ${DEVICES:-cuda}; do
+  devices_for_shape="${DEVICES:-cuda}"
+  [ "$shape" = 4B ] && devices_for_shape="${DEVICES_4B:-$devices_for_shape}"
+  for devices in $devices_for_shape; do
     ROUNDPIPE_TRACE="${TRACE:-}" ./build-gpu/roundpipe-bench --shape "$shape" --batch 16 --seq 4096 --microbatches 4 --warmup "${WARMUP:-5}" \
       --steps "$steps" --devices "$devices" --verbose --profile "${PROFILE:-2}" \
       > "$out/bench_${shape}_${devices/:/}.log" 2>&1

@@ -102,8 +102,12 @@ struct CallState {
   std::map<std::pair<int, int>, c10::IValue> recompute_data;
 
   // Parameter gradients this call produced (host-task thread), taken by a
-  // step() or synchronize() once the whole call succeeded.
+  // step() or synchronize() once the whole call succeeded, or by a fused
+  // async step parameter by parameter as they become final. grad_pending:
+  // per parameter, the backward stages still to deliver its gradient. Both
+  // maps' structure is guarded by Engine::grads_mu_.
   std::map<int, at::Tensor> param_grads;
+  std::map<int, int> grad_pending;
   int64_t weights_version = 0;  // the optimizer version its uploads read
 
   // Jobs and host tasks of this call still to run; of those, the forward-side
@@ -733,10 +737,17 @@ std::vector<std::pair<std::string, at::Tensor>> Engine::named_buffers() const {
 }
 
 PlanEstimate Engine::auto_plan(bool fused, int num_microbatches, int min_stages,
-                               std::optional<double> memory_limit_gib,
-                               const ExecutePlan* incumbent) const {
+                               std::optional<double> memory_limit_gib) const {
   PlanRequest request;
-  request.incumbent = incumbent;
+  // The default plan's question (no constraints of the caller's own): the
+  // plan in use stays unless a new one is clearly faster.
+  std::optional<ExecutePlan> incumbent;
+  if (min_stages == 0 && !memory_limit_gib) {
+    std::lock_guard<std::mutex> lock(plan_log_mu_);
+    auto it = plans_in_use_.find({fused, num_microbatches});
+    if (it != plans_in_use_.end()) incumbent = it->second;
+  }
+  if (incumbent) request.incumbent = &*incumbent;
   request.num_devices = pool_.size();
   request.fused = fused;
   request.num_microbatches = num_microbatches;
@@ -798,13 +809,7 @@ ExecutePlan Engine::default_plan(bool fused) const {
 }
 
 ExecutePlan Engine::default_plan(bool fused, int n) const {
-  std::optional<ExecutePlan> incumbent;
-  {
-    std::lock_guard<std::mutex> lock(plan_log_mu_);
-    auto it = plans_in_use_.find({fused, n});
-    if (it != plans_in_use_.end()) incumbent = it->second;
-  }
-  auto estimate = auto_plan(fused, n, 0, std::nullopt, incumbent ? &*incumbent : nullptr);
+  auto estimate = auto_plan(fused, n, 0, std::nullopt);
   {
     std::lock_guard<std::mutex> lock(plan_log_mu_);
     plans_in_use_[{fused, n}] = estimate.plan;
@@ -968,6 +973,71 @@ void Engine::wait_for_earlier_calls() {
   }
 }
 
+void Engine::gradients_delivered(CallState& call, const std::vector<int>& ids) {
+  std::lock_guard<std::mutex> lock(grads_mu_);
+  for (int id : ids) {
+    auto it = call.grad_pending.find(id);
+    if (it != call.grad_pending.end()) --it->second;
+  }
+  grads_cv_.notify_all();
+}
+
+void Engine::update_as_gradients_arrive(
+    std::vector<std::shared_ptr<CallState>> calls, int64_t pending_version,
+    const std::function<void(std::map<int, at::Tensor>&)>& update) {
+  std::set<int> left;
+  for (size_t id = 0; id < params_.size(); ++id) {
+    if (params_[id].master.defined()) left.insert(static_cast<int>(id));
+  }
+  while (!left.empty()) {
+    std::vector<int> ready;
+    bool failed = false;
+    {
+      std::unique_lock<std::mutex> lock(grads_mu_);
+      for (;;) {
+        for (const auto& call : calls) failed = failed || call->aborted.load();
+        if (failed) break;
+        for (int id : left) {
+          const bool final = std::all_of(calls.begin(), calls.end(), [&](const auto& call) {
+            auto it = call->grad_pending.find(id);
+            return it == call->grad_pending.end() || it->second == 0;
+          });
+          if (final) ready.push_back(id);
+        }
+        if (!ready.empty()) break;
+        // (A failing call sets `aborted` without this condition variable.)
+        grads_cv_.wait_for(lock, std::chrono::milliseconds(10));
+      }
+    }
+    if (failed) break;  // take_call_grads below reports it
+    std::map<int, at::Tensor> batch;
+    for (int id : ready) {
+      left.erase(id);
+      at::Tensor sum;
+      for (const auto& call : calls) {
+        at::Tensor g;
+        {
+          std::lock_guard<std::mutex> lock(grads_mu_);
+          auto it = call->param_grads.find(id);
+          if (it != call->param_grads.end()) g = it->second;
+        }
+        if (g.defined()) sum = sum.defined() ? sum.add_(g) : g;
+      }
+      // The previous update's weights go live first (once the calls that
+      // read the older ones have uploaded them): the update writes over
+      // the storage they leave.
+      if (pending_version >= 0) publish_one(params_[id], pending_version);
+      if (sum.defined()) batch[id] = sum;
+    }
+    if (!batch.empty()) update(batch);
+  }
+  if (pending_version >= 0) publish(pending_version);  // parameters without gradients
+  for (const auto& call : calls) call->wait_idle();
+  for (const auto& call : calls) call->rethrow_if_failed();  // a failed call: nothing applied
+  std::lock_guard<std::mutex> lock(grads_mu_);
+  for (const auto& call : calls) call->param_grads.clear();
+}
+
 std::map<int, at::Tensor> Engine::take_call_grads(std::vector<std::shared_ptr<CallState>> calls) {
   std::map<int, at::Tensor> grads;
   for (auto& call : calls) call->wait_idle();
@@ -1012,36 +1082,39 @@ std::vector<std::pair<std::string, at::Tensor>> Engine::optim_named_parameters()
 }
 
 void Engine::publish(int64_t version) {
-  for (auto& entry : params_) {
-    bool swapped = false;
-    {
-      std::unique_lock<std::mutex> lock(versions_mu_);
-      versions_cv_.wait(lock, [&] {
-        for (const auto& [v, n] : entry.reads) {
-          if (v < version && n > 0) return false;
-        }
-        return true;
-      });
-      if (entry.staged) {
-        // Under the lock: a worker may be picking `staging` to upload
-        // (Worker::ensure_params); its handle keeps pointing at this data.
-        auto previous = entry.home.detach();
-        entry.home.set_data(entry.staging);
-        entry.staging = previous;  // reused by the next fused async step
-        entry.staged = false;
-        entry.staged_version = -1;
-        swapped = true;
+  for (auto& entry : params_) publish_one(entry, version);
+}
+
+void Engine::publish_one(ParamEntry& entry, int64_t version) {
+  bool swapped = false;
+  {
+    std::unique_lock<std::mutex> lock(versions_mu_);
+    if (entry.published >= version) return;  // published already
+    versions_cv_.wait(lock, [&] {
+      for (const auto& [v, n] : entry.reads) {
+        if (v < version && n > 0) return false;
       }
+      return true;
+    });
+    if (entry.staged) {
+      // Under the lock: a worker may be picking `staging` to upload
+      // (Worker::ensure_params); its handle keeps pointing at this data.
+      auto previous = entry.home.detach();
+      entry.home.set_data(entry.staging);
+      entry.staging = previous;  // reused by the next fused async step
+      entry.staged = false;
+      entry.staged_version = -1;
+      swapped = true;
     }
-    if (!swapped && entry.master.defined()) {
-      c10::NoGradGuard no_grad;
-      entry.home.copy_(entry.master);
-    }
-    std::lock_guard<std::mutex> lock(versions_mu_);
-    entry.published = version;
-    std::erase_if(entry.reads, [&](const auto& r) { return r.first < version && r.second == 0; });
-    versions_cv_.notify_all();
   }
+  if (!swapped && entry.master.defined()) {
+    c10::NoGradGuard no_grad;
+    entry.home.copy_(entry.master);
+  }
+  std::lock_guard<std::mutex> lock(versions_mu_);
+  entry.published = version;
+  std::erase_if(entry.reads, [&](const auto& r) { return r.first < version && r.second == 0; });
+  versions_cv_.notify_all();
 }
 
 void Engine::publish_version_only(int64_t version) {
@@ -1063,7 +1136,7 @@ void Engine::step(std::function<void()> step_fn, bool is_async) {
         }
         step_fn();
       },
-      is_async, /*fused=*/false);
+      is_async, /*fused=*/false, /*piecewise=*/false);
 }
 
 void Engine::step_fused(optim::Adam& adam, bool is_async, optim::GradScaler* scaler) {
@@ -1100,11 +1173,14 @@ void Engine::step_fused(optim::Adam& adam, bool is_async, optim::GradScaler* sca
             params_[id].staged = false;  // skipped: nothing new to publish
         }
       },
-      is_async, /*fused=*/true);
+      is_async, /*fused=*/true,
+      // Parameter by parameter as gradients arrive, unless a scaler must
+      // first see every gradient (a sync step has nothing to overlap).
+      /*piecewise=*/is_async && scaler == nullptr);
 }
 
 void Engine::queue_step(std::function<void(std::map<int, at::Tensor>&)> update_masters,
-                        bool is_async, bool fused) {
+                        bool is_async, bool fused, bool piecewise) {
   optimizer_.rethrow_failure();
   ensure_masters();
   auto calls = std::move(unconsumed_calls_);
@@ -1115,10 +1191,45 @@ void Engine::queue_step(std::function<void(std::map<int, at::Tensor>&)> update_m
   version_for_new_calls_ = is_async ? update : update + 1;
   optimizer_.post(
       nullptr, [this, calls = std::move(calls), update_masters = std::move(update_masters), update,
-                is_async, fused]() mutable {
+                is_async, fused, piecewise]() mutable {
         using Clock = std::chrono::steady_clock;
         trace_who = "optimizer";
         auto start = Clock::now();
+        if (piecewise) {
+          // Each batch of final gradients is applied while the calls'
+          // shallower stages still run, and its staged weights are
+          // available at once to calls that read this update's version.
+          double updating = 0;
+          std::exception_ptr error;
+          try {
+            update_as_gradients_arrive(
+                std::move(calls), pending_publish_, [&](std::map<int, at::Tensor>& batch) {
+                  const auto batch_start = Clock::now();
+                  update_masters(batch);
+                  std::lock_guard<std::mutex> lock(versions_mu_);
+                  for (auto& [id, g] : batch) {
+                    if (params_[id].staged) params_[id].staged_version = update + 1;
+                  }
+                  versions_cv_.notify_all();
+                  updating += ms_since(batch_start) / 1000;
+                });
+          } catch (...) {
+            error = std::current_exception();
+            if (pending_publish_ >= 0) publish(pending_publish_);
+          }
+          pending_publish_ = update + 1;
+          const double total = ms_since(start) / 1000;
+          trace("update %lld: done piecewise (%.1f ms updating in %.1f ms)",
+                static_cast<long long>(update), updating * 1000, total * 1000);
+          {
+            std::lock_guard<std::mutex> lock(stats_mu_);
+            stats_.optimizer_update_seconds += updating;
+            stats_.optimizer_grad_wait_seconds += total - updating;
+            ++stats_.optimizer_updates;
+          }
+          if (error) std::rethrow_exception(error);
+          return;
+        }
         if (pending_publish_ >= 0) {
           publish(pending_publish_);  // the previous update, now that its readers are known
           trace("published v%lld (%.1f ms)", static_cast<long long>(pending_publish_),
@@ -1185,6 +1296,12 @@ void Engine::dispatch(const std::shared_ptr<CallState>& call, int kind, const La
   {
     std::lock_guard<std::mutex> lock(versions_mu_);
     for (int id : job->param_ids) ++params_[id].reads[call->weights_version];
+  }
+  if (kind != kForwardJob && call->training) {
+    std::lock_guard<std::mutex> lock(grads_mu_);
+    for (int id : job->param_ids) {
+      if (params_[id].home.requires_grad()) ++call->grad_pending[id];
+    }
   }
   call->begin_work(/*forward_side=*/kind != kBackwardJob);
   {
@@ -1597,14 +1714,23 @@ struct StageRunner {
       ids.push_back(id);
       grads.push_back(g);
     }
-    if (grads.empty()) return;
+    if (grads.empty()) {
+      engine.gradients_delivered(*job.call, job.param_ids);
+      return;
+    }
     auto [host, event] = device.download(grads, engine.host_allocator_);
     job.call->begin_work();
-    engine.host_tasks_.post(event, [call = job.call, ids, host] {
+    engine.host_tasks_.post(event, [&engine = engine, call = job.call, ids, host,
+                                    delivered = job.param_ids] {
       for (size_t i = 0; i < ids.size(); ++i) {
-        auto& acc = call->param_grads[ids[i]];
-        acc = acc.defined() ? acc.add_(host[i]) : host[i];
+        at::Tensor* acc;
+        {
+          std::lock_guard<std::mutex> lock(engine.grads_mu_);
+          acc = &call->param_grads[ids[i]];  // map nodes stay put
+        }
+        *acc = acc->defined() ? acc->add_(host[i]) : host[i];
       }
+      engine.gradients_delivered(*call, delivered);
       call->end_work();
     });
   }

@@ -120,8 +120,7 @@ class Engine {
   // The automatic plan with its predicted stage times and memory, under
   // model_memory_limit (default: what the smallest device has left).
   PlanEstimate auto_plan(bool fused, int num_microbatches, int min_stages,
-                         std::optional<double> memory_limit_gib,
-                         const ExecutePlan* incumbent = nullptr) const;
+                         std::optional<double> memory_limit_gib) const;
   std::optional<c10::ScalarType> optim_dtype() const { return options_.optim_dtype; }
   HostMemoryStats host_memory_stats() const { return {host_arena_->stats(), model_state_bytes_}; }
   PipelineStats pipeline_stats() const {
@@ -174,7 +173,23 @@ class Engine {
   // Queues one optimizer step; `update_masters` runs on the optimizer thread
   // with the summed gradients of the calls since the last step.
   void queue_step(std::function<void(std::map<int, at::Tensor>&)> update_masters, bool is_async,
-                  bool fused);
+                  bool fused, bool piecewise);
+  // Per-parameter publishing (publish() does every parameter).
+  void publish_one(ParamEntry& entry, int64_t version);
+  // Runs `update` on batches of the calls' summed gradients, each as soon as
+  // every backward stage producing them has delivered (deepest layers
+  // first, while shallower stages still run), publishing `pending_version`
+  // (if >= 0) for each parameter just before; then waits for the calls and
+  // rethrows the first one's error.
+  void update_as_gradients_arrive(std::vector<std::shared_ptr<CallState>> calls,
+                                  int64_t pending_version,
+                                  const std::function<void(std::map<int, at::Tensor>&)>& update);
+ public:
+  // A backward job's gradients of `ids` are in the call's accumulators
+  // (host-task thread; also called when the job produced none).
+  void gradients_delivered(CallState& call, const std::vector<int>& ids);
+
+ private:
   std::vector<c10::IValue> collect(const std::shared_ptr<CallState>& call,
                                    std::vector<std::shared_ptr<Slot>>& slots);
 
@@ -221,6 +236,9 @@ class Engine {
 
   std::mutex versions_mu_;
   std::condition_variable versions_cv_;
+  // Guards the structure of every call's param_grads and grad_pending.
+  std::mutex grads_mu_;
+  std::condition_variable grads_cv_;
   HostTasks optimizer_;                // the optimizer thread
   int64_t updates_ = 0;                // step() calls so far
   int64_t calls_started_ = 0;
