@@ -22,6 +22,12 @@ struct LayerRange {
 struct ExecutePlan {
   std::vector<LayerRange> forward;
   std::vector<LayerRange> backward;
+  // forward_backward only, when the fused tail stage is the whole model:
+  // it runs on this many devices at once, each taking every k-th
+  // microbatch (microbatch m on replica m mod k), and their parameter
+  // gradients add up on the host. No recompute and no pipeline: for a model
+  // whose stage fits one device, this is how a second device helps most.
+  int tail_replicas = 1;
 
   ExecutePlan() = default;
   ExecutePlan(std::vector<LayerRange> fwd, std::vector<LayerRange> bwd)

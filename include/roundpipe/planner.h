@@ -35,6 +35,9 @@ struct PlanRequest {
   // Microbatches per call: a stage computes this many times per upload.
   int num_microbatches = 2;
   int min_stages = 0;  // at least this many stages in all
+  // May the plan run the whole model as one fused stage on several devices
+  // (ExecutePlan::tail_replicas)? Only where no layer writes its buffers.
+  bool allow_tail_replicas = false;
   // The plan in use, if any: kept while it fits and predicts within
   // keep_within (a fraction) of the best.
   const ExecutePlan* incumbent = nullptr;

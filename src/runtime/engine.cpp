@@ -108,6 +108,10 @@ struct CallState {
   // maps' structure is guarded by Engine::grads_mu_.
   std::map<int, at::Tensor> param_grads;
   std::map<int, int> grad_pending;
+  // Replicated tail stages: each replica's gradients, added in replica
+  // order once all are in (so that the sum does not depend on which
+  // device finished first).
+  std::map<int, std::map<int, at::Tensor>> replica_grads;
   int64_t weights_version = 0;  // the optimizer version its uploads read
 
   // Jobs and host tasks of this call still to run; of those, the forward-side
@@ -199,11 +203,16 @@ struct Job {
   int kind = kForwardJob;
   LayerRange range;
   int stage_index = 0;
+  // The microbatches it runs: first, first + stride, ... (a replicated
+  // fused tail stage shares them out; every other job runs them all).
+  int first_microbatch = 0, microbatch_stride = 1;
   std::string describe() const {
     static const char* names[] = {"forward", "backward", "fused tail"};
     std::ostringstream out;
     out << names[kind] << " stage " << stage_index << " (layers " << range.begin << ".."
         << range.end - 1 << ")";
+    if (microbatch_stride > 1)
+      out << " replica " << first_microbatch << " of " << microbatch_stride;
     return out.str();
   }
   std::vector<int> param_ids;  // unique parameters of the stage, set at dispatch
@@ -656,6 +665,7 @@ Engine::Engine(std::vector<LayerPtr> layers, RoundPipeOptions options)
       TORCH_CHECK(!b.requires_grad(), name_, ": a buffer of ", layer->type_name(),
                   " requires grad; buffers must not require grad (make it a parameter)");
       bytes += b.nbytes();
+      has_buffers_ = true;
     }
     layer_param_ids_.push_back(std::move(layer_ids));
     layer_bytes_.push_back(bytes);
@@ -748,6 +758,14 @@ PlanEstimate Engine::auto_plan(bool fused, int num_microbatches, int min_stages,
     if (it != plans_in_use_.end()) incumbent = it->second;
   }
   if (incumbent) request.incumbent = &*incumbent;
+  // Replicated tails only once a call has shown that no layer writes its
+  // buffers (or there are none); ROUNDPIPE_TAIL_REPLICAS=0 turns them off.
+  static const bool replicas_enabled = [] {
+    const char* v = std::getenv("ROUNDPIPE_TAIL_REPLICAS");
+    return v == nullptr || std::strcmp(v, "0") != 0;
+  }();
+  request.allow_tail_replicas = replicas_enabled && !buffers_written_ &&
+                                (buffers_committed_ || !has_buffers_);
   request.num_devices = pool_.size();
   request.fused = fused;
   request.num_microbatches = num_microbatches;
@@ -977,7 +995,21 @@ void Engine::gradients_delivered(CallState& call, const std::vector<int>& ids) {
   std::lock_guard<std::mutex> lock(grads_mu_);
   for (int id : ids) {
     auto it = call.grad_pending.find(id);
-    if (it != call.grad_pending.end()) --it->second;
+    if (it == call.grad_pending.end() || it->second == 0) continue;
+    if (it->second == 1) {
+      // The last part: a replicated tail's gradients are added in replica
+      // order (not in the order the devices finished) before the parameter
+      // counts as final.
+      auto parts = call.replica_grads.find(id);
+      if (parts != call.replica_grads.end()) {
+        at::Tensor sum;
+        for (auto& [replica, g] : parts->second) sum = sum.defined() ? sum.add_(g) : g;
+        auto& acc = call.param_grads[id];
+        acc = acc.defined() ? acc.add_(sum) : sum;
+        call.replica_grads.erase(parts);
+      }
+    }
+    --it->second;
   }
   grads_cv_.notify_all();
 }
@@ -1281,12 +1313,14 @@ void Engine::queue_step(std::function<void(std::map<int, at::Tensor>&)> update_m
 }
 
 void Engine::dispatch(const std::shared_ptr<CallState>& call, int kind, const LayerRange& range,
-                      int stage_index) {
+                      int stage_index, int replica, int replicas) {
   auto job = std::make_shared<Job>();
   job->call = call;
   job->kind = kind;
   job->range = range;
   job->stage_index = stage_index;
+  job->first_microbatch = replica;
+  job->microbatch_stride = replicas;
   std::set<int> seen;
   for (int l = range.begin; l < range.end; ++l) {
     for (int id : layer_param_ids_[l]) {
@@ -1616,7 +1650,7 @@ struct StageRunner {
     // and backpropagated, last first (as run_backward does across stages).
     const bool layer_grain = call.grain == RecomputeGrain::kLayer && r.end - r.begin > 1;
     const int first_with_grad = layer_grain ? r.end - 1 : r.begin;
-    for (int m = 0; m < call.n; ++m) {
+    for (int m = job.first_microbatch; m < call.n; m += job.microbatch_stride) {
       microbatch = m;
       Slot& in = call.wait(call.act.at(r.begin)[m]);
       auto x = load_input(in);
@@ -1720,13 +1754,15 @@ struct StageRunner {
     }
     auto [host, event] = device.download(grads, engine.host_allocator_);
     job.call->begin_work();
-    engine.host_tasks_.post(event, [&engine = engine, call = job.call, ids, host,
+    const int replica = job.microbatch_stride > 1 ? job.first_microbatch : -1;
+    engine.host_tasks_.post(event, [&engine = engine, call = job.call, ids, host, replica,
                                     delivered = job.param_ids] {
       for (size_t i = 0; i < ids.size(); ++i) {
         at::Tensor* acc;
         {
           std::lock_guard<std::mutex> lock(engine.grads_mu_);
-          acc = &call->param_grads[ids[i]];  // map nodes stay put
+          // (map nodes stay put while other threads insert)
+          acc = replica < 0 ? &call->param_grads[ids[i]] : &call->replica_grads[ids[i]][replica];
         }
         *acc = acc->defined() ? acc->add_(host[i]) : host[i];
       }
@@ -1750,8 +1786,14 @@ struct StageRunner {
     if (device_buffers.empty()) return;
     auto [host, event] = device.download(device_buffers, engine.host_allocator_);
     job.call->begin_work(/*forward_side=*/true);
-    engine.host_tasks_.post(event, [call = job.call, homes, host] {
-      for (size_t i = 0; i < homes.size(); ++i) homes[i].copy_(host[i]);
+    engine.host_tasks_.post(event, [&engine = engine, call = job.call, homes, host] {
+      for (size_t i = 0; i < homes.size(); ++i) {
+        // Seen once, a buffer write rules out replicated tails (their
+        // commits would race).
+        if (!engine.buffers_written_ && !homes[i].equal(host[i])) engine.buffers_written_ = true;
+        homes[i].copy_(host[i]);
+      }
+      engine.buffers_committed_ = true;
       call->end_work(/*forward_side=*/true);
     });
   }
@@ -2112,7 +2154,9 @@ ForwardBackwardResult Engine::forward_backward(const c10::IValue& input, const c
   for (size_t i = 0; i < plan.forward.size(); ++i) {
     dispatch(call, kForwardJob, plan.forward[i], static_cast<int>(i));
   }
-  dispatch(call, kTailJob, plan.backward[0], 0);
+  // A replicated tail: one job per replica, on consecutive devices.
+  const int replicas = std::min(plan.tail_replicas, call->n);
+  for (int k = 0; k < replicas; ++k) dispatch(call, kTailJob, plan.backward[0], 0, k, replicas);
   for (size_t i = 1; i < plan.backward.size(); ++i) {
     dispatch(call, kBackwardJob, plan.backward[i], static_cast<int>(i));
   }

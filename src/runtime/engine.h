@@ -6,6 +6,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/core/ivalue.h>
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <deque>
@@ -151,7 +152,7 @@ class Engine {
   std::shared_ptr<CallState> start_call(const c10::IValue& input, const RunConfig& config,
                                         bool fused, bool training);
   void dispatch(const std::shared_ptr<CallState>& call, int kind, const LayerRange& range,
-                int stage_index);
+                int stage_index, int replica = 0, int replicas = 1);
   // Waits for every job and host task of earlier calls; rethrows an error a
   // background backward pass left behind.
   void fence();
@@ -211,6 +212,12 @@ class Engine {
   // The automatic plan in use per (fused, microbatches): kept while a new
   // one would not be clearly faster (PlanRequest::incumbent).
   mutable std::map<std::pair<bool, int>, ExecutePlan> plans_in_use_;
+  // Buffers: whether any layer has some, whether a call has committed them,
+  // whether a commit changed one (host-task thread). Replicated tail stages
+  // need buffers that no forward writes.
+  bool has_buffers_ = false;
+  std::atomic<bool> buffers_committed_{false};
+  std::atomic<bool> buffers_written_{false};
   std::vector<void*> registered_;        // host memory pinned in place (pin_model=register)
   DevicePool pool_;
   // pin_model=alloc: the parameters' homes, staging copies and downloads

@@ -43,6 +43,12 @@ void ExecutePlan::validate(int num_layers, bool fused) const {
   }
   TORCH_CHECK(backward.back().begin == 0, "invalid ", what, " ", to_string(),
               ": the last backward stage must begin at layer 0");
+  TORCH_CHECK(tail_replicas >= 1, "invalid ", what, " ", to_string(),
+              ": tail_replicas must be at least 1, got ", tail_replicas);
+  TORCH_CHECK(tail_replicas == 1 || (fused && backward.size() == 1 && backward[0].begin == 0),
+              "invalid ", what, " ", to_string(), ": tail_replicas > 1 needs forward_backward ",
+              "and a plan whose fused tail stage is the whole model ({forward: [], backward: [[0, ",
+              num_layers, ")]})");
   const int forward_end = fused ? backward.front().begin : num_layers;
   if (forward_end == 0) {
     TORCH_CHECK(forward.empty(), "invalid ", what, " ", to_string(),
@@ -71,7 +77,9 @@ std::string ExecutePlan::to_string() const {
   for (size_t i = 0; i < forward.size(); ++i) out << (i ? ", " : "") << range_text(forward[i]);
   out << "], backward: [";
   for (size_t i = 0; i < backward.size(); ++i) out << (i ? ", " : "") << range_text(backward[i]);
-  out << "]}";
+  out << "]";
+  if (tail_replicas > 1) out << ", tail_replicas: " << tail_replicas;
+  out << "}";
   return out.str();
 }
 
