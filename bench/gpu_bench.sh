@@ -8,15 +8,17 @@
 # Logs go to $OUT. SHAPES, STEPS, DEVICES (space-separated device specs, e.g.
 # "cuda:0 cuda" on two GPUs; DEVICES_4B for the 4B shape), TRACE (ROUNDPIPE_TRACE),
 # PROFILE (profiled steps), SKIP_HF, SKIP_TRANSFER, SKIP_MAX_SEQ override the
-# defaults. At most 8 log files: what the device tool brings back.
+# defaults; COMPARE_PIPELINE=1 also runs multi-GPU on the pipelined plan. At most 8
+# log files: what the device tool brings back.
 set -uo pipefail
 out="${OUT:-$PWD/gpu-out}"; mkdir -p "$out"
 export PYTHON="${PYTHON:-python3}"
+# (The machine and the build share one log: the device tool returns 8 files.)
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; nproc; date -u; git log -1 --oneline; } \
-  > "$out/machine.txt" 2>&1
+  > "$out/build.log" 2>&1
 SECONDS=0
 tests=OFF; [ -n "${TESTS:-}" ] && tests=ON
-BUILD_TARGETS="${BUILD_TARGETS:-}" JOBS=16 scripts/build.sh build-gpu -DROUNDPIPE_BUILD_TESTS=$tests 2>&1 | tail -1 | tee "$out/build.log"
+BUILD_TARGETS="${BUILD_TARGETS:-}" JOBS=16 scripts/build.sh build-gpu -DROUNDPIPE_BUILD_TESTS=$tests 2>&1 | tail -1 | tee -a "$out/build.log"
 echo "build: ${SECONDS}s" | tee -a "$out/build.log"
 if [ "$tests" = ON ]; then
   ./build-gpu/tests/roundpipe_tests \
@@ -33,10 +35,19 @@ for shape in ${SHAPES:-1.7B 4B}; do
       --steps "$steps" --devices "$devices" --verbose --profile "${PROFILE:-2}" \
       > "$out/bench_${shape}_${devices/:/}.log" 2>&1
     grep -v "^  layer\|^\[trace" "$out/bench_${shape}_${devices/:/}.log" | grep -A18 '^roundpipe-bench' | head -20
+    if [ -n "${COMPARE_PIPELINE:-}" ] && [ "$devices" = cuda ]; then
+      # The same on the pipelined plan (replicated tails off), appended.
+      echo "=== ROUNDPIPE_TAIL_REPLICAS=0 (pipelined plan) ===" >> "$out/bench_${shape}_${devices/:/}.log"
+      ROUNDPIPE_TAIL_REPLICAS=0 ./build-gpu/roundpipe-bench --shape "$shape" --batch 16 --seq 4096 --microbatches 4 \
+        --warmup "${WARMUP:-5}" --steps "$steps" --devices "$devices" --verbose --profile 0 \
+        >> "$out/bench_${shape}_${devices/:/}.log" 2>&1
+      sed -n '/=== ROUNDPIPE_TAIL_REPLICAS=0/,$p' "$out/bench_${shape}_${devices/:/}.log" | grep -v "^  layer" |
+        grep -A3 '^train:'
+    fi
   done
   if [ -z "${SKIP_HF:-}" ]; then
     "$PYTHON" bench/hf_resident_train.py "$shape" 16 4096 4 "$steps" bfloat16 2>&1 | tail -1 |
-      tee "$out/hf_$shape.log"
+      tee -a "$out/hf.log"
   fi
 done
 if [ -z "${SKIP_TRANSFER:-}" ]; then

@@ -374,6 +374,7 @@ int train(const Setup& s) {
   if (s.profile_steps > 0 && device->torch_device().is_cuda())
     profile_kernels(s.profile_steps, pool, run_step, step_seconds);
 #endif
+  pipe->synchronize();  // the queued steps use `adam`: done before it goes
   return 0;
 }
 
