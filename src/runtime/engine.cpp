@@ -1453,8 +1453,10 @@ struct StageRunner {
     if (job.kind == kTailJob) run_tail();
     layer = -1;
     microbatch = -1;
-    if (job.kind != kForwardJob) download_param_grads();
+    // Buffer commits first: the next call waits for them, not for the
+    // gradients (whose host-side sums queue on the same thread).
     if (job.kind != kBackwardJob) commit_buffers();
+    if (job.kind != kForwardJob) download_param_grads();
   }
 
   // Binds the stage's parameters and buffers (home buffers, or for a
