@@ -64,11 +64,15 @@ class ModelExecutePlan:
     ranges covering the model (or the layers before the fused tail stage in
     forward_backward), ``bwd_plan`` lists ranges deep to shallow, and in
     forward_backward ``bwd_plan[0]`` is the fused tail stage. Ranges are
-    ``range(begin, end)`` or ``(begin, end)`` pairs (end exclusive)."""
+    ``range(begin, end)`` or ``(begin, end)`` pairs (end exclusive).
+    ``tail_replicas`` > 1 (forward_backward, with the fused tail stage the
+    whole model): that stage runs on this many devices at once, each taking
+    every k-th microbatch."""
 
-    def __init__(self, fwd_plan: Sequence, bwd_plan: Sequence):
+    def __init__(self, fwd_plan: Sequence, bwd_plan: Sequence, tail_replicas: int = 1):
         self.fwd_plan = [range(*_as_range(r)) for r in fwd_plan]
         self.bwd_plan = [range(*_as_range(r)) for r in bwd_plan]
+        self.tail_replicas = int(tail_replicas)
 
     def _forward_ranges(self):
         return [(r.start, r.stop) for r in self.fwd_plan]
@@ -95,13 +99,16 @@ class ModelExecutePlan:
         if mode not in ("fused", "forward"):
             raise ValueError(f"mode must be 'fused' or 'forward', got {mode!r}")
         n = num_microbatch or model.model_run_config.num_microbatch or len(model.devices) + 1
-        (fwd, bwd), text = model._engine.auto_plan(mode == "fused", n, min_stages, model_memory_limit)
+        (fwd, bwd, replicas), text = model._engine.auto_plan(mode == "fused", n, min_stages,
+                                                             model_memory_limit)
         if verbose:
             print(text)
-        return ModelExecutePlan(fwd, bwd)
+        return ModelExecutePlan(fwd, bwd, replicas)
 
     def __repr__(self):
-        return f"ModelExecutePlan(fwd_plan={self.fwd_plan}, bwd_plan={self.bwd_plan})"
+        replicas = f", tail_replicas={self.tail_replicas}" if self.tail_replicas != 1 else ""
+        return f"ModelExecutePlan(fwd_plan={self.fwd_plan}, bwd_plan={self.bwd_plan}{replicas})"
 
     def __eq__(self, other):
-        return isinstance(other, ModelExecutePlan) and self.fwd_plan == other.fwd_plan and self.bwd_plan == other.bwd_plan
+        return (isinstance(other, ModelExecutePlan) and self.fwd_plan == other.fwd_plan
+                and self.bwd_plan == other.bwd_plan and self.tail_replicas == other.tail_replicas)

@@ -61,8 +61,9 @@ ExecutePlan plan_from(const py::handle& plan) {
     }
     return out;
   };
-  return ExecutePlan(ranges(plan.attr("_forward_ranges")()),
-                     ranges(plan.attr("_backward_ranges")()));
+  ExecutePlan out(ranges(plan.attr("_forward_ranges")()), ranges(plan.attr("_backward_ranges")()));
+  out.tail_replicas = py::getattr(plan, "tail_replicas", py::int_(1)).cast<int>();
+  return out;
 }
 
 // From a roundpipe.RoundPipeRunConfig already adapted by the package
@@ -162,7 +163,7 @@ py::tuple plan_tuple(const ExecutePlan& plan) {
     for (const auto& r : rs) out.append(py::make_tuple(r.begin, r.end));
     return out;
   };
-  return py::make_tuple(ranges(plan.forward), ranges(plan.backward));
+  return py::make_tuple(ranges(plan.forward), ranges(plan.backward), plan.tail_replicas);
 }
 
 // ---------------------------------------------------------------- errors
