@@ -92,8 +92,10 @@ class Device {
   virtual void wait(Queue queue, const EventPtr& event) = 0;
 
   // Copies host tensors to new device tensors on `queue` (kParamUpload or
-  // kActUpload). The copies are ordered after `after` (may be null). Returns
-  // the device tensors and the event that completes when they are written.
+  // kActUpload). The copies are ordered after `after` (may be null), not
+  // after the compute queue: the new tensors' memory is free of earlier
+  // compute use by construction. Returns the device tensors and the event
+  // that completes when they are written.
   virtual std::pair<std::vector<at::Tensor>, EventPtr> upload(Queue queue,
                                                               const std::vector<at::Tensor>& host,
                                                               const EventPtr& after) = 0;
