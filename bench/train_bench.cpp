@@ -187,13 +187,14 @@ void print_compute_gaps(const torch::autograd::profiler::ProfilerResult& result,
           overlap += std::max<int64_t>(
               0, std::min(sp.end, gap.start + gap.length) - std::max(sp.start, gap.start));
         }
-        if (overlap > 0) others += " s" + std::to_string(stream) + ":" +
-                                   std::to_string(static_cast<int>(overlap / 1e6)) + "ms";
+        if (overlap > 0)
+          others += " s" + std::to_string(stream) + ":" +
+                    std::to_string(static_cast<int>(overlap / 1e6)) + "ms";
       }
       // The absolute stamp is ROUNDPIPE_TRACE's (wall-clock ms modulo 100 s).
-      std::printf("    %6.1f ms at +%7.1f ms (@%9.3f)  after %s  before %s |%s\n",
-                  gap.length / 1e6, (gap.start - origin) / 1e6,
-                  std::fmod(gap.start / 1e6, 1e5), short_name(kernels[gap.after - 1].name).c_str(),
+      std::printf("    %6.1f ms at +%7.1f ms (@%9.3f)  after %s  before %s |%s\n", gap.length / 1e6,
+                  (gap.start - origin) / 1e6, std::fmod(gap.start / 1e6, 1e5),
+                  short_name(kernels[gap.after - 1].name).c_str(),
                   short_name(kernels[gap.after].name).c_str(), others.c_str());
     }
   }
@@ -301,9 +302,9 @@ int train(const Setup& s) {
   // returns (each is the same point of a call), which calls overlap into.
   const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
   const double step_seconds =
-      s.steps > 1
-          ? std::chrono::duration<double>(returned.back() - returned.front()).count() / (s.steps - 1)
-          : seconds;
+      s.steps > 1 ? std::chrono::duration<double>(returned.back() - returned.front()).count() /
+                        (s.steps - 1)
+                  : seconds;
   int64_t params_up = 0, acts_up = 0, peak = 0, param_copies = 0, largest_copy = 0;
   for (int d = 0; d < pool.size() && d < 8; ++d) {
     const auto after = pool.at(d)->transfer_stats();
@@ -321,8 +322,9 @@ int train(const Setup& s) {
   const double h2d = (params_up + acts_up) / s.steps / step_seconds / 1e9 / pool.size();
   std::printf("train: %d timed steps in %.2fs, loss %.4f (sum over microbatches)\n", s.steps,
               seconds, loss.item<double>());
-  std::printf("  tokens/s                      %12.0f  (steady state: %.1f ms between loss returns)\n",
-              tokens_per_step / step_seconds, step_seconds * 1000);
+  std::printf(
+      "  tokens/s                      %12.0f  (steady state: %.1f ms between loss returns)\n",
+      tokens_per_step / step_seconds, step_seconds * 1000);
   std::printf("  tokens/s with fill and drain  %12.0f  (synchronize to synchronize)\n",
               tokens_per_step * s.steps / seconds);
   std::printf(

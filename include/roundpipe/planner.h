@@ -56,7 +56,7 @@ struct StageEstimate {
 struct PlanEstimate {
   ExecutePlan plan;
   std::vector<StageEstimate> stages;  // forward stages in order, then backward deep to shallow
-  double iteration = 0;  // predicted time per call of back-to-back calls (round-robin)
+  double iteration = 0;               // predicted time per call of back-to-back calls (round-robin)
   // One line per stage (layers, compute, upload, memory) and the totals.
   std::string describe() const;
 };

@@ -15,8 +15,8 @@
 #include <chrono>
 #include <cmath>
 #include <cstdarg>
-#include <cstdlib>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <set>
 #include <sstream>
@@ -51,9 +51,9 @@ __attribute__((format(printf, 1, 2))) void trace(const char* format, ...) {
   va_start(args, format);
   std::vsnprintf(text, sizeof(text), format, args);
   va_end(args);
-  const double ms = std::chrono::duration<double, std::milli>(
-                        std::chrono::system_clock::now().time_since_epoch())
-                        .count();
+  const double ms =
+      std::chrono::duration<double, std::milli>(std::chrono::system_clock::now().time_since_epoch())
+          .count();
   std::fprintf(stderr, "[trace %9.3f %s] %s\n", std::fmod(ms, 1e5), trace_who, text);
 }
 double ms_since(std::chrono::steady_clock::time_point start) {
@@ -502,8 +502,7 @@ class Worker {
         if (jobs_.empty()) return;
         job = jobs_.front();
       }
-      trace("call %lld: start %s", static_cast<long long>(job->call->id),
-            job->describe().c_str());
+      trace("call %lld: start %s", static_cast<long long>(job->call->id), job->describe().c_str());
       engine_.run_job(*job, *this);
       trace("call %lld: enqueued %s", static_cast<long long>(job->call->id),
             job->describe().c_str());
@@ -764,8 +763,8 @@ PlanEstimate Engine::auto_plan(bool fused, int num_microbatches, int min_stages,
     const char* v = std::getenv("ROUNDPIPE_TAIL_REPLICAS");
     return v == nullptr || std::strcmp(v, "0") != 0;
   }();
-  request.allow_tail_replicas = replicas_enabled && !buffers_written_ &&
-                                (buffers_committed_ || !has_buffers_);
+  request.allow_tail_replicas =
+      replicas_enabled && !buffers_written_ && (buffers_committed_ || !has_buffers_);
   request.num_devices = pool_.size();
   request.fused = fused;
   request.num_microbatches = num_microbatches;
@@ -1221,94 +1220,94 @@ void Engine::queue_step(std::function<void(std::map<int, at::Tensor>&)> update_m
   // Async: the next calls run on the weights of the update before this one
   // (one step of staleness); sync: on this step's result.
   version_for_new_calls_ = is_async ? update : update + 1;
-  optimizer_.post(
-      nullptr, [this, calls = std::move(calls), update_masters = std::move(update_masters), update,
-                is_async, fused, piecewise]() mutable {
-        using Clock = std::chrono::steady_clock;
-        trace_who = "optimizer";
-        auto start = Clock::now();
-        if (piecewise) {
-          // Each batch of final gradients is applied while the calls'
-          // shallower stages still run, and its staged weights are
-          // available at once to calls that read this update's version.
-          double updating = 0;
-          std::exception_ptr error;
-          try {
-            update_as_gradients_arrive(
-                std::move(calls), pending_publish_, [&](std::map<int, at::Tensor>& batch) {
-                  const auto batch_start = Clock::now();
-                  update_masters(batch);
-                  std::lock_guard<std::mutex> lock(versions_mu_);
-                  for (auto& [id, g] : batch) {
-                    if (params_[id].staged) params_[id].staged_version = update + 1;
-                  }
-                  versions_cv_.notify_all();
-                  updating += ms_since(batch_start) / 1000;
-                });
-          } catch (...) {
-            error = std::current_exception();
-            if (pending_publish_ >= 0) publish(pending_publish_);
-          }
-          pending_publish_ = update + 1;
-          const double total = ms_since(start) / 1000;
-          trace("update %lld: done piecewise (%.1f ms updating in %.1f ms)",
-                static_cast<long long>(update), updating * 1000, total * 1000);
-          {
-            std::lock_guard<std::mutex> lock(stats_mu_);
-            stats_.optimizer_update_seconds += updating;
-            stats_.optimizer_grad_wait_seconds += total - updating;
-            ++stats_.optimizer_updates;
-          }
-          if (error) std::rethrow_exception(error);
-          return;
-        }
-        if (pending_publish_ >= 0) {
-          publish(pending_publish_);  // the previous update, now that its readers are known
-          trace("published v%lld (%.1f ms)", static_cast<long long>(pending_publish_),
-                ms_since(start));
-          pending_publish_ = -1;
-          add_seconds(&PipelineStats::optimizer_publish_seconds, start);
-        }
-        start = Clock::now();
-        auto grads = take_call_grads(std::move(calls));
-        trace("update %lld: gradients ready after %.1f ms", static_cast<long long>(update),
-              ms_since(start));
-        add_seconds(&PipelineStats::optimizer_grad_wait_seconds, start);
-        // Calls already wait for this version: publish it even when the update
-        // throws (the masters hold whatever it left), then report.
-        std::exception_ptr error;
-        start = Clock::now();
-        try {
-          update_masters(grads);
-        } catch (...) {
-          error = std::current_exception();
-        }
-        if (is_async && fused && !error) {
-          // The staged weights are written: calls that read this version
-          // may upload them from the staging copies before publish().
-          std::lock_guard<std::mutex> lock(versions_mu_);
-          for (auto& entry : params_) {
-            if (entry.staged) entry.staged_version = update + 1;
-          }
-          versions_cv_.notify_all();
-        }
-        trace("update %lld: done in %.1f ms", static_cast<long long>(update), ms_since(start));
-        add_seconds(&PipelineStats::optimizer_update_seconds, start);
-        start = Clock::now();
-        if (is_async) {
-          pending_publish_ = update + 1;
-        } else if (fused) {
-          publish_version_only(update + 1);  // the fused pass wrote the weights
-        } else {
-          publish(update + 1);
-        }
-        add_seconds(&PipelineStats::optimizer_publish_seconds, start);
-        {
-          std::lock_guard<std::mutex> lock(stats_mu_);
-          ++stats_.optimizer_updates;
-        }
-        if (error) std::rethrow_exception(error);
-      });
+  optimizer_.post(nullptr, [this, calls = std::move(calls),
+                            update_masters = std::move(update_masters), update, is_async, fused,
+                            piecewise]() mutable {
+    using Clock = std::chrono::steady_clock;
+    trace_who = "optimizer";
+    auto start = Clock::now();
+    if (piecewise) {
+      // Each batch of final gradients is applied while the calls'
+      // shallower stages still run, and its staged weights are
+      // available at once to calls that read this update's version.
+      double updating = 0;
+      std::exception_ptr error;
+      try {
+        update_as_gradients_arrive(std::move(calls), pending_publish_,
+                                   [&](std::map<int, at::Tensor>& batch) {
+                                     const auto batch_start = Clock::now();
+                                     update_masters(batch);
+                                     std::lock_guard<std::mutex> lock(versions_mu_);
+                                     for (auto& [id, g] : batch) {
+                                       if (params_[id].staged)
+                                         params_[id].staged_version = update + 1;
+                                     }
+                                     versions_cv_.notify_all();
+                                     updating += ms_since(batch_start) / 1000;
+                                   });
+      } catch (...) {
+        error = std::current_exception();
+        if (pending_publish_ >= 0) publish(pending_publish_);
+      }
+      pending_publish_ = update + 1;
+      const double total = ms_since(start) / 1000;
+      trace("update %lld: done piecewise (%.1f ms updating in %.1f ms)",
+            static_cast<long long>(update), updating * 1000, total * 1000);
+      {
+        std::lock_guard<std::mutex> lock(stats_mu_);
+        stats_.optimizer_update_seconds += updating;
+        stats_.optimizer_grad_wait_seconds += total - updating;
+        ++stats_.optimizer_updates;
+      }
+      if (error) std::rethrow_exception(error);
+      return;
+    }
+    if (pending_publish_ >= 0) {
+      publish(pending_publish_);  // the previous update, now that its readers are known
+      trace("published v%lld (%.1f ms)", static_cast<long long>(pending_publish_), ms_since(start));
+      pending_publish_ = -1;
+      add_seconds(&PipelineStats::optimizer_publish_seconds, start);
+    }
+    start = Clock::now();
+    auto grads = take_call_grads(std::move(calls));
+    trace("update %lld: gradients ready after %.1f ms", static_cast<long long>(update),
+          ms_since(start));
+    add_seconds(&PipelineStats::optimizer_grad_wait_seconds, start);
+    // Calls already wait for this version: publish it even when the update
+    // throws (the masters hold whatever it left), then report.
+    std::exception_ptr error;
+    start = Clock::now();
+    try {
+      update_masters(grads);
+    } catch (...) {
+      error = std::current_exception();
+    }
+    if (is_async && fused && !error) {
+      // The staged weights are written: calls that read this version
+      // may upload them from the staging copies before publish().
+      std::lock_guard<std::mutex> lock(versions_mu_);
+      for (auto& entry : params_) {
+        if (entry.staged) entry.staged_version = update + 1;
+      }
+      versions_cv_.notify_all();
+    }
+    trace("update %lld: done in %.1f ms", static_cast<long long>(update), ms_since(start));
+    add_seconds(&PipelineStats::optimizer_update_seconds, start);
+    start = Clock::now();
+    if (is_async) {
+      pending_publish_ = update + 1;
+    } else if (fused) {
+      publish_version_only(update + 1);  // the fused pass wrote the weights
+    } else {
+      publish(update + 1);
+    }
+    add_seconds(&PipelineStats::optimizer_publish_seconds, start);
+    {
+      std::lock_guard<std::mutex> lock(stats_mu_);
+      ++stats_.optimizer_updates;
+    }
+    if (error) std::rethrow_exception(error);
+  });
   if (!is_async) optimizer_.drain();
 }
 
@@ -1358,8 +1357,7 @@ void Worker::ensure_params(Job& job, bool prefetch) {
   auto [copies, event] = device_->upload(Queue::kParamUpload, host, nullptr);
   trace("call %lld: parameter upload of %s enqueued (%s; %.1f ms)",
         static_cast<long long>(job.call->id), job.describe().c_str(),
-        prefetch ? "prefetch" : "at its start",
-        ms_since(start));
+        prefetch ? "prefetch" : "at its start", ms_since(start));
   job.device_params = std::move(copies);
   job.params_ready = event;
   // Once the copies have read the home tensors, the optimizer may publish.

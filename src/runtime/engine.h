@@ -185,6 +185,7 @@ class Engine {
   void update_as_gradients_arrive(std::vector<std::shared_ptr<CallState>> calls,
                                   int64_t pending_version,
                                   const std::function<void(std::map<int, at::Tensor>&)>& update);
+
  public:
   // A backward job's gradients of `ids` are in the call's accumulators
   // (host-task thread; also called when the job produced none).
@@ -218,7 +219,7 @@ class Engine {
   bool has_buffers_ = false;
   std::atomic<bool> buffers_committed_{false};
   std::atomic<bool> buffers_written_{false};
-  std::vector<void*> registered_;        // host memory pinned in place (pin_model=register)
+  std::vector<void*> registered_;  // host memory pinned in place (pin_model=register)
   DevicePool pool_;
   // pin_model=alloc: the parameters' homes, staging copies and downloads
   // (pinned where the devices support it); downloads come from
@@ -246,8 +247,8 @@ class Engine {
   // Guards the structure of every call's param_grads and grad_pending.
   std::mutex grads_mu_;
   std::condition_variable grads_cv_;
-  HostTasks optimizer_;                // the optimizer thread
-  int64_t updates_ = 0;                // step() calls so far
+  HostTasks optimizer_;  // the optimizer thread
+  int64_t updates_ = 0;  // step() calls so far
   int64_t calls_started_ = 0;
   int64_t version_for_new_calls_ = 0;  // weights a new call reads
   int64_t pending_publish_ = -1;       // async: masters hold this version, homes not yet

@@ -239,9 +239,8 @@ PlanEstimate plan_stages(const std::vector<LayerCost>& layers, const PlanRequest
   // more than the percent it may win.
   if (request.incumbent != nullptr) {
     auto kept = estimate_plan(layers, *request.incumbent, request);
-    const bool fits = std::all_of(kept.stages.begin(), kept.stages.end(), [&](const auto& s) {
-      return cap == 0 || s.memory_bytes <= cap;
-    });
+    const bool fits = std::all_of(kept.stages.begin(), kept.stages.end(),
+                                  [&](const auto& s) { return cap == 0 || s.memory_bytes <= cap; });
     const bool valid = static_cast<int>(kept.stages.size()) >= request.min_stages;
     if (fits && valid &&
         comparable_time(kept, request) <=

@@ -376,7 +376,6 @@ TEST(LayerInstances, ClonesKnowTheyAreInstances) {
   EXPECT_FALSE(making_layer_instance());
 }
 
-
 // ---------------------------------------------------------------- replicated tails
 
 // A fused tail stage replicated over devices (ExecutePlan::tail_replicas):
