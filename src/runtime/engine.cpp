@@ -960,6 +960,10 @@ void Engine::fence() {
   wait_for_jobs();
   host_tasks_.drain();
   optimizer_.rethrow_failure();
+  report_failed_call();
+}
+
+void Engine::report_failed_call() {
   // A training call that failed in the background is reported once, here.
   for (auto it = unconsumed_calls_.begin(); it != unconsumed_calls_.end(); ++it) {
     if ((*it)->aborted) {
@@ -980,14 +984,7 @@ void Engine::wait_for_earlier_calls() {
   }
   optimizer_.rethrow_failure();
   host_tasks_.rethrow_failure();
-  // A training call that failed in the background is reported once, here.
-  for (auto it = unconsumed_calls_.begin(); it != unconsumed_calls_.end(); ++it) {
-    if ((*it)->aborted) {
-      auto failed = *it;
-      unconsumed_calls_.erase(it);
-      failed->rethrow_if_failed();
-    }
-  }
+  report_failed_call();
 }
 
 void Engine::gradients_delivered(CallState& call, const std::vector<int>& ids) {

@@ -161,6 +161,8 @@ class Engine {
   // the workers' queues (weight versions order the uploads). Rethrows
   // errors already reported, like fence().
   void wait_for_earlier_calls();
+  // Rethrows (once) the error of an unconsumed call that failed.
+  void report_failed_call();
   // Waits until no stage job is queued or running on any device.
   void wait_for_jobs();
   // Waits for `calls` to finish and sums their parameter gradients; throws
