@@ -714,6 +714,7 @@ Engine::Engine(std::vector<LayerPtr> layers, RoundPipeOptions options)
 Engine::~Engine() {
   try {
     fence();
+    optimizer_.drain();  // no step may run while the members go
   } catch (...) {
     // A destructor cannot report: the error was the caller's to collect.
   }
@@ -908,7 +909,9 @@ void Engine::release_reads(Job& job) {
 }
 
 bool Engine::weights_available(const ParamEntry& entry, int64_t version) {
-  return entry.published >= version || entry.staged_version == version;
+  // A frozen parameter is never updated: every version is its home.
+  return entry.published >= version || entry.staged_version == version ||
+         !entry.home.requires_grad();
 }
 
 bool Engine::params_published(const Job& job) {
@@ -924,7 +927,9 @@ std::vector<at::Tensor> Engine::weights_to_upload(const Job& job) {
   std::vector<at::Tensor> host;
   for (int id : job.param_ids) {
     const auto& entry = params_[id];
-    host.push_back(entry.published >= job.call->weights_version ? entry.home : entry.staging);
+    const bool staged = entry.published < job.call->weights_version &&
+                        entry.staged_version == job.call->weights_version;
+    host.push_back(staged ? entry.staging : entry.home);
   }
   return host;
 }
@@ -1061,7 +1066,9 @@ void Engine::update_as_gradients_arrive(
   }
   if (pending_version >= 0) publish(pending_version);  // parameters without gradients
   for (const auto& call : calls) call->wait_idle();
-  for (const auto& call : calls) call->rethrow_if_failed();  // a failed call: nothing applied
+  // A call that failed: the batches final before it failed were applied
+  // (their weights go live with this update); the rest were not.
+  for (const auto& call : calls) call->rethrow_if_failed();
   std::lock_guard<std::mutex> lock(grads_mu_);
   for (const auto& call : calls) call->param_grads.clear();
 }
@@ -1114,7 +1121,6 @@ void Engine::publish(int64_t version) {
 }
 
 void Engine::publish_one(ParamEntry& entry, int64_t version) {
-  bool swapped = false;
   {
     std::unique_lock<std::mutex> lock(versions_mu_);
     if (entry.published >= version) return;  // published already
@@ -1125,21 +1131,28 @@ void Engine::publish_one(ParamEntry& entry, int64_t version) {
       return true;
     });
     if (entry.staged) {
-      // Under the lock: a worker may be picking `staging` to upload
-      // (Worker::ensure_params); its handle keeps pointing at this data.
+      // The swap and the new version number in one step under the lock: a
+      // worker picking the tensor to upload (weights_to_upload) sees either
+      // the staging copy of this version or the home that now holds it,
+      // never the old home in between. Its handle keeps pointing at the data.
       auto previous = entry.home.detach();
       entry.home.set_data(entry.staging);
       entry.staging = previous;  // reused by the next fused async step
       entry.staged = false;
       entry.staged_version = -1;
-      swapped = true;
+      mark_published(entry, version);
+      return;
     }
   }
-  if (!swapped && entry.master.defined()) {
+  if (entry.master.defined()) {
     c10::NoGradGuard no_grad;
     entry.home.copy_(entry.master);
   }
   std::lock_guard<std::mutex> lock(versions_mu_);
+  mark_published(entry, version);
+}
+
+void Engine::mark_published(ParamEntry& entry, int64_t version) {
   entry.published = version;
   std::erase_if(entry.reads, [&](const auto& r) { return r.first < version && r.second == 0; });
   versions_cv_.notify_all();
@@ -1790,7 +1803,7 @@ struct StageRunner {
         if (!engine.buffers_written_ && !homes[i].equal(host[i])) engine.buffers_written_ = true;
         homes[i].copy_(host[i]);
       }
-      engine.buffers_committed_ = true;
+      if (call->training) engine.buffers_committed_ = true;  // (eval mode may not write)
       call->end_work(/*forward_side=*/true);
     });
   }

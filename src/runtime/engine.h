@@ -179,6 +179,8 @@ class Engine {
                   bool fused, bool piecewise);
   // Per-parameter publishing (publish() does every parameter).
   void publish_one(ParamEntry& entry, int64_t version);
+  // Sets the version and forgets finished reads (versions_mu_ held).
+  void mark_published(ParamEntry& entry, int64_t version);
   // Runs `update` on batches of the calls' summed gradients, each as soon as
   // every backward stage producing them has delivered (deepest layers
   // first, while shallower stages still run), publishing `pending_version`
@@ -249,7 +251,6 @@ class Engine {
   // Guards the structure of every call's param_grads and grad_pending.
   std::mutex grads_mu_;
   std::condition_variable grads_cv_;
-  HostTasks optimizer_;  // the optimizer thread
   int64_t updates_ = 0;  // step() calls so far
   int64_t calls_started_ = 0;
   int64_t version_for_new_calls_ = 0;  // weights a new call reads
@@ -259,6 +260,9 @@ class Engine {
   PipelineStats stats_;
   // Adds the seconds since `start` to one of stats_'s fields.
   void add_seconds(double PipelineStats::*field, std::chrono::steady_clock::time_point start);
+
+  // Last: destroyed (its thread joined) before the members its tasks use.
+  HostTasks optimizer_;  // the optimizer thread
 };
 
 }  // namespace roundpipe::detail

@@ -237,7 +237,8 @@ PlanEstimate plan_stages(const std::vector<LayerCost>& layers, const PlanRequest
   // Keep the plan in use unless the new one is clearly faster: measured
   // times wobble from call to call, and a plan that flips every call costs
   // more than the percent it may win.
-  if (request.incumbent != nullptr) {
+  if (request.incumbent != nullptr &&
+      (request.incumbent->tail_replicas == 1 || request.allow_tail_replicas)) {
     auto kept = estimate_plan(layers, *request.incumbent, request);
     const bool fits = std::all_of(kept.stages.begin(), kept.stages.end(),
                                   [&](const auto& s) { return cap == 0 || s.memory_bytes <= cap; });

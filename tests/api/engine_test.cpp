@@ -451,6 +451,10 @@ TEST(ReplicatedTail, AutomaticPlanUsesItWhereItIsFastest) {
   EXPECT_NEAR(best.iteration, 2 * 6 * 3.0, 1e-9) << best.describe();  // 2 microbatches each
   request.allow_tail_replicas = false;
   EXPECT_EQ(plan_stages(layers, request).plan.tail_replicas, 1);
+  // Nor is a replicated plan kept as the plan in use once they are ruled out.
+  request.incumbent = &best.plan;
+  EXPECT_EQ(plan_stages(layers, request).plan.tail_replicas, 1);
+  request.incumbent = nullptr;
   // A memory limit that the whole model as one stage exceeds: no replicas.
   request.allow_tail_replicas = true;
   request.memory_limit_bytes = 2 * 3 * (2000 + 100);
