@@ -44,8 +44,7 @@ bool tracing() {
   }();
   return on;
 }
-__attribute__((format(printf, 1, 2))) void trace(const char* format, ...) {
-  if (!tracing()) return;
+__attribute__((format(printf, 1, 2))) void trace_print(const char* format, ...) {
   char text[400];
   va_list args;
   va_start(args, format);
@@ -56,6 +55,11 @@ __attribute__((format(printf, 1, 2))) void trace(const char* format, ...) {
           .count();
   std::fprintf(stderr, "[trace %9.3f %s] %s\n", std::fmod(ms, 1e5), trace_who, text);
 }
+// Its arguments (job descriptions, timings) are only computed when tracing.
+#define ROUNDPIPE_TRACE(...)                 \
+  do {                                       \
+    if (tracing()) trace_print(__VA_ARGS__); \
+  } while (0)
 double ms_since(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start)
       .count();
@@ -181,9 +185,9 @@ struct CallState {
     std::unique_lock<std::mutex> lock(slot->mu);
     slot->cv.wait(lock, [&] { return slot->ready || aborted.load(); });
     if (!slot->ready) throw CallAborted{};
-    if (tracing() && ms_since(start) > 0.5)
-      trace("call %lld: waited %.1f ms for a hand-off", static_cast<long long>(id),
-            ms_since(start));
+    if (ms_since(start) > 0.5)
+      ROUNDPIPE_TRACE("call %lld: waited %.1f ms for a hand-off", static_cast<long long>(id),
+                      ms_since(start));
     return *slot;
   }
   static void put(Slot& slot, c10::IValue value, std::vector<at::Tensor> tensors, EventPtr event,
@@ -502,10 +506,11 @@ class Worker {
         if (jobs_.empty()) return;
         job = jobs_.front();
       }
-      trace("call %lld: start %s", static_cast<long long>(job->call->id), job->describe().c_str());
+      ROUNDPIPE_TRACE("call %lld: start %s", static_cast<long long>(job->call->id),
+                      job->describe().c_str());
       engine_.run_job(*job, *this);
-      trace("call %lld: enqueued %s", static_cast<long long>(job->call->id),
-            job->describe().c_str());
+      ROUNDPIPE_TRACE("call %lld: enqueued %s", static_cast<long long>(job->call->id),
+                      job->describe().c_str());
       job_ends_.push_back(device_->record(Queue::kCompute));
       if (job_ends_.size() > 2) job_ends_.pop_front();
       {
@@ -1230,94 +1235,96 @@ void Engine::queue_step(std::function<void(std::map<int, at::Tensor>&)> update_m
   // Async: the next calls run on the weights of the update before this one
   // (one step of staleness); sync: on this step's result.
   version_for_new_calls_ = is_async ? update : update + 1;
-  optimizer_.post(nullptr, [this, calls = std::move(calls),
-                            update_masters = std::move(update_masters), update, is_async, fused,
-                            piecewise]() mutable {
-    using Clock = std::chrono::steady_clock;
-    trace_who = "optimizer";
-    auto start = Clock::now();
-    if (piecewise) {
-      // Each batch of final gradients is applied while the calls'
-      // shallower stages still run, and its staged weights are
-      // available at once to calls that read this update's version.
-      double updating = 0;
-      std::exception_ptr error;
-      try {
-        update_as_gradients_arrive(std::move(calls), pending_publish_,
-                                   [&](std::map<int, at::Tensor>& batch) {
-                                     const auto batch_start = Clock::now();
-                                     update_masters(batch);
-                                     std::lock_guard<std::mutex> lock(versions_mu_);
-                                     for (auto& [id, g] : batch) {
-                                       if (params_[id].staged)
-                                         params_[id].staged_version = update + 1;
-                                     }
-                                     versions_cv_.notify_all();
-                                     updating += ms_since(batch_start) / 1000;
-                                   });
-      } catch (...) {
-        error = std::current_exception();
-        if (pending_publish_ >= 0) publish(pending_publish_);
-      }
-      pending_publish_ = update + 1;
-      const double total = ms_since(start) / 1000;
-      trace("update %lld: done piecewise (%.1f ms updating in %.1f ms)",
-            static_cast<long long>(update), updating * 1000, total * 1000);
-      {
-        std::lock_guard<std::mutex> lock(stats_mu_);
-        stats_.optimizer_update_seconds += updating;
-        stats_.optimizer_grad_wait_seconds += total - updating;
-        ++stats_.optimizer_updates;
-      }
-      if (error) std::rethrow_exception(error);
-      return;
-    }
-    if (pending_publish_ >= 0) {
-      publish(pending_publish_);  // the previous update, now that its readers are known
-      trace("published v%lld (%.1f ms)", static_cast<long long>(pending_publish_), ms_since(start));
-      pending_publish_ = -1;
-      add_seconds(&PipelineStats::optimizer_publish_seconds, start);
-    }
-    start = Clock::now();
-    auto grads = take_call_grads(std::move(calls));
-    trace("update %lld: gradients ready after %.1f ms", static_cast<long long>(update),
-          ms_since(start));
-    add_seconds(&PipelineStats::optimizer_grad_wait_seconds, start);
-    // Calls already wait for this version: publish it even when the update
-    // throws (the masters hold whatever it left), then report.
-    std::exception_ptr error;
-    start = Clock::now();
-    try {
-      update_masters(grads);
-    } catch (...) {
-      error = std::current_exception();
-    }
-    if (is_async && fused && !error) {
-      // The staged weights are written: calls that read this version
-      // may upload them from the staging copies before publish().
-      std::lock_guard<std::mutex> lock(versions_mu_);
-      for (auto& entry : params_) {
-        if (entry.staged) entry.staged_version = update + 1;
-      }
-      versions_cv_.notify_all();
-    }
-    trace("update %lld: done in %.1f ms", static_cast<long long>(update), ms_since(start));
-    add_seconds(&PipelineStats::optimizer_update_seconds, start);
-    start = Clock::now();
-    if (is_async) {
-      pending_publish_ = update + 1;
-    } else if (fused) {
-      publish_version_only(update + 1);  // the fused pass wrote the weights
-    } else {
-      publish(update + 1);
-    }
-    add_seconds(&PipelineStats::optimizer_publish_seconds, start);
-    {
-      std::lock_guard<std::mutex> lock(stats_mu_);
-      ++stats_.optimizer_updates;
-    }
-    if (error) std::rethrow_exception(error);
-  });
+  optimizer_.post(
+      nullptr, [this, calls = std::move(calls), update_masters = std::move(update_masters), update,
+                is_async, fused, piecewise]() mutable {
+        using Clock = std::chrono::steady_clock;
+        trace_who = "optimizer";
+        auto start = Clock::now();
+        if (piecewise) {
+          // Each batch of final gradients is applied while the calls'
+          // shallower stages still run, and its staged weights are
+          // available at once to calls that read this update's version.
+          double updating = 0;
+          std::exception_ptr error;
+          try {
+            update_as_gradients_arrive(std::move(calls), pending_publish_,
+                                       [&](std::map<int, at::Tensor>& batch) {
+                                         const auto batch_start = Clock::now();
+                                         update_masters(batch);
+                                         std::lock_guard<std::mutex> lock(versions_mu_);
+                                         for (auto& [id, g] : batch) {
+                                           if (params_[id].staged)
+                                             params_[id].staged_version = update + 1;
+                                         }
+                                         versions_cv_.notify_all();
+                                         updating += ms_since(batch_start) / 1000;
+                                       });
+          } catch (...) {
+            error = std::current_exception();
+            if (pending_publish_ >= 0) publish(pending_publish_);
+          }
+          pending_publish_ = update + 1;
+          const double total = ms_since(start) / 1000;
+          ROUNDPIPE_TRACE("update %lld: done piecewise (%.1f ms updating in %.1f ms)",
+                          static_cast<long long>(update), updating * 1000, total * 1000);
+          {
+            std::lock_guard<std::mutex> lock(stats_mu_);
+            stats_.optimizer_update_seconds += updating;
+            stats_.optimizer_grad_wait_seconds += total - updating;
+            ++stats_.optimizer_updates;
+          }
+          if (error) std::rethrow_exception(error);
+          return;
+        }
+        if (pending_publish_ >= 0) {
+          publish(pending_publish_);  // the previous update, now that its readers are known
+          ROUNDPIPE_TRACE("published v%lld (%.1f ms)", static_cast<long long>(pending_publish_),
+                          ms_since(start));
+          pending_publish_ = -1;
+          add_seconds(&PipelineStats::optimizer_publish_seconds, start);
+        }
+        start = Clock::now();
+        auto grads = take_call_grads(std::move(calls));
+        ROUNDPIPE_TRACE("update %lld: gradients ready after %.1f ms",
+                        static_cast<long long>(update), ms_since(start));
+        add_seconds(&PipelineStats::optimizer_grad_wait_seconds, start);
+        // Calls already wait for this version: publish it even when the update
+        // throws (the masters hold whatever it left), then report.
+        std::exception_ptr error;
+        start = Clock::now();
+        try {
+          update_masters(grads);
+        } catch (...) {
+          error = std::current_exception();
+        }
+        if (is_async && fused && !error) {
+          // The staged weights are written: calls that read this version
+          // may upload them from the staging copies before publish().
+          std::lock_guard<std::mutex> lock(versions_mu_);
+          for (auto& entry : params_) {
+            if (entry.staged) entry.staged_version = update + 1;
+          }
+          versions_cv_.notify_all();
+        }
+        ROUNDPIPE_TRACE("update %lld: done in %.1f ms", static_cast<long long>(update),
+                        ms_since(start));
+        add_seconds(&PipelineStats::optimizer_update_seconds, start);
+        start = Clock::now();
+        if (is_async) {
+          pending_publish_ = update + 1;
+        } else if (fused) {
+          publish_version_only(update + 1);  // the fused pass wrote the weights
+        } else {
+          publish(update + 1);
+        }
+        add_seconds(&PipelineStats::optimizer_publish_seconds, start);
+        {
+          std::lock_guard<std::mutex> lock(stats_mu_);
+          ++stats_.optimizer_updates;
+        }
+        if (error) std::rethrow_exception(error);
+      });
   if (!is_async) optimizer_.drain();
 }
 
@@ -1365,9 +1372,9 @@ void Worker::ensure_params(Job& job, bool prefetch) {
   if (job_ends_.size() >= back) job_ends_[job_ends_.size() - back]->synchronize();
   const auto host = engine.weights_to_upload(job);
   auto [copies, event] = device_->upload(Queue::kParamUpload, host, nullptr);
-  trace("call %lld: parameter upload of %s enqueued (%s; %.1f ms)",
-        static_cast<long long>(job.call->id), job.describe().c_str(),
-        prefetch ? "prefetch" : "at its start", ms_since(start));
+  ROUNDPIPE_TRACE("call %lld: parameter upload of %s enqueued (%s; %.1f ms)",
+                  static_cast<long long>(job.call->id), job.describe().c_str(),
+                  prefetch ? "prefetch" : "at its start", ms_since(start));
   job.device_params = std::move(copies);
   job.params_ready = event;
   // Once the copies have read the home tensors, the optimizer may publish.
@@ -1453,9 +1460,9 @@ struct StageRunner {
     for (int l = job.range.begin; l < job.range.end; ++l) {
       instances[l] = engine.acquire_instance(l, device);
     }
-    if (tracing() && ms_since(start) > 0.5)
-      trace("call %lld: layer instances took %.1f ms", static_cast<long long>(call.id),
-            ms_since(start));
+    if (ms_since(start) > 0.5)
+      ROUNDPIPE_TRACE("call %lld: layer instances took %.1f ms", static_cast<long long>(call.id),
+                      ms_since(start));
     if (job.kind == kForwardJob) run_forward();
     if (job.kind == kBackwardJob) run_backward();
     if (job.kind == kTailJob) run_tail();
@@ -1855,9 +1862,9 @@ std::shared_ptr<CallState> Engine::start_call(const c10::IValue& input, const Ru
   call->preserve_rng = *call->config.preserve_rng_state;
   call->weights_version = version_for_new_calls_;
   call->id = calls_started_++;
-  trace("call %lld: starts after %.1f ms waiting for earlier calls, reads weights v%lld",
-        static_cast<long long>(call->id), ms_since(start),
-        static_cast<long long>(call->weights_version));
+  ROUNDPIPE_TRACE("call %lld: starts after %.1f ms waiting for earlier calls, reads weights v%lld",
+                  static_cast<long long>(call->id), ms_since(start),
+                  static_cast<long long>(call->weights_version));
   background_calls_.push_back(call);
   TORCH_CHECK(call->n >= 1, name_, ": num_microbatch must be at least 1, got ", call->n);
   call->plan =
@@ -2171,9 +2178,9 @@ ForwardBackwardResult Engine::forward_backward(const c10::IValue& input, const c
     dispatch(call, kBackwardJob, plan.backward[i], static_cast<int>(i));
   }
   auto losses = collect(call, call->losses);
-  trace("call %lld: losses collected", static_cast<long long>(call->id));
-  // From here the call's backward stages run on in the background; fence(),
-  // step() and synchronize() report their errors.
+  ROUNDPIPE_TRACE("call %lld: losses collected", static_cast<long long>(call->id));
+  // From here the call's backward stages run on in the background; the next
+  // call, step() and synchronize() report their errors.
   unconsumed_calls_.push_back(call);
   ForwardBackwardResult result;
   at::Tensor total = losses[0].toTensor().clone();
