@@ -27,22 +27,26 @@ if [ "$tests" = ON ]; then
   grep -E '^\[  (PASSED|FAILED)' "$out/gpu_tests.log" | tail -8
 fi
 steps="${STEPS:-10}"
+# bench LOG ARGS...: roundpipe-bench with ARGS appended to LOG, then its
+# table (without the per-layer timings and trace lines) on stdout.
+bench() {
+  local log="$out/$1"; shift
+  ROUNDPIPE_TRACE="${TRACE:-}" ./build-gpu/roundpipe-bench --steps "$steps" --verbose "$@" >> "$log" 2>&1
+  grep -v '^  layer\|^\[trace' "$log" | grep -A18 '^roundpipe-bench' | tail -20
+}
 for shape in ${SHAPES:-1.7B 4B}; do
   devices_for_shape="${DEVICES:-cuda}"
   [ "$shape" = 4B ] && devices_for_shape="${DEVICES_4B:-$devices_for_shape}"
   for devices in $devices_for_shape; do
-    ROUNDPIPE_TRACE="${TRACE:-}" ./build-gpu/roundpipe-bench --shape "$shape" --batch 16 --seq 4096 --microbatches 4 --warmup "${WARMUP:-5}" \
-      --steps "$steps" --devices "$devices" --verbose --profile "${PROFILE:-2}" \
-      > "$out/bench_${shape}_${devices/:/}.log" 2>&1
-    grep -v "^  layer\|^\[trace" "$out/bench_${shape}_${devices/:/}.log" | grep -A18 '^roundpipe-bench' | head -20
+    log="bench_${shape}_${devices/:/}.log"
+    : > "$out/$log"
+    bench "$log" --shape "$shape" --batch 16 --seq 4096 --microbatches 4 --warmup "${WARMUP:-5}" \
+      --devices "$devices" --profile "${PROFILE:-2}"
     if [ -n "${COMPARE_PIPELINE:-}" ] && [ "$devices" = cuda ]; then
       # The same on the pipelined plan (replicated tails off), appended.
-      echo "=== ROUNDPIPE_TAIL_REPLICAS=0 (pipelined plan) ===" >> "$out/bench_${shape}_${devices/:/}.log"
-      ROUNDPIPE_TAIL_REPLICAS=0 ./build-gpu/roundpipe-bench --shape "$shape" --batch 16 --seq 4096 --microbatches 4 \
-        --warmup "${WARMUP:-5}" --steps "$steps" --devices "$devices" --verbose --profile 0 \
-        >> "$out/bench_${shape}_${devices/:/}.log" 2>&1
-      sed -n '/=== ROUNDPIPE_TAIL_REPLICAS=0/,$p' "$out/bench_${shape}_${devices/:/}.log" | grep -v "^  layer" |
-        grep -A3 '^train:'
+      echo "=== ROUNDPIPE_TAIL_REPLICAS=0 (pipelined plan) ===" >> "$out/$log"
+      ROUNDPIPE_TAIL_REPLICAS=0 bench "$log" --shape "$shape" --batch 16 --seq 4096 --microbatches 4 \
+        --warmup "${WARMUP:-5}" --devices "$devices" --profile 0
     fi
   done
   if [ -z "${SKIP_HF:-}" ]; then
@@ -55,10 +59,9 @@ if [ -z "${SKIP_TRANSFER:-}" ]; then
   # 4096-token sequence, an 8 GiB plan limit (several stages, each uploaded
   # in forward and again in backward): the uploads set the pace, so the H2D
   # line shows how close they run to the measured copy rate.
-  ROUNDPIPE_TRACE="${TRACE:-}" ./build-gpu/roundpipe-bench --shape 1.7B --batch 1 --seq 4096 --microbatches 1 --freeze-linear \
-    --memory-cap 8 --warmup 3 --steps "$steps" --devices cuda:0 --verbose --profile "${PROFILE:-2}" \
-    > "$out/bench_transfer_bound.log" 2>&1
-  grep -v '^  layer\|^\[trace' "$out/bench_transfer_bound.log" | grep -A18 '^roundpipe-bench' | head -20
+  : > "$out/bench_transfer_bound.log"
+  bench bench_transfer_bound.log --shape 1.7B --batch 1 --seq 4096 --microbatches 1 --freeze-linear \
+    --memory-cap 8 --warmup 3 --devices cuda:0 --profile "${PROFILE:-2}"
 fi
 if [ -z "${SKIP_MAX_SEQ:-}" ]; then
   ./build-gpu/roundpipe-bench --shape 1.7B --max-seq --recompute layer --memory-cap 24 \
