@@ -143,8 +143,10 @@ class RoundPipe {
 
   // Fused training call: per microbatch forward, loss_fn, backward; the last
   // backward stage does all three without recompute. Returns once the losses
-  // are known; the remaining backward stages run on in the background and
-  // are fenced against the next call and synchronize().
+  // are known; the remaining backward stages run on in the background,
+  // overlapping the next call (which waits only for this call's buffer
+  // writes); synchronize() waits for them. Their errors reach the caller at
+  // the next call, step() or synchronize().
   ForwardBackwardResult forward_backward(const c10::IValue& input, const c10::IValue& label,
                                          const LossFn& loss_fn, bool return_outputs = false,
                                          const RunConfig& config = {});
