@@ -118,35 +118,21 @@ struct CallState {
   std::map<int, std::map<int, at::Tensor>> replica_grads;
   int64_t weights_version = 0;  // the optimizer version its uploads read
 
-  // Jobs and host tasks of this call still to run; of those, the forward-side
-  // ones (forward and tail jobs and their buffer commits), which the next
-  // call waits for: it reads the buffers they commit.
+  // Jobs and host tasks of this call still to run.
   std::mutex work_mu;
   std::condition_variable work_cv;
   int outstanding = 0;
-  int forward_outstanding = 0;
-  void begin_work(bool forward_side = false) {
+  void begin_work() {
     std::lock_guard<std::mutex> lock(work_mu);
     ++outstanding;
-    if (forward_side) ++forward_outstanding;
   }
-  void end_work(bool forward_side = false) {
+  void end_work() {
     std::lock_guard<std::mutex> lock(work_mu);
-    --outstanding;
-    if (forward_side) --forward_outstanding;
-    if (outstanding == 0 || forward_outstanding == 0) work_cv.notify_all();
+    if (--outstanding == 0) work_cv.notify_all();
   }
   void wait_idle() {
     std::unique_lock<std::mutex> lock(work_mu);
     work_cv.wait(lock, [&] { return outstanding == 0; });
-  }
-  void wait_forward_side() {
-    std::unique_lock<std::mutex> lock(work_mu);
-    work_cv.wait(lock, [&] { return forward_outstanding == 0; });
-  }
-  bool idle() {
-    std::lock_guard<std::mutex> lock(work_mu);
-    return outstanding == 0;
   }
 
   std::atomic<bool> aborted{false};
@@ -221,9 +207,21 @@ struct Job {
   }
   std::vector<int> param_ids;  // unique parameters of the stage, set at dispatch
   bool reads_released = false;
-  // Filled by the worker: this stage's parameters on its device.
+  // Filled by the worker's uploader thread (upload_done under Worker::mu_):
+  // this stage's parameters on its device, or the error of their upload.
+  // A job of an aborted call is done without an upload.
   std::vector<at::Tensor> device_params;
   EventPtr params_ready;
+  bool upload_done = false;
+  std::exception_ptr upload_error;
+  // Set by the worker (under Worker::mu_) once it has enqueued the job: the
+  // compute-queue event at its end. Shared with the uploader, which must
+  // not keep the job (and its call's host memory) alive.
+  std::shared_ptr<EventPtr> end = std::make_shared<EventPtr>();
+  // Layers whose buffer commit later calls wait for (forward side only),
+  // and whether the commit was posted (else job_finished settles it).
+  std::vector<int> commit_layers;
+  bool commit_posted = false;
 };
 
 // ---------------------------------------------------------------- helpers
@@ -465,8 +463,12 @@ void HostTasks::loop() {
 
 // ---------------------------------------------------------------- workers
 
-// One thread per device; runs one stage job at a time, in dispatch order,
-// and prefetches the parameters of the job queued behind it.
+// Two threads per device. The worker runs one stage job at a time, in
+// dispatch order. The uploader walks the same queue and uploads each job's
+// parameters as soon as memory allows: once the job two before it has left
+// the device, so at most two stages' parameters are resident (one running,
+// one arriving), as the plan's memory budget assumes. That host wait is the
+// uploader's alone: the worker never stops enqueuing compute for it.
 class Worker {
  public:
   Worker(Engine& engine, DevicePtr device) : engine_(engine), device_(std::move(device)) {
@@ -476,6 +478,12 @@ class Worker {
       trace_who = trace_name_.c_str();
       loop();
     });
+    uploader_ = std::thread([this] {
+      device_->bind_compute_thread();
+      uploader_name_ = device_->name() + " uploader";
+      trace_who = uploader_name_.c_str();
+      upload_loop();
+    });
   }
   ~Worker() {
     {
@@ -484,17 +492,32 @@ class Worker {
       cv_.notify_all();
     }
     thread_.join();
+    uploader_.join();
   }
   void submit(std::shared_ptr<Job> job) {
     std::lock_guard<std::mutex> lock(mu_);
-    jobs_.push_back(std::move(job));
+    jobs_.push_back(job);
+    uploads_.push_back(std::move(job));
     cv_.notify_all();
   }
   Device& device() { return *device_; }
 
-  // Starts the parameter upload of the next queued job (one stage ahead).
-  void prefetch_next();
-  void ensure_params(Job& job, bool prefetch = false);
+  // Waits until the uploader has enqueued the job's parameter upload (the
+  // compute queue then waits for job.params_ready on the device); rethrows
+  // the upload's error.
+  void wait_for_upload(Job& job) {
+    const auto start = std::chrono::steady_clock::now();
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait(lock, [&] { return job.upload_done; });
+    }
+    if (ms_since(start) > 0.5)
+      ROUNDPIPE_TRACE("call %lld: waited %.1f ms for the upload of %s",
+                      static_cast<long long>(job.call->id), ms_since(start),
+                      job.describe().c_str());
+    if (job.upload_error) std::rethrow_exception(job.upload_error);
+    if (!job.params_ready) throw CallAborted{};  // skipped: the call failed meanwhile
+  }
 
  private:
   void loop() {
@@ -511,43 +534,67 @@ class Worker {
       engine_.run_job(*job, *this);
       ROUNDPIPE_TRACE("call %lld: enqueued %s", static_cast<long long>(job->call->id),
                       job->describe().c_str());
-      job_ends_.push_back(device_->record(Queue::kCompute));
-      if (job_ends_.size() > 2) job_ends_.pop_front();
+      auto end = device_->record(Queue::kCompute);
       {
-        std::lock_guard<std::mutex> lock(mu_);
+        // The uploader is done with this job too (a job of an aborted call
+        // returns without waiting for it): its reads can be released.
+        std::unique_lock<std::mutex> lock(mu_);
+        cv_.wait(lock, [&] { return job->upload_done; });
+        *job->end = std::move(end);
         jobs_.pop_front();
+        cv_.notify_all();
       }
       engine_.job_finished(*job);
     }
   }
 
+  void upload_loop() {
+    std::deque<std::shared_ptr<EventPtr>> recent;  // ends of the (up to) two jobs before
+    for (;;) {
+      std::shared_ptr<Job> job;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        cv_.wait(lock, [&] { return stop_ || !uploads_.empty(); });
+        if (uploads_.empty()) return;
+        job = uploads_.front();
+        uploads_.pop_front();
+      }
+      const auto start = std::chrono::steady_clock::now();
+      if (recent.size() == 2) {
+        EventPtr two_back;
+        {
+          std::unique_lock<std::mutex> lock(mu_);
+          cv_.wait(lock, [&] { return *recent.front() != nullptr; });
+          two_back = *recent.front();
+        }
+        two_back->synchronize();
+        recent.pop_front();
+      }
+      recent.push_back(job->end);
+      try {
+        upload(*job, start);
+      } catch (...) {
+        job->upload_error = std::current_exception();
+      }
+      std::lock_guard<std::mutex> lock(mu_);
+      job->upload_done = true;
+      cv_.notify_all();
+    }
+  }
+
+  void upload(Job& job, std::chrono::steady_clock::time_point start);
+
   Engine& engine_;
   DevicePtr device_;
   std::mutex mu_;
   std::condition_variable cv_;
-  std::deque<std::shared_ptr<Job>> jobs_;  // front: the running job
+  std::deque<std::shared_ptr<Job>> jobs_;     // front: the running job
+  std::deque<std::shared_ptr<Job>> uploads_;  // front: the next upload
   bool stop_ = false;
-  std::string trace_name_;
-  // Compute-queue events at the end of the last two jobs this worker
-  // enqueued, oldest first (worker thread only). A stage's parameters are
-  // allocated once the job two before it has left the device: however far
-  // the host runs ahead, at most two stages' parameters are resident (one
-  // running, one arriving), as the plan's memory budget assumes.
-  std::deque<EventPtr> job_ends_;
-  std::thread thread_;
+  std::string trace_name_, uploader_name_;
+  std::thread thread_, uploader_;
   friend class Engine;
 };
-
-void Worker::prefetch_next() {
-  std::shared_ptr<Job> next;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (jobs_.size() < 2) return;
-    next = jobs_[1];
-  }
-  if (next->params_ready || next->call->aborted || !engine_.params_published(*next)) return;
-  ensure_params(*next, /*prefetch=*/true);
-}
 
 // ---------------------------------------------------------------- engine
 
@@ -899,7 +946,8 @@ void Engine::release_instance(int layer, std::unique_ptr<LayerInstance> instance
 
 void Engine::job_finished(Job& job) {
   release_reads(job);
-  job.call->end_work(/*forward_side=*/job.kind != kBackwardJob);
+  if (!job.commit_posted) settle_commits(job);
+  job.call->end_work();
   std::lock_guard<std::mutex> lock(inflight_mu_);
   --inflight_;
   inflight_cv_.notify_all();
@@ -919,14 +967,6 @@ bool Engine::weights_available(const ParamEntry& entry, int64_t version) {
          !entry.home.requires_grad();
 }
 
-bool Engine::params_published(const Job& job) {
-  std::lock_guard<std::mutex> lock(versions_mu_);
-  for (int id : job.param_ids) {
-    if (!weights_available(params_[id], job.call->weights_version)) return false;
-  }
-  return true;
-}
-
 std::vector<at::Tensor> Engine::weights_to_upload(const Job& job) {
   std::lock_guard<std::mutex> lock(versions_mu_);
   std::vector<at::Tensor> host;
@@ -939,18 +979,22 @@ std::vector<at::Tensor> Engine::weights_to_upload(const Job& job) {
   return host;
 }
 
-void Engine::wait_params_published(const Job& job) {
+bool Engine::wait_params_published(const Job& job) {
   const auto start = std::chrono::steady_clock::now();
+  bool available = false;
   {
     std::unique_lock<std::mutex> lock(versions_mu_);
-    versions_cv_.wait(lock, [&] {
-      for (int id : job.param_ids) {
-        if (!weights_available(params_[id], job.call->weights_version)) return false;
-      }
-      return true;
-    });
+    // (A failing call sets `aborted` without this condition variable.)
+    while (!job.call->aborted) {
+      available = std::all_of(job.param_ids.begin(), job.param_ids.end(), [&](int id) {
+        return weights_available(params_[id], job.call->weights_version);
+      });
+      if (available) break;
+      versions_cv_.wait_for(lock, std::chrono::milliseconds(10));
+    }
   }
   add_seconds(&PipelineStats::weight_wait_seconds, start);
+  return available;
 }
 
 void Engine::add_seconds(double PipelineStats::*field,
@@ -984,17 +1028,43 @@ void Engine::report_failed_call() {
   }
 }
 
-void Engine::wait_for_earlier_calls() {
-  std::erase_if(background_calls_, [](const auto& weak) {
-    auto call = weak.lock();
-    return !call || call->idle();
-  });
-  for (const auto& weak : background_calls_) {
-    if (auto call = weak.lock()) call->wait_forward_side();
-  }
+void Engine::check_earlier_calls() {
   optimizer_.rethrow_failure();
   host_tasks_.rethrow_failure();
   report_failed_call();
+}
+
+void Engine::settle_commits(const std::vector<int>& layers, int64_t call_id) {
+  std::lock_guard<std::mutex> lock(commits_mu_);
+  for (int l : layers) {
+    auto& pending = pending_commits_[l];
+    pending.erase(pending.find(call_id));
+  }
+  commits_cv_.notify_all();
+}
+
+void Engine::settle_commits(Job& job) {
+  settle_commits(job.commit_layers, job.call->id);
+}
+
+void Engine::wait_for_earlier_commits(const Job& job) {
+  const auto start = std::chrono::steady_clock::now();
+  std::unique_lock<std::mutex> lock(commits_mu_);
+  auto earlier_pending = [&] {
+    for (int l : job.commit_layers) {
+      const auto& pending = pending_commits_[l];
+      if (!pending.empty() && *pending.begin() < job.call->id) return true;
+    }
+    return false;
+  };
+  // (A failing call sets `aborted` without this condition variable.)
+  while (earlier_pending()) {
+    if (job.call->aborted) throw CallAborted{};
+    commits_cv_.wait_for(lock, std::chrono::milliseconds(10));
+  }
+  if (ms_since(start) > 0.5)
+    ROUNDPIPE_TRACE("call %lld: waited %.1f ms for earlier calls' buffer commits",
+                    static_cast<long long>(job.call->id), ms_since(start));
 }
 
 void Engine::gradients_delivered(CallState& call, const std::vector<int>& ids) {
@@ -1353,7 +1423,16 @@ void Engine::dispatch(const std::shared_ptr<CallState>& call, int kind, const La
       if (params_[id].home.requires_grad()) ++call->grad_pending[id];
     }
   }
-  call->begin_work(/*forward_side=*/kind != kBackwardJob);
+  if (kind != kBackwardJob) {
+    // Later calls' forwards of these layers read the buffers it commits.
+    std::lock_guard<std::mutex> lock(commits_mu_);
+    for (int l = range.begin; l < range.end; ++l) {
+      if (layers_[l]->buffers().empty()) continue;
+      job->commit_layers.push_back(l);
+      pending_commits_[l].insert(call->id);
+    }
+  }
+  call->begin_work();
   {
     std::lock_guard<std::mutex> lock(inflight_mu_);
     ++inflight_;
@@ -1361,20 +1440,13 @@ void Engine::dispatch(const std::shared_ptr<CallState>& call, int kind, const La
   workers_[pool_.next()]->submit(std::move(job));
 }
 
-void Worker::ensure_params(Job& job, bool prefetch) {
-  if (job.params_ready) return;
+void Worker::upload(Job& job, std::chrono::steady_clock::time_point start) {
   auto& engine = engine_;
-  const auto start = std::chrono::steady_clock::now();
-  engine.wait_params_published(job);
-  // The job two before this one: for a prefetch (the next job) the last one
-  // enqueued, for the running job the one before that.
-  const size_t back = prefetch ? 1 : 2;
-  if (job_ends_.size() >= back) job_ends_[job_ends_.size() - back]->synchronize();
+  if (!engine.wait_params_published(job)) return;  // the call failed: nothing to run
   const auto host = engine.weights_to_upload(job);
   auto [copies, event] = device_->upload(Queue::kParamUpload, host, nullptr);
-  ROUNDPIPE_TRACE("call %lld: parameter upload of %s enqueued (%s; %.1f ms)",
-                  static_cast<long long>(job.call->id), job.describe().c_str(),
-                  prefetch ? "prefetch" : "at its start", ms_since(start));
+  ROUNDPIPE_TRACE("call %lld: parameter upload of %s enqueued (after %.1f ms)",
+                  static_cast<long long>(job.call->id), job.describe().c_str(), ms_since(start));
   job.device_params = std::move(copies);
   job.params_ready = event;
   // Once the copies have read the home tensors, the optimizer may publish.
@@ -1454,8 +1526,7 @@ struct StageRunner {
 
   void run() {
     phase = "parameter upload";
-    worker.ensure_params(job);
-    worker.prefetch_next();
+    worker.wait_for_upload(job);
     const auto start = std::chrono::steady_clock::now();
     for (int l = job.range.begin; l < job.range.end; ++l) {
       instances[l] = engine.acquire_instance(l, device);
@@ -1478,6 +1549,8 @@ struct StageRunner {
   // recompute the snapshot taken before the forward's first microbatch).
   void bind_instances() {
     if (buffers_bound) return;
+    phase = "buffer commit of an earlier call";
+    if (job.kind != kBackwardJob) engine.wait_for_earlier_commits(job);
     phase = "parameter upload";
     std::unordered_map<int, at::Tensor> by_id;
     for (size_t i = 0; i < job.param_ids.size(); ++i)
@@ -1500,7 +1573,9 @@ struct StageRunner {
       counts.push_back(buffers.size());
       host_buffers.insert(host_buffers.end(), buffers.begin(), buffers.end());
     }
-    auto [device_buffers, event] = device.upload(Queue::kParamUpload, host_buffers, nullptr);
+    // On the activation queue: the parameter queue may already carry the
+    // next job's upload, which this job's compute must not wait for.
+    auto [device_buffers, event] = device.upload(Queue::kActUpload, host_buffers, nullptr);
     buffers_ready = event;
     size_t next = 0;
     for (int l = job.range.begin; l < job.range.end; ++l) {
@@ -1573,7 +1648,6 @@ struct StageRunner {
       auto [out, event] = download_value(device, x, engine.host_allocator_);
       CallState::put(*call.act.at(r.end)[m], out, {}, event, out_rng);
       flush_timings();
-      worker.prefetch_next();
     }
   }
 
@@ -1646,7 +1720,6 @@ struct StageRunner {
       layer = -1;
       flush_timings();
       send_input_grads(r.begin, m, leaves);
-      worker.prefetch_next();
     }
   }
 
@@ -1700,6 +1773,20 @@ struct StageRunner {
                     "loss tensor, got ", loss.defined() ? loss.sizes() : at::IntArrayRef{});
         TORCH_CHECK(loss.device() == device.torch_device(), "loss_fn returned a loss on ",
                     loss.device(), " while running on ", device.name());
+        // The loss (and output) go back before the backward is enqueued:
+        // the caller has them, and may issue the next call, while this
+        // microbatch's backward still runs.
+        phase = "download";
+        auto [host_loss, loss_event] =
+            download_flat(device, {loss.detach().reshape({})}, engine.host_allocator_);
+        CallState::put(*call.losses[m], {}, host_loss, loss_event, {});
+        if (call.return_outputs) {
+          auto [out, event] = download_value(
+              device,
+              map_tensors(x, [](const at::Tensor& t) { return t.defined() ? t.detach() : t; }),
+              engine.host_allocator_);
+          CallState::put(*call.outputs[m], out, {}, event, {});
+        }
         phase = "backward";
         auto start = mark();
         if (loss.requires_grad()) torch::autograd::backward({loss.reshape({})});
@@ -1728,18 +1815,6 @@ struct StageRunner {
       }
       flush_timings();
       if (r.begin > 0) send_input_grads(r.begin, m, leaves);
-      phase = "download";
-      auto [host_loss, loss_event] =
-          download_flat(device, {loss.detach().reshape({})}, engine.host_allocator_);
-      CallState::put(*call.losses[m], {}, host_loss, loss_event, {});
-      if (call.return_outputs) {
-        auto [out, event] = download_value(
-            device,
-            map_tensors(x, [](const at::Tensor& t) { return t.defined() ? t.detach() : t; }),
-            engine.host_allocator_);
-        CallState::put(*call.outputs[m], out, {}, event, {});
-      }
-      worker.prefetch_next();
     }
   }
 
@@ -1802,17 +1877,26 @@ struct StageRunner {
     }
     if (device_buffers.empty()) return;
     auto [host, event] = device.download(device_buffers, engine.host_allocator_);
-    job.call->begin_work(/*forward_side=*/true);
-    engine.host_tasks_.post(event, [&engine = engine, call = job.call, homes, host] {
-      for (size_t i = 0; i < homes.size(); ++i) {
-        // Seen once, a buffer write rules out replicated tails (their
-        // commits would race).
-        if (!engine.buffers_written_ && !homes[i].equal(host[i])) engine.buffers_written_ = true;
-        homes[i].copy_(host[i]);
-      }
-      if (call->training) engine.buffers_committed_ = true;  // (eval mode may not write)
-      call->end_work(/*forward_side=*/true);
-    });
+    job.call->begin_work();
+    job.commit_posted = true;
+    engine.host_tasks_.post(
+        event, [&engine = engine, call = job.call, homes, host, layers = job.commit_layers] {
+          struct Settle {  // whatever happens: later calls must not wait forever
+            Engine& engine;
+            const std::vector<int>& layers;
+            int64_t id;
+            ~Settle() { engine.settle_commits(layers, id); }
+          } settle{engine, layers, call->id};
+          for (size_t i = 0; i < homes.size(); ++i) {
+            // Seen once, a buffer write rules out replicated tails (their
+            // commits would race).
+            if (!engine.buffers_written_ && !homes[i].equal(host[i]))
+              engine.buffers_written_ = true;
+            homes[i].copy_(host[i]);
+          }
+          if (call->training) engine.buffers_committed_ = true;  // (eval mode may not write)
+          call->end_work();
+        });
   }
 };
 
@@ -1851,7 +1935,7 @@ void Engine::run_job(Job& job, Worker& worker) {
 std::shared_ptr<CallState> Engine::start_call(const c10::IValue& input, const RunConfig& config,
                                               bool fused, bool training) {
   const auto start = std::chrono::steady_clock::now();
-  wait_for_earlier_calls();
+  check_earlier_calls();
   add_seconds(&PipelineStats::call_start_wait_seconds, start);
   auto call = std::make_shared<CallState>();
   call->config = resolve(config);
@@ -1865,7 +1949,6 @@ std::shared_ptr<CallState> Engine::start_call(const c10::IValue& input, const Ru
   ROUNDPIPE_TRACE("call %lld: starts after %.1f ms waiting for earlier calls, reads weights v%lld",
                   static_cast<long long>(call->id), ms_since(start),
                   static_cast<long long>(call->weights_version));
-  background_calls_.push_back(call);
   TORCH_CHECK(call->n >= 1, name_, ": num_microbatch must be at least 1, got ", call->n);
   call->plan =
       call->config.execute_plan ? *call->config.execute_plan : default_plan(fused, call->n);
@@ -2203,7 +2286,6 @@ void Engine::synchronize() {
   wait_for_jobs();
   host_tasks_.drain();
   optimizer_.drain();
-  background_calls_.clear();  // all idle now
   if (pending_publish_ >= 0) {
     publish(pending_publish_);
     version_for_new_calls_ = pending_publish_;

@@ -14,6 +14,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <thread>
 #include <vector>
 
@@ -136,11 +137,16 @@ class Engine {
   // (A parameter's weights of a version are available once published, or
   // once staged by a fused async step.)
   static bool weights_available(const ParamEntry& entry, int64_t version);
-  bool params_published(const Job& job);
-  void wait_params_published(const Job& job);
+  // Waits until the job's weights version is available; false when its
+  // call failed first.
+  bool wait_params_published(const Job& job);
   // The host tensors that hold the job's weights version (home or staging).
   std::vector<at::Tensor> weights_to_upload(const Job& job);
   void release_reads(Job& job);
+  // Buffer commits (see pending_commits_).
+  void wait_for_earlier_commits(const Job& job);
+  void settle_commits(Job& job);
+  void settle_commits(const std::vector<int>& layers, int64_t call_id);
   void run_backward_pass(const std::shared_ptr<CallState>& call);
   std::unique_ptr<LayerInstance> acquire_instance(int layer, Device& device);
   void release_instance(int layer, std::unique_ptr<LayerInstance> instance);
@@ -156,11 +162,11 @@ class Engine {
   // Waits for every job and host task of earlier calls; rethrows an error a
   // background backward pass left behind.
   void fence();
-  // What a new call waits for: the forward side of earlier calls (their
-  // buffer commits), not their backward stages, which run on ahead of it in
-  // the workers' queues (weight versions order the uploads). Rethrows
-  // errors already reported, like fence().
-  void wait_for_earlier_calls();
+  // What a new call checks first: errors earlier calls left behind
+  // (reported once, like fence()). It waits for nothing: earlier calls'
+  // stages run on ahead of it in the workers' queues (weight versions
+  // order the uploads, per-layer commits the buffers).
+  void check_earlier_calls();
   // Rethrows (once) the error of an unconsumed call that failed.
   void report_failed_call();
   // Waits until no stage job is queued or running on any device.
@@ -242,9 +248,12 @@ class Engine {
   int inflight_ = 0;
   // Training calls whose gradients no step() or synchronize() took yet.
   std::vector<std::shared_ptr<CallState>> unconsumed_calls_;
-  // Calls that may still have work in flight (weak: a finished call's
-  // memory goes back as soon as its jobs and step let go of it).
-  std::vector<std::weak_ptr<CallState>> background_calls_;
+  // Buffer commits: per layer, the ids of calls whose forward-side job
+  // for it has not committed yet. A call's forward of the layer waits for
+  // those of earlier calls (the buffers it uploads are theirs).
+  std::mutex commits_mu_;
+  std::condition_variable commits_cv_;
+  std::map<int, std::multiset<int64_t>> pending_commits_;
 
   std::mutex versions_mu_;
   std::condition_variable versions_cv_;

@@ -1,6 +1,8 @@
 // Errors a user or a layer can cause: each gives a clear message, and the
 // RoundPipe stays usable for the next call. On every backend.
+#include <roundpipe/optim/adam.h>
 #include <torch/nn/functional/loss.h>
+#include <torch/optim/adam.h>
 
 #include <atomic>
 
@@ -212,6 +214,48 @@ TEST(Errors, SimulatedOutOfMemoryThenASmallerPlanFits) {
   auto out =
       pipe.forward(x, RunConfig().set_execute_plan(ExecutePlan::one_layer_per_stage(4, false)));
   EXPECT_TENSOR_NEAR(out, m->forward(x), 1e-5, "after the out-of-memory error");
+}
+
+// The uploader runs ahead of the worker, but only so far: a stage's
+// parameters arrive once the stage two before it has left the device. On
+// one device whose memory fits two one-layer stages and not three, a
+// per-layer plan trains (three Adam steps) like plain LibTorch, however
+// the copies' timing falls (jitter).
+TEST(Errors, AtMostTwoStagesResidentUnderATightBudget) {
+  torch::manual_seed(0);
+  auto make = [] {
+    torch::manual_seed(3);
+    return torch::nn::Sequential(torch::nn::Linear(64, 64), torch::nn::Tanh(),
+                                 torch::nn::Linear(64, 64), torch::nn::Tanh(),
+                                 torch::nn::Linear(64, 64), torch::nn::Linear(64, 4));
+  };
+  auto model = make(), oracle = make();
+  // 16.6 KB per linear: two resident fit in 40 KiB with the activations, three do not.
+  RoundPipe pipe(model, RoundPipeOptions().set_devices("sim:1,mem=40KiB,jitter_us=300"));
+  const int L = pipe.num_layers();
+  auto config = RunConfig().set_num_microbatch(2).set_execute_plan(
+      ExecutePlan::one_layer_per_stage(L, /*fused=*/true));
+  optim::Adam adam(pipe.optim_parameters(), optim::AdamConfig().set_lr(1e-2));
+  torch::optim::Adam adam_ref(oracle->parameters(), torch::optim::AdamOptions(1e-2));
+  std::vector<at::Tensor> losses;
+  std::vector<at::Tensor> xs, ys;
+  for (int step = 0; step < 3; ++step) {
+    xs.push_back(at::randn({8, 64}, at::detail::createCPUGenerator(10 + step)));
+    ys.push_back(at::randn({8, 4}, at::detail::createCPUGenerator(20 + step)));
+    losses.push_back(pipe.forward_backward(xs[step], ys[step], mse_loss, false, config).loss);
+    pipe.step(adam, /*is_async=*/false);
+  }
+  pipe.synchronize();
+  EXPECT_LE(pipe.devices().at(0)->memory_stats().peak_bytes, 40 * 1024);
+  for (int step = 0; step < 3; ++step) {
+    auto loss = plain_microbatch_loss(oracle, xs[step], ys[step], 2, c10::Device(c10::kCPU));
+    EXPECT_TENSOR_NEAR(losses[step], loss, 1e-5, "loss at step " << step);
+    loss.backward();
+    adam_ref.step();
+    adam_ref.zero_grad();
+  }
+  auto p = model->parameters(), q = oracle->parameters();
+  for (size_t i = 0; i < p.size(); ++i) EXPECT_TENSOR_NEAR(p[i], q[i], 1e-5, "parameter " << i);
 }
 
 TEST(Errors, BadConstructionArguments) {
