@@ -270,9 +270,10 @@ int train(const Setup& s) {
               device->supports_pinned_memory() ? "pinned" : "pageable");
 
   // Linear-layer parameters (2-D weights; the tied embedding counts once, as lm_head).
-  int64_t linear = 0, all = 0;
+  int64_t linear = 0, all = 0, trainable = 0;
   for (const auto& p : pipe->parameters()) {
     all += p.numel();
+    if (p.requires_grad()) trainable += p.numel();
     if (p.dim() == 2) linear += p.numel();
   }
   roundpipe::optim::Adam adam(pipe->optim_parameters(),
@@ -341,9 +342,14 @@ int train(const Setup& s) {
   std::printf("  parameters %.1fM (linear %.1fM)\n", all / 1e6, linear / 1e6);
   // Host memory of the model state, staging copies and downloads (pin_model=alloc: one arena).
   const auto host = pipe->host_memory_stats();
+  // The model state: the weights, and for each trainable parameter its fp32
+  // master copy and two fp32 Adam moments (on the host, outside the arena).
+  const double model_state = host.model_state_bytes + 12.0 * trainable;
   std::printf(
-      "  host pinned bytes             %12.2f GiB = %.3f x the model-state bytes",
-      host.arena.pinned_bytes / 1073741824.0,
+      "  host pinned bytes             %12.2f GiB = %.3f x the model state (%.2f GiB: weights, "
+      "fp32 masters and moments), %.3f x the weights",
+      host.arena.pinned_bytes / 1073741824.0, host.arena.pinned_bytes / model_state,
+      model_state / 1073741824.0,
       static_cast<double>(host.arena.pinned_bytes) / std::max<int64_t>(host.model_state_bytes, 1));
   if (host.arena.pinned_bytes < host.arena.reserved_bytes) {
     std::printf(" (%.2f GiB of the arena unpinned)",

@@ -1013,6 +1013,7 @@ void Engine::wait_for_jobs() {
 void Engine::fence() {
   wait_for_jobs();
   host_tasks_.drain();
+  grad_tasks_.drain();
   optimizer_.rethrow_failure();
   report_failed_call();
 }
@@ -1031,6 +1032,7 @@ void Engine::report_failed_call() {
 void Engine::check_earlier_calls() {
   optimizer_.rethrow_failure();
   host_tasks_.rethrow_failure();
+  grad_tasks_.rethrow_failure();
   report_failed_call();
 }
 
@@ -1847,7 +1849,7 @@ struct StageRunner {
     auto [host, event] = device.download(grads, engine.host_allocator_);
     job.call->begin_work();
     const int replica = job.microbatch_stride > 1 ? job.first_microbatch : -1;
-    engine.host_tasks_.post(event, [&engine = engine, call = job.call, ids, host, replica,
+    engine.grad_tasks_.post(event, [&engine = engine, call = job.call, ids, host, replica,
                                     delivered = job.param_ids] {
       for (size_t i = 0; i < ids.size(); ++i) {
         at::Tensor* acc;
@@ -2188,6 +2190,7 @@ c10::IValue Engine::forward(const c10::IValue& input, const RunConfig& config) {
   // visible before returning.
   wait_for_jobs();
   host_tasks_.drain();
+  grad_tasks_.drain();
   auto to_output_device = [&](const c10::IValue& v) {
     return to_device(v, *call->config.output_device);
   };
@@ -2285,6 +2288,7 @@ ForwardBackwardResult Engine::forward_backward(const c10::IValue& input, const c
 void Engine::synchronize() {
   wait_for_jobs();
   host_tasks_.drain();
+  grad_tasks_.drain();
   optimizer_.drain();
   if (pending_publish_ >= 0) {
     publish(pending_publish_);

@@ -238,7 +238,12 @@ class Engine {
   HostAllocator host_allocator_;
   int64_t model_state_bytes_ = 0;
   std::vector<std::unique_ptr<Worker>> workers_;
+  // Host work after device events: the light, latency-bound kind (buffer
+  // commits a next call waits for, upload reads the optimizer's publish
+  // waits for, timings), and the gradients' accumulation apart, so that
+  // the former never queue behind the latter's large adds.
   HostTasks host_tasks_;
+  HostTasks grad_tasks_;
 
   std::mutex instances_mu_;
   std::vector<std::vector<std::unique_ptr<LayerInstance>>> free_instances_;
