@@ -115,9 +115,10 @@ class Device {
   // generator, so their compute sections take one process-wide lock.
   virtual std::unique_lock<std::mutex> compute_lock() = 0;
 
-  // A timing mark on the compute queue, and the compute time between two
-  // marks (waits until `end` has completed). Feeds the automatic plan.
-  virtual EventPtr record_timing_mark() = 0;
+  // A timing mark on `queue`, and the device time between two marks of one
+  // queue (waits until `end` has completed). Compute marks feed the
+  // automatic plan its layer times; upload marks time a copy alone.
+  virtual EventPtr record_timing_mark(Queue queue = Queue::kCompute) = 0;
   virtual double seconds_between(const EventPtr& start, const EventPtr& end) = 0;
 
   virtual DeviceMemoryStats memory_stats() const = 0;

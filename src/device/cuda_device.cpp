@@ -30,7 +30,7 @@ class CudaEvent final : public Event {
   at::cuda::CUDAEvent event_;
 };
 
-// An event with timing enabled, on the compute stream.
+// An event with timing enabled.
 class CudaTimingMark final : public Event {
  public:
   explicit CudaTimingMark(const c10::cuda::CUDAStream& stream) : event_(cudaEventDefault) {
@@ -80,9 +80,9 @@ class CudaDevice final : public Device {
     c10::cuda::CUDAStreamGuard guard(stream(queue));
     work();
   }
-  EventPtr record_timing_mark() override {
+  EventPtr record_timing_mark(Queue queue) override {
     c10::cuda::CUDAGuard guard(index_);
-    return std::make_shared<CudaTimingMark>(stream(Queue::kCompute));
+    return std::make_shared<CudaTimingMark>(stream(queue));
   }
   double seconds_between(const EventPtr& start, const EventPtr& end) override {
     auto* a = dynamic_cast<CudaTimingMark*>(start.get());

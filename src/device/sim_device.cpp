@@ -18,12 +18,34 @@
 namespace roundpipe {
 namespace {
 
-// A moment of the (inline) compute queue.
+// A moment of a queue: now for the (inline) compute queue, when the queue's
+// thread reaches it for a copy queue.
 class SimTimingMark final : public Event {
  public:
-  void synchronize() override {}
-  bool query() override { return true; }
-  const std::chrono::steady_clock::time_point time = std::chrono::steady_clock::now();
+  void stamp() {
+    std::lock_guard<std::mutex> lock(mu_);
+    time_ = std::chrono::steady_clock::now();
+    done_ = true;
+    cv_.notify_all();
+  }
+  void synchronize() override {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [&] { return done_; });
+  }
+  bool query() override {
+    std::lock_guard<std::mutex> lock(mu_);
+    return done_;
+  }
+  std::chrono::steady_clock::time_point time() {
+    synchronize();
+    return time_;
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool done_ = false;
+  std::chrono::steady_clock::time_point time_;
 };
 
 class SimEvent final : public Event {
@@ -160,14 +182,20 @@ class SimDevice final : public Device {
       copy_queue(queue).push(std::move(work), false);
     }
   }
-  EventPtr record_timing_mark() override {
-    return std::make_shared<SimTimingMark>();  // compute runs inline: now is when it is done
+  EventPtr record_timing_mark(Queue queue) override {
+    auto mark = std::make_shared<SimTimingMark>();
+    if (queue == Queue::kCompute) {
+      mark->stamp();  // compute runs inline: now is when it is done
+    } else {
+      copy_queue(queue).push([mark] { mark->stamp(); }, false);
+    }
+    return mark;
   }
   double seconds_between(const EventPtr& start, const EventPtr& end) override {
     auto* a = dynamic_cast<SimTimingMark*>(start.get());
     auto* b = dynamic_cast<SimTimingMark*>(end.get());
     TORCH_CHECK(a && b, name(), ": seconds_between needs two timing marks of this device");
-    return std::chrono::duration<double>(b->time - a->time).count();
+    return std::chrono::duration<double>(b->time() - a->time()).count();
   }
 
   EventPtr record(Queue queue) override {
