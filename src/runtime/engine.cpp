@@ -764,6 +764,12 @@ Engine::Engine(std::vector<LayerPtr> layers, RoundPipeOptions options)
     workers_.push_back(std::make_unique<Worker>(*this, device));
   }
   free_instances_.resize(layers_.size());
+  // The link's rate, measured now, while nothing else runs: probed later
+  // (at the first plan on measured times, as it was), it ran beside the
+  // first update's CPU Adam and gradient sums and measured 0.5-3 GB/s of
+  // ~55 on an H200 host, which made the planner split the 1.7B and 4B
+  // models into stages that one would have run faster.
+  (void)upload_bytes_per_second();
 }
 
 Engine::~Engine() {
@@ -850,21 +856,24 @@ PlanEstimate Engine::auto_plan(bool fused, int num_microbatches, int min_stages,
 
 double Engine::upload_bytes_per_second() const {
   std::call_once(upload_probe_once_, [this] {
-    // A parameter-sized upload from the memory parameters live in (the
-    // arena: pinned in alloc mode), timed on the host, the second of two
-    // (the first pays for allocation). 1-64 MiB: a layer's parameters.
+    // A parameter-sized upload (1-64 MiB: a layer's parameters).
     int64_t total = 0;
     for (int64_t b : layer_bytes_) total += b;
-    const int64_t bytes =
-        std::clamp<int64_t>(total / std::max<int64_t>(num_layers(), 1), 1 << 20, 64 << 20);
-    auto host = host_allocator_ ? host_allocator_({bytes}, at::kByte)
-                                : at::empty({bytes}, at::TensorOptions().dtype(at::kByte));
-    host.zero_();
     auto& device = *pool_.at(0);
+    // At most an eighth of a small device's memory (a simulated one may
+    // have a few KiB).
+    const int64_t budget = device.memory_stats().budget_bytes;
+    const int64_t bytes = std::min<int64_t>(
+        std::clamp<int64_t>(total / std::max<int64_t>(num_layers(), 1), 1 << 20, 64 << 20),
+        budget > 0 ? std::max<int64_t>(budget / 8, 1) : int64_t{64} << 20);
+    // Pinned as the homes are (not from the arena, which then holds the
+    // model alone).
+    const bool pinned =
+        options_.pin_model != PinMode::kOff && pool_.at(0)->supports_pinned_memory();
+    auto host = at::empty({bytes}, at::TensorOptions().dtype(at::kByte).pinned_memory(pinned));
+    host.zero_();
     // The copy alone, timed on its queue, the fastest of three after one
-    // that pays for allocation: earlier calls may still run (calls
-    // overlap), and a host clock would also time whatever else the host
-    // and the link are doing (one such probe measured 2 GB/s of 55).
+    // that pays for allocation.
     double seconds = 0;
     for (int i = 0; i < 4; ++i) {
       for (Queue q : {Queue::kCompute, Queue::kDownload, Queue::kParamUpload})

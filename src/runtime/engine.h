@@ -214,7 +214,7 @@ class Engine {
   std::vector<int64_t> layer_grad_bytes_;  // bytes of the parameters that require grad
   std::unique_ptr<LayerTimings> timings_;  // measured per-layer compute times
   // Host-to-device bytes per second, probed once on the first device when
-  // the planner first plans on measured times (0 until then).
+  // the engine is made (before any work competes for the host or the link).
   double upload_bytes_per_second() const;
   mutable std::once_flag upload_probe_once_;
   mutable double upload_bytes_per_second_ = 0;
