@@ -5,7 +5,9 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <condition_variable>
 #include <cstdlib>
 #include <exception>
@@ -92,7 +94,10 @@ class Pool {
   // every core at normal priority, the kernel launches queued behind it and
   // two H200s ran 2-3% below their one-GPU rate per microbatch.
   static void lower_priority() {
-    (void)setpriority(PRIO_PROCESS, static_cast<id_t>(syscall(SYS_gettid)), 10);
+    const auto tid = static_cast<id_t>(syscall(SYS_gettid));
+    errno = 0;
+    const int now = getpriority(PRIO_PROCESS, tid);
+    if (errno == 0) (void)setpriority(PRIO_PROCESS, tid, std::min(now + 10, 19));
   }
 
   std::vector<std::thread> workers_;

@@ -118,6 +118,8 @@ struct CallState {
   std::map<int, std::map<int, at::Tensor>> replica_grads;
   int64_t weights_version = 0;  // the optimizer version its uploads read
 
+  // Buffer commits of this call's forward-side jobs still to land.
+  std::atomic<int> commits_left{0};
   // Jobs and host tasks of this call still to run.
   std::mutex work_mu;
   std::condition_variable work_cv;
@@ -560,21 +562,29 @@ class Worker {
         uploads_.pop_front();
       }
       const auto start = std::chrono::steady_clock::now();
-      if (recent.size() == 2) {
-        EventPtr two_back;
-        {
-          std::unique_lock<std::mutex> lock(mu_);
-          cv_.wait(lock, [&] { return *recent.front() != nullptr; });
-          two_back = *recent.front();
-        }
-        two_back->synchronize();
-        recent.pop_front();
-      }
-      recent.push_back(job->end);
       try {
-        upload(*job, start);
+        if (recent.size() == 2) {
+          EventPtr two_back;
+          {
+            std::unique_lock<std::mutex> lock(mu_);
+            cv_.wait(lock, [&] { return *recent.front() != nullptr; });
+            two_back = *recent.front();
+          }
+          recent.pop_front();
+          // (A device error of that job surfaces here: it becomes this
+          // job's upload error, reported with its context.)
+          two_back->synchronize();
+        }
       } catch (...) {
         job->upload_error = std::current_exception();
+      }
+      recent.push_back(job->end);
+      if (!job->upload_error) {
+        try {
+          upload(*job, start);
+        } catch (...) {
+          job->upload_error = std::current_exception();
+        }
       }
       std::lock_guard<std::mutex> lock(mu_);
       job->upload_done = true;
@@ -773,11 +783,14 @@ Engine::Engine(std::vector<LayerPtr> layers, RoundPipeOptions options)
 }
 
 Engine::~Engine() {
+  // A destructor cannot report: the errors were the caller's to collect.
   try {
     fence();
+  } catch (...) {
+  }
+  try {
     optimizer_.drain();  // no step may run while the members go
   } catch (...) {
-    // A destructor cannot report: the error was the caller's to collect.
   }
   workers_.clear();
   for (void* data : registered_) unregister_host_memory(data);
@@ -825,8 +838,11 @@ PlanEstimate Engine::auto_plan(bool fused, int num_microbatches, int min_stages,
     const char* v = std::getenv("ROUNDPIPE_TAIL_REPLICAS");
     return v == nullptr || std::strcmp(v, "0") != 0;
   }();
+  // (Committed read first: a call's last commit sets it after any of its
+  // commits saw a write.)
+  const bool committed = buffers_committed_;
   request.allow_tail_replicas =
-      replicas_enabled && !buffers_written_ && (buffers_committed_ || !has_buffers_);
+      replicas_enabled && (committed || !has_buffers_) && !buffers_written_;
   request.num_devices = pool_.size();
   request.fused = fused;
   request.num_microbatches = num_microbatches;
@@ -874,15 +890,24 @@ double Engine::upload_bytes_per_second() const {
     host.zero_();
     // The copy alone, timed on its queue, the fastest of three after one
     // that pays for allocation.
+    // A probe that fails leaves the rate unknown (0: uploads count as
+    // free), it does not fail the engine.
     double seconds = 0;
-    for (int i = 0; i < 4; ++i) {
-      for (Queue q : {Queue::kCompute, Queue::kDownload, Queue::kParamUpload})
-        device.record(q)->synchronize();
-      auto start = device.record_timing_mark(Queue::kParamUpload);
-      auto [copy, done] = device.upload(Queue::kParamUpload, {host}, nullptr);
-      auto end = device.record_timing_mark(Queue::kParamUpload);
-      const double s = device.seconds_between(start, end);
-      if (i > 0) seconds = seconds > 0 ? std::min(seconds, s) : s;
+    try {
+      for (int i = 0; i < 4; ++i) {
+        for (Queue q : {Queue::kCompute, Queue::kDownload, Queue::kParamUpload})
+          device.record(q)->synchronize();
+        auto start = device.record_timing_mark(Queue::kParamUpload);
+        auto [copy, done] = device.upload(Queue::kParamUpload, {host}, nullptr);
+        auto end = device.record_timing_mark(Queue::kParamUpload);
+        done->synchronize();  // (rethrows a failed copy)
+        const double s = device.seconds_between(start, end);
+        if (i > 0) seconds = seconds > 0 ? std::min(seconds, s) : s;
+      }
+    } catch (const std::exception& e) {
+      TORCH_WARN(name_, ": the host-to-device rate probe failed (", e.what(),
+                 "); the automatic plan counts uploads as free");
+      seconds = 0;
     }
     upload_bytes_per_second_ = seconds > 0 ? bytes / seconds : 0;
   });
@@ -1025,10 +1050,23 @@ void Engine::wait_for_jobs() {
   inflight_cv_.wait(lock, [&] { return inflight_ == 0; });
 }
 
+void Engine::drain_host_tasks() {
+  // Every queue drains even when one has an error to report (a task left
+  // queued would outlive the members it uses); then the first error.
+  std::exception_ptr error;
+  for (auto* tasks : {&host_tasks_, &grad_tasks_}) {
+    try {
+      tasks->drain();
+    } catch (...) {
+      if (!error) error = std::current_exception();
+    }
+  }
+  if (error) std::rethrow_exception(error);
+}
+
 void Engine::fence() {
   wait_for_jobs();
-  host_tasks_.drain();
-  grad_tasks_.drain();
+  drain_host_tasks();
   optimizer_.rethrow_failure();
   report_failed_call();
 }
@@ -1079,6 +1117,10 @@ void Engine::wait_for_earlier_commits(const Job& job) {
     if (job.call->aborted) throw CallAborted{};
     commits_cv_.wait_for(lock, std::chrono::milliseconds(10));
   }
+  TORCH_CHECK(!commits_failed_, name_,
+              ": an earlier call's buffer commit failed (its error is reported by "
+              "synchronize() or the next call), so the layers' buffers may be half written. "
+              "Restore them from a checkpoint.");
   if (ms_since(start) > 0.5)
     ROUNDPIPE_TRACE("call %lld: waited %.1f ms for earlier calls' buffer commits",
                     static_cast<long long>(job.call->id), ms_since(start));
@@ -1448,6 +1490,7 @@ void Engine::dispatch(const std::shared_ptr<CallState>& call, int kind, const La
       job->commit_layers.push_back(l);
       pending_commits_[l].insert(call->id);
     }
+    if (!job->commit_layers.empty()) ++call->commits_left;
   }
   call->begin_work();
   {
@@ -1556,8 +1599,8 @@ struct StageRunner {
     if (job.kind == kTailJob) run_tail();
     layer = -1;
     microbatch = -1;
-    // Buffer commits first: the next call waits for them, not for the
-    // gradients (whose host-side sums queue on the same thread).
+    // Buffer commits first: a next call's forward of these layers waits
+    // for them, not for the gradients.
     if (job.kind != kBackwardJob) commit_buffers();
     if (job.kind != kForwardJob) download_param_grads();
   }
@@ -1864,18 +1907,29 @@ struct StageRunner {
     auto [host, event] = device.download(grads, engine.host_allocator_);
     job.call->begin_work();
     const int replica = job.microbatch_stride > 1 ? job.first_microbatch : -1;
-    engine.grad_tasks_.post(event, [&engine = engine, call = job.call, ids, host, replica,
-                                    delivered = job.param_ids] {
-      for (size_t i = 0; i < ids.size(); ++i) {
-        at::Tensor* acc;
-        {
-          std::lock_guard<std::mutex> lock(engine.grads_mu_);
-          // (map nodes stay put while other threads insert)
-          acc = replica < 0 ? &call->param_grads[ids[i]] : &call->replica_grads[ids[i]][replica];
+    // The event is waited for inside the task: a failure fails the call
+    // (with its context) instead of leaving the optimizer waiting for
+    // gradients that never come.
+    engine.grad_tasks_.post(nullptr, [&engine = engine, call = job.call, ids, host, replica, event,
+                                      delivered = job.param_ids, stage = job.describe(),
+                                      where = device.name(), name = engine.name_] {
+      try {
+        event->synchronize();
+        for (size_t i = 0; i < ids.size(); ++i) {
+          at::Tensor* acc;
+          {
+            std::lock_guard<std::mutex> lock(engine.grads_mu_);
+            // (map nodes stay put while other threads insert)
+            acc = replica < 0 ? &call->param_grads[ids[i]] : &call->replica_grads[ids[i]][replica];
+          }
+          *acc = acc->defined() ? acc->add_(host[i]) : host[i];
         }
-        *acc = acc->defined() ? acc->add_(host[i]) : host[i];
+        engine.gradients_delivered(*call, delivered);
+      } catch (const std::exception& e) {
+        call->fail(StageError(
+            name + ": " + stage + " failed on " + where + ", phase gradient download: " + e.what(),
+            stage, -1, -1, "gradient download", where, false, std::current_exception()));
       }
-      engine.gradients_delivered(*call, delivered);
       call->end_work();
     });
   }
@@ -1896,24 +1950,46 @@ struct StageRunner {
     auto [host, event] = device.download(device_buffers, engine.host_allocator_);
     job.call->begin_work();
     job.commit_posted = true;
-    engine.host_tasks_.post(
-        event, [&engine = engine, call = job.call, homes, host, layers = job.commit_layers] {
-          struct Settle {  // whatever happens: later calls must not wait forever
-            Engine& engine;
-            const std::vector<int>& layers;
-            int64_t id;
-            ~Settle() { engine.settle_commits(layers, id); }
-          } settle{engine, layers, call->id};
-          for (size_t i = 0; i < homes.size(); ++i) {
-            // Seen once, a buffer write rules out replicated tails (their
-            // commits would race).
-            if (!engine.buffers_written_ && !homes[i].equal(host[i]))
-              engine.buffers_written_ = true;
-            homes[i].copy_(host[i]);
-          }
-          if (call->training) engine.buffers_committed_ = true;  // (eval mode may not write)
-          call->end_work();
-        });
+    // The event is waited for inside the task: whatever fails (the copy,
+    // the device), the commit is settled and the call's work ends, and a
+    // failure stops later calls from reading half-committed buffers.
+    engine.host_tasks_.post(nullptr, [&engine = engine, call = job.call, homes, host, event,
+                                      layers = job.commit_layers] {
+      struct Settle {
+        Engine& engine;
+        CallState& call;
+        const std::vector<int>& layers;
+        bool ok = false;
+        ~Settle() {
+          if (!ok) engine.commits_failed_ = true;
+          engine.settle_commits(layers, call.id);
+          call.end_work();
+        }
+      } settle{engine, *call, layers};
+      try {
+        event->synchronize();
+        for (size_t i = 0; i < homes.size(); ++i) {
+          TORCH_CHECK(homes[i].sizes() == host[i].sizes(), "a buffer of shape ", homes[i].sizes(),
+                      " came back as ", host[i].sizes(),
+                      ": a layer may write its buffers' values, not replace them by tensors "
+                      "of another shape");
+          // Seen once, a buffer write rules out replicated tails (their
+          // commits would race).
+          if (!engine.buffers_written_ && !homes[i].equal(host[i])) engine.buffers_written_ = true;
+          homes[i].copy_(host[i]);
+        }
+      } catch (const std::exception& e) {
+        std::ostringstream what;
+        what << engine.name_ << ": the buffer commit of layers";
+        for (int l : layers) what << " " << l;
+        what << " (call " << call->id << ") failed: " << e.what();
+        throw std::runtime_error(what.str());
+      }
+      // Once all of a training call's commits have landed (eval mode may
+      // not write), with no write seen, replicated tails may run.
+      if (--call->commits_left == 0 && call->training) engine.buffers_committed_ = true;
+      settle.ok = true;
+    });
   }
 };
 
@@ -2204,8 +2280,7 @@ c10::IValue Engine::forward(const c10::IValue& input, const RunConfig& config) {
   // Buffer writes are committed once the forward's jobs are done: make them
   // visible before returning.
   wait_for_jobs();
-  host_tasks_.drain();
-  grad_tasks_.drain();
+  drain_host_tasks();
   auto to_output_device = [&](const c10::IValue& v) {
     return to_device(v, *call->config.output_device);
   };
@@ -2280,9 +2355,6 @@ ForwardBackwardResult Engine::forward_backward(const c10::IValue& input, const c
   }
   auto losses = collect(call, call->losses);
   ROUNDPIPE_TRACE("call %lld: losses collected", static_cast<long long>(call->id));
-  // From here the call's backward stages run on in the background; the next
-  // call, step() and synchronize() report their errors.
-  unconsumed_calls_.push_back(call);
   ForwardBackwardResult result;
   at::Tensor total = losses[0].toTensor().clone();
   for (size_t m = 1; m < losses.size(); ++m) total.add_(losses[m].toTensor());
@@ -2297,14 +2369,28 @@ ForwardBackwardResult Engine::forward_backward(const c10::IValue& input, const c
     }
     result.output = to_device(result.output, *call->config.output_device);
   }
+  // From here the call's backward stages run on in the background; the next
+  // call, step() and synchronize() report their errors (an error until now
+  // was this call's to throw, once). The last microbatch's backward is one
+  // of them: the losses are returned before it runs.
+  unconsumed_calls_.push_back(call);
   return result;
 }
 
 void Engine::synchronize() {
   wait_for_jobs();
-  host_tasks_.drain();
-  grad_tasks_.drain();
-  optimizer_.drain();
+  std::exception_ptr error;
+  try {
+    drain_host_tasks();
+  } catch (...) {
+    error = std::current_exception();
+  }
+  try {
+    optimizer_.drain();
+  } catch (...) {
+    if (!error) error = std::current_exception();
+  }
+  if (error) std::rethrow_exception(error);
   if (pending_publish_ >= 0) {
     publish(pending_publish_);
     version_for_new_calls_ = pending_publish_;

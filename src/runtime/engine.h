@@ -169,6 +169,9 @@ class Engine {
   void check_earlier_calls();
   // Rethrows (once) the error of an unconsumed call that failed.
   void report_failed_call();
+  // Drains the host-task queues (all of them, even after an error), then
+  // rethrows the first error.
+  void drain_host_tasks();
   // Waits until no stage job is queued or running on any device.
   void wait_for_jobs();
   // Waits for `calls` to finish and sums their parameter gradients; throws
@@ -259,6 +262,7 @@ class Engine {
   std::mutex commits_mu_;
   std::condition_variable commits_cv_;
   std::map<int, std::multiset<int64_t>> pending_commits_;
+  std::atomic<bool> commits_failed_{false};  // a commit failed: buffers may be half written
 
   std::mutex versions_mu_;
   std::condition_variable versions_cv_;

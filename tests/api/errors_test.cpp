@@ -258,6 +258,39 @@ TEST(Errors, AtMostTwoStagesResidentUnderATightBudget) {
   for (size_t i = 0; i < p.size(); ++i) EXPECT_TENSOR_NEAR(p[i], q[i], 1e-5, "parameter " << i);
 }
 
+// A layer that replaces its buffer by a tensor of another shape: the
+// commit of its buffers cannot land. The error comes with the layer and the
+// call, and a later forward of that layer stops rather than read a buffer
+// half written.
+struct ReshapingBufferImpl : torch::nn::Cloneable<ReshapingBufferImpl> {
+  at::Tensor seen;
+  ReshapingBufferImpl() { reset(); }
+  void reset() override { seen = register_buffer("seen", torch::zeros({1})); }
+  at::Tensor forward(const at::Tensor& x) {
+    if (is_training()) {
+      torch::NoGradGuard no_grad;
+      seen.set_(torch::zeros({seen.size(0) + 1}, seen.options()));
+    }
+    return x;
+  }
+};
+TORCH_MODULE(ReshapingBuffer);
+
+TEST(Errors, AFailedBufferCommitIsReportedAndStopsLaterForwardsOfItsLayer) {
+  torch::manual_seed(0);
+  torch::nn::Sequential m(torch::nn::Linear(4, 4), ReshapingBuffer(), torch::nn::Linear(4, 2));
+  RoundPipe pipe(m, RoundPipeOptions().set_devices("sim:1"));
+  auto x = at::randn({4, 4});
+  auto y = at::randn({4, 2});
+  pipe.forward_backward(x, y, mse_loss);  // its commit fails in the background
+  const auto what = message_of([&] { pipe.synchronize(); });
+  EXPECT_HAS(what, "buffer commit of layers 1 (call 0) failed");
+  EXPECT_HAS(what, "came back as");
+  const auto next = message_of([&] { pipe.forward_backward(x, y, mse_loss); });
+  EXPECT_HAS(next, "an earlier call's buffer commit failed");
+  EXPECT_EQ(m->buffers()[0].numel(), 1) << "the home buffer was not written";
+}
+
 TEST(Errors, BadConstructionArguments) {
   EXPECT_HAS(message_of([] {
                RoundPipe(torch::nn::Sequential(), RoundPipeOptions().set_devices("sim:1"));
