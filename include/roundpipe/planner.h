@@ -26,10 +26,13 @@ struct LayerCost {
 struct PlanRequest {
   int num_devices = 1;
   bool fused = false;  // for forward_backward (backward[0] is the fused tail stage)
-  // Device memory a model may use, per device; 0 = unlimited. Two stages'
-  // parameters are resident at once (one running, one prefetched), so each
-  // stage gets half.
+  // Device memory a model may use, per device; 0 = unlimited. A stage runs
+  // while the next one's parameters arrive: a stage fits when its memory
+  // plus its own parameters' bytes (standing for the next stage's) do.
   int64_t memory_limit_bytes = 0;
+  // Recompute in layer grain: a backward stage holds one layer's kept
+  // activations at a time (stage grain: all of its layers').
+  bool layer_grain = false;
   // Host-to-device bytes per second for parameter uploads; 0 = free.
   double upload_bytes_per_second = 0;
   // Microbatches per call: a stage computes this many times per upload.
@@ -47,10 +50,11 @@ struct PlanRequest {
 // One stage of a plan with its predicted time and memory.
 struct StageEstimate {
   LayerRange range;
-  bool backward = false;  // a backward (or fused tail) stage
-  double compute = 0;     // its compute time for one microbatch
-  double upload = 0;      // its parameter upload time
-  int64_t memory_bytes = 0;
+  bool backward = false;     // a backward (or fused tail) stage
+  double compute = 0;        // its compute time for one microbatch
+  double upload = 0;         // its parameter upload time
+  int64_t memory_bytes = 0;  // while it runs (parameters, gradients, activations)
+  int64_t param_bytes = 0;   // of its parameters
 };
 
 struct PlanEstimate {

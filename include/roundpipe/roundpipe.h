@@ -51,8 +51,10 @@ struct RoundPipeOptions {
   std::string devices;
   std::vector<DevicePtr> device_list;
   // Device memory (GiB) the automatic plan may use per device; default: what
-  // the smallest device has left. Each stage gets half (one runs while the
-  // next one's parameters upload).
+  // the smallest device had left when the RoundPipe was made. A stage fits
+  // with its parameters, gradients and the activations its layers were
+  // measured to keep for backward, plus the next stage's parameters
+  // arriving meanwhile.
   std::optional<double> model_memory_limit_gib;
   bool verbose = false;  // log the automatic plan with its predicted stage times
 

@@ -25,6 +25,7 @@
 #include "roundpipe/ivalue_tree.h"
 #include "roundpipe/parallel.h"
 #include "roundpipe/rng.h"
+#include "runtime/allocation_meter.h"
 
 namespace roundpipe::detail {
 
@@ -774,6 +775,16 @@ Engine::Engine(std::vector<LayerPtr> layers, RoundPipeOptions options)
     workers_.push_back(std::make_unique<Worker>(*this, device));
   }
   free_instances_.resize(layers_.size());
+  // What the smallest device has left now, before this engine's work (0:
+  // unlimited). Measured at plan time it would exclude what the calls in
+  // flight hold, which the plan's stages reuse.
+  for (int d = 0; d < pool_.size(); ++d) {
+    const auto stats = pool_.at(d)->memory_stats();
+    if (stats.budget_bytes <= 0) continue;
+    const int64_t left = stats.budget_bytes - stats.in_use_bytes;
+    if (default_memory_limit_bytes_ == 0 || left < default_memory_limit_bytes_)
+      default_memory_limit_bytes_ = left;
+  }
   // The link's rate, measured now, while nothing else runs: probed later
   // (at the first plan on measured times, as it was), it ran beside the
   // first update's CPU Adam and gradient sums and measured 0.5-3 GB/s of
@@ -853,15 +864,10 @@ PlanEstimate Engine::auto_plan(bool fused, int num_microbatches, int min_stages,
                 *memory_limit_gib);
     request.memory_limit_bytes = static_cast<int64_t>(*memory_limit_gib * (1 << 30));
   } else {
-    // What the smallest device has left (0: unlimited).
-    for (int d = 0; d < pool_.size(); ++d) {
-      const auto stats = pool_.at(d)->memory_stats();
-      if (stats.budget_bytes <= 0) continue;
-      const int64_t left = stats.budget_bytes - stats.in_use_bytes;
-      if (request.memory_limit_bytes == 0 || left < request.memory_limit_bytes)
-        request.memory_limit_bytes = left;
-    }
+    request.memory_limit_bytes = default_memory_limit_bytes_;
   }
+  request.layer_grain = options_.model_run_config.recompute_grain.value_or(
+                            RecomputeGrain::kStage) == RecomputeGrain::kLayer;
   // Measured times once every layer has them (with the measured upload
   // rate, in the same unit), else bytes stand in.
   if (!timings_->complete())
@@ -1659,9 +1665,19 @@ struct StageRunner {
     layer = l;
     phase = recompute ? "recompute" : "forward";
     LayerCallScope scope(&call, l, microbatch, recompute, device.torch_device());
+    const bool with_grad = c10::GradMode::is_enabled();
+    // The first few forwards with grad are metered: what the layer still
+    // holds after one is what it keeps for its backward (the planner's
+    // activation memory).
+    std::optional<MeterScope> metering;
+    if (with_grad && engine.timings_->wants_kept_bytes(l)) metering.emplace();
     auto start = mark();
     auto y = instances[l]->forward(x);
-    const bool with_grad = c10::GradMode::is_enabled();
+    if (metering && metering->meter()) {
+      const int64_t kept = metering->meter()->net_bytes();
+      metering->end();
+      engine.timings_->add_kept_bytes(l, kept);
+    }
     intervals.push_back(
         {l, with_grad ? LayerTimings::kRecompute : LayerTimings::kForward, start, mark()});
     check_devices(y, device, l, engine.layers_[l]->type_name());

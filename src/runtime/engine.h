@@ -220,6 +220,9 @@ class Engine {
   // the engine is made (before any work competes for the host or the link).
   double upload_bytes_per_second() const;
   mutable std::once_flag upload_probe_once_;
+  // The memory limit of plans without model_memory_limit: what the smallest
+  // device had left when the engine was made (0: unlimited).
+  int64_t default_memory_limit_bytes_ = 0;
   mutable double upload_bytes_per_second_ = 0;
   mutable std::mutex plan_log_mu_;
   mutable std::string logged_plans_[2];  // verbose: the last plan logged (forward, fused)

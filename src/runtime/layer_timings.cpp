@@ -2,6 +2,7 @@
 
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <sstream>
@@ -16,7 +17,11 @@ double LayerTimings::Smoothed::value() const {
   return n > 0 ? average / (1 - std::pow(kRate, n)) : 0;
 }
 
-LayerTimings::LayerTimings(int num_layers) : times_(3 * num_layers), output_bytes_(num_layers) {}
+LayerTimings::LayerTimings(int num_layers)
+    : times_(3 * num_layers),
+      output_bytes_(num_layers),
+      kept_bytes_(num_layers),
+      kept_samples_(num_layers) {}
 
 void LayerTimings::add(int layer, Kind kind, double seconds) {
   std::lock_guard<std::mutex> lock(mu_);
@@ -28,6 +33,17 @@ void LayerTimings::add(int layer, Kind kind, double seconds) {
 void LayerTimings::add_output_bytes(int layer, int64_t bytes) {
   std::lock_guard<std::mutex> lock(mu_);
   output_bytes_.at(layer) = std::max(output_bytes_.at(layer), bytes);
+}
+
+bool LayerTimings::wants_kept_bytes(int layer) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return kept_samples_.at(layer) < kKeptSamples;
+}
+
+void LayerTimings::add_kept_bytes(int layer, int64_t bytes) {
+  std::lock_guard<std::mutex> lock(mu_);
+  ++kept_samples_.at(layer);
+  kept_bytes_.at(layer) = std::max(kept_bytes_.at(layer), bytes);
 }
 
 bool LayerTimings::complete() const {
@@ -57,9 +73,9 @@ std::vector<LayerCost> LayerTimings::costs(const std::vector<int64_t>& param_byt
     costs[l].backward = times_[3 * l + kBackward].value();
     costs[l].param_bytes = param_bytes[l];
     costs[l].grad_bytes = grad_bytes[l];
-    // What a backward stage keeps per layer and microbatch, at least: the
-    // layer's output (its internal activations are not measured yet).
-    costs[l].activation_bytes = output_bytes_[l];
+    // What a backward stage keeps per layer and microbatch: what the
+    // layer's forward with grad was measured to keep, at least its output.
+    costs[l].activation_bytes = std::max(output_bytes_[l], kept_bytes_[l]);
   }
   return costs;
 }
@@ -67,13 +83,14 @@ std::vector<LayerCost> LayerTimings::costs(const std::vector<int64_t>& param_byt
 std::string LayerTimings::describe() const {
   std::lock_guard<std::mutex> lock(mu_);
   std::ostringstream out;
-  char line[160];
+  char line[200];
   for (size_t l = 0; l < output_bytes_.size(); ++l) {
     std::snprintf(line, sizeof(line),
                   "  layer %3zu  forward %8.3f ms  recompute %8.3f ms  backward %8.3f ms  "
-                  "output %.2f MiB\n",
+                  "output %.2f MiB  kept for backward %.2f MiB\n",
                   l, 1e3 * times_[3 * l].value(), 1e3 * times_[3 * l + 1].value(),
-                  1e3 * times_[3 * l + 2].value(), output_bytes_[l] / 1048576.0);
+                  1e3 * times_[3 * l + 2].value(), output_bytes_[l] / 1048576.0,
+                  kept_bytes_[l] / 1048576.0);
     out << line;
   }
   return out.str();

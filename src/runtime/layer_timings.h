@@ -21,6 +21,13 @@ class LayerTimings {
   void add(int layer, Kind kind, double seconds);
   // The bytes of a layer's output for one microbatch (largest seen).
   void add_output_bytes(int layer, int64_t bytes);
+  // The bytes a layer's forward with grad keeps until its backward (its
+  // saved activations and output) for one microbatch: the largest of the
+  // first few measured (kKeptSamples; wants_kept_bytes says whether more
+  // are wanted).
+  static constexpr int kKeptSamples = 3;
+  bool wants_kept_bytes(int layer) const;
+  void add_kept_bytes(int layer, int64_t bytes);
   // Whether every layer has a smoothed time of every kind.
   bool complete() const;
   // Measured costs (call when complete()).
@@ -38,6 +45,8 @@ class LayerTimings {
   mutable std::mutex mu_;
   std::vector<Smoothed> times_;  // [layer * 3 + kind]
   std::vector<int64_t> output_bytes_;
+  std::vector<int64_t> kept_bytes_;
+  std::vector<int> kept_samples_;
 };
 
 }  // namespace roundpipe::detail

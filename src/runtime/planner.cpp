@@ -27,8 +27,8 @@ struct Costs {
 
 // What a stage holds, grown one layer at a time. Its memory: parameters,
 // and for backward stages their gradients and one microbatch's activations
-// of every layer (stage-grain recompute); a forward stage keeps only the
-// largest layer's activations alive.
+// of every layer (stage-grain recompute) or of its largest layer (layer
+// grain); a forward stage keeps only the largest layer's activations alive.
 struct StageLoad {
   double compute = 0;
   int64_t params = 0, grads = 0, acts = 0, max_act = 0;
@@ -39,23 +39,30 @@ struct StageLoad {
     acts += layer.activation_bytes;
     max_act = std::max(max_act, layer.activation_bytes);
   }
-  int64_t memory(bool backward) const {
-    return backward ? params + grads + acts : params + max_act;
+  int64_t memory(bool backward, bool layer_grain) const {
+    if (!backward) return params + max_act;
+    return params + grads + (layer_grain ? max_act : acts);
+  }
+  // Its memory while the next stage's parameters arrive (as many bytes as
+  // its own, the planner assumes: stages are balanced).
+  int64_t peak(bool backward, bool layer_grain) const {
+    return memory(backward, layer_grain) + params;
   }
 };
 
-int64_t stage_memory(const std::vector<LayerCost>& layers, const LayerRange& r, bool backward) {
+StageLoad stage_load(const std::vector<LayerCost>& layers, const LayerRange& r) {
   StageLoad load;
   for (int l = r.begin; l < r.end; ++l) load.add(layers[l], 0);
-  return load.memory(backward);
+  return load;
 }
 
-// Stages of compute <= budget and memory <= cap over layers [begin, end):
+// Stages of compute <= budget whose peak memory fits the limit, over layers [begin, end):
 // ascending, or descending (deep to shallow) from end. A stage holds at
 // least one layer.
 std::vector<LayerRange> pack(const std::vector<LayerCost>& layers, const std::vector<double>& cost,
-                             int begin, int end, double budget, int64_t cap, bool backward,
-                             bool descending) {
+                             int begin, int end, double budget, const PlanRequest& request,
+                             bool backward, bool descending) {
+  const int64_t limit = request.memory_limit_bytes;
   std::vector<LayerRange> stages;
   StageLoad load;
   int edge = descending ? end : begin;  // where the open stage starts
@@ -63,7 +70,8 @@ std::vector<LayerRange> pack(const std::vector<LayerCost>& layers, const std::ve
     const int l = descending ? end - 1 - i : begin + i;
     StageLoad grown = load;
     grown.add(layers[l], cost[l]);
-    const bool too_big = grown.compute > budget || (cap > 0 && grown.memory(backward) > cap);
+    const bool too_big =
+        grown.compute > budget || (limit > 0 && grown.peak(backward, request.layer_grain) > limit);
     if (l != (descending ? edge - 1 : edge) && too_big) {
       stages.push_back(descending ? LayerRange{l + 1, edge} : LayerRange{edge, l});
       edge = descending ? l + 1 : l;
@@ -82,13 +90,11 @@ StageEstimate estimate(const std::vector<LayerCost>& layers, const std::vector<d
   StageEstimate s;
   s.range = r;
   s.backward = backward;
-  int64_t params = 0;
-  for (int l = r.begin; l < r.end; ++l) {
-    s.compute += cost[l];
-    params += layers[l].param_bytes;
-  }
-  if (request.upload_bytes_per_second > 0) s.upload = params / request.upload_bytes_per_second;
-  s.memory_bytes = stage_memory(layers, r, backward);
+  for (int l = r.begin; l < r.end; ++l) s.compute += cost[l];
+  const auto load = stage_load(layers, r);
+  s.param_bytes = load.params;
+  if (request.upload_bytes_per_second > 0) s.upload = load.params / request.upload_bytes_per_second;
+  s.memory_bytes = load.memory(backward, request.layer_grain);
   return s;
 }
 
@@ -176,21 +182,25 @@ PlanEstimate plan_stages(const std::vector<LayerCost>& layers, const PlanRequest
               "plan_stages: needs at least one device and one microbatch");
   const auto c = costs_of(layers);
   // Every layer must fit a stage of its own.
-  const int64_t cap = request.memory_limit_bytes / 2;
-  if (cap > 0) {
+  const int64_t limit = request.memory_limit_bytes;
+  const auto fits = [&](const StageEstimate& s) {
+    return limit == 0 || s.memory_bytes + s.param_bytes <= limit;
+  };
+  if (limit > 0) {
     int worst = 0;
     int64_t worst_bytes = 0;
     for (int l = 0; l < L; ++l) {
-      const int64_t m = stage_memory(layers, {l, l + 1}, /*backward=*/true);
+      const int64_t m = stage_load(layers, {l, l + 1}).peak(true, request.layer_grain);
       if (m > worst_bytes) worst = l, worst_bytes = m;
     }
-    TORCH_CHECK(worst_bytes <= cap, "model_memory_limit ", gib(request.memory_limit_bytes),
+    TORCH_CHECK(worst_bytes <= limit, "model_memory_limit ", gib(limit),
                 " GiB is too small: layer ", worst, " alone needs ", gib(worst_bytes),
                 " GiB in a backward stage (parameters ", gib(layers[worst].param_bytes),
                 ", gradients ", gib(layers[worst].grad_bytes), ", activations ",
                 gib(layers[worst].activation_bytes),
-                " GiB) and two stages share a device, so the smallest feasible limit is ",
-                gib(2 * worst_bytes),
+                " GiB, and the next stage's parameters arriving), so the smallest feasible "
+                "limit is ",
+                gib(worst_bytes),
                 " GiB. Raise model_memory_limit, or cut activations with more microbatches or "
                 "recompute_grain=\"layer\", or split that layer.");
   }
@@ -206,9 +216,9 @@ PlanEstimate plan_stages(const std::vector<LayerCost>& layers, const PlanRequest
   size_t best_stages = 0;
   for (double budget : budgets) {
     ExecutePlan plan;
-    plan.backward = pack(layers, c.backward, 0, L, budget, cap, true, true);
+    plan.backward = pack(layers, c.backward, 0, L, budget, request, true, true);
     const int forward_end = request.fused ? plan.backward.front().begin : L;
-    plan.forward = pack(layers, c.forward, 0, forward_end, budget, cap, false, false);
+    plan.forward = pack(layers, c.forward, 0, forward_end, budget, request, false, false);
     const size_t stages = plan.forward.size() + plan.backward.size();
     if (static_cast<int>(stages) < request.min_stages) continue;
     auto candidate = estimate_plan(layers, plan, request);
@@ -223,7 +233,7 @@ PlanEstimate plan_stages(const std::vector<LayerCost>& layers, const PlanRequest
   // bubbles, where the whole model fits one device's stage budget.
   const int replicas = std::min(request.num_devices, request.num_microbatches);
   if (request.fused && request.allow_tail_replicas && replicas > 1 && request.min_stages <= 1 &&
-      (cap == 0 || stage_memory(layers, {0, L}, true) <= cap)) {
+      (limit == 0 || stage_load(layers, {0, L}).peak(true, request.layer_grain) <= limit)) {
     ExecutePlan plan;
     plan.backward = {{0, L}};
     plan.tail_replicas = replicas;
@@ -240,10 +250,9 @@ PlanEstimate plan_stages(const std::vector<LayerCost>& layers, const PlanRequest
   if (request.incumbent != nullptr &&
       (request.incumbent->tail_replicas == 1 || request.allow_tail_replicas)) {
     auto kept = estimate_plan(layers, *request.incumbent, request);
-    const bool fits = std::all_of(kept.stages.begin(), kept.stages.end(),
-                                  [&](const auto& s) { return cap == 0 || s.memory_bytes <= cap; });
+    const bool kept_fits = std::all_of(kept.stages.begin(), kept.stages.end(), fits);
     const bool valid = static_cast<int>(kept.stages.size()) >= request.min_stages;
-    if (fits && valid &&
+    if (kept_fits && valid &&
         comparable_time(kept, request) <=
             comparable_time(best, request) * (1 + request.keep_within))
       return kept;

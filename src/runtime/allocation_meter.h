@@ -1,0 +1,51 @@
+// Bytes a stretch of code keeps allocated, on any device: while a meter is
+// installed on a thread, LibTorch's allocators (CPU and the CUDA caching
+// allocator) report each allocation and free made there to it, as they do
+// to the profiler's memory view. The engine meters a layer's forward with
+// grad: what it still holds at the end is what that layer keeps for its
+// backward (plus its output). Internal header.
+#pragma once
+
+#include <ATen/record_function.h>
+#include <c10/core/Allocator.h>
+#include <c10/util/ThreadLocalDebugInfo.h>
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <optional>
+
+namespace roundpipe::detail {
+
+class AllocationMeter final : public c10::MemoryReportingInfoBase {
+ public:
+  void reportMemoryUsage(void* /*ptr*/, int64_t bytes, size_t /*total_allocated*/,
+                         size_t /*total_reserved*/, c10::Device /*device*/) override {
+    net_ += bytes;  // negative for a free
+  }
+  bool memoryProfilingEnabled() const override { return true; }
+  int64_t net_bytes() const { return net_.load(); }
+
+ private:
+  std::atomic<int64_t> net_{0};  // (intra-op threads inherit the meter)
+};
+
+// Installs a meter on this thread for its lifetime, unless a profiler is
+// active: the profiler owns the same thread-local slot and reads it as its
+// own state, so then nothing is metered (meter() is null).
+class MeterScope {
+ public:
+  MeterScope() {
+    if (at::hasCallbacks()) return;
+    meter_ = std::make_shared<AllocationMeter>();
+    guard_.emplace(c10::DebugInfoKind::PROFILER_STATE, meter_);
+  }
+  const AllocationMeter* meter() const { return meter_.get(); }
+  void end() { guard_.reset(); }
+
+ private:
+  std::shared_ptr<AllocationMeter> meter_;
+  std::optional<c10::DebugInfoGuard> guard_;
+};
+
+}  // namespace roundpipe::detail
