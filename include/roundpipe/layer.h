@@ -75,6 +75,11 @@ class Layer {
   virtual void set_parameter_data(size_t i, const at::Tensor& data) = 0;
   virtual bool is_training() const = 0;
   virtual std::unique_ptr<LayerInstance> make_instance() = 0;
+  // Whether the engine may meter this layer's forward (what it keeps for
+  // its backward) through the thread's memory reporter, a slot the
+  // profiler shares: not for a forward that may itself query or start the
+  // profiler (Python code).
+  virtual bool meterable() const { return true; }
 };
 using LayerPtr = std::shared_ptr<Layer>;
 

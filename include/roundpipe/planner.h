@@ -33,6 +33,9 @@ struct PlanRequest {
   // Recompute in layer grain: a backward stage holds one layer's kept
   // activations at a time (stage grain: all of its layers').
   bool layer_grain = false;
+  // The layers' activation_bytes are not measured (yet): the plan keeps
+  // half the limit for them.
+  bool activations_unmeasured = false;
   // Host-to-device bytes per second for parameter uploads; 0 = free.
   double upload_bytes_per_second = 0;
   // Microbatches per call: a stage computes this many times per upload.

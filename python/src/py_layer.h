@@ -23,6 +23,7 @@ class PyModuleLayer final : public Layer {
   void set_parameter_data(size_t i, const at::Tensor& data) override;
   bool is_training() const override;
   std::unique_ptr<LayerInstance> make_instance() override;
+  bool meterable() const override { return false; }  // Python may use the profiler
 
  private:
   std::unique_ptr<LayerInstance> make_instance_with_gil();

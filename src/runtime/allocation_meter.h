@@ -27,7 +27,7 @@ class AllocationMeter final : public c10::MemoryReportingInfoBase {
   int64_t net_bytes() const { return net_.load(); }
 
  private:
-  std::atomic<int64_t> net_{0};  // (intra-op threads inherit the meter)
+  std::atomic<int64_t> net_{0};  // (threads launched with at::launch inherit the meter)
 };
 
 // Installs a meter on this thread for its lifetime, unless a profiler is

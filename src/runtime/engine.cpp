@@ -776,15 +776,18 @@ Engine::Engine(std::vector<LayerPtr> layers, RoundPipeOptions options)
   }
   free_instances_.resize(layers_.size());
   // What the smallest device has left now, before this engine's work (0:
-  // unlimited). Measured at plan time it would exclude what the calls in
-  // flight hold, which the plan's stages reuse.
+  // unlimited), less a tenth (the driver's context, fragmentation, the
+  // downloads in flight). Measured at plan time it would exclude what the
+  // calls in flight hold, which the plan's stages reuse.
   for (int d = 0; d < pool_.size(); ++d) {
     const auto stats = pool_.at(d)->memory_stats();
     if (stats.budget_bytes <= 0) continue;
-    const int64_t left = stats.budget_bytes - stats.in_use_bytes;
+    const int64_t left = (stats.budget_bytes - stats.in_use_bytes) / 10 * 9;
     if (default_memory_limit_bytes_ == 0 || left < default_memory_limit_bytes_)
       default_memory_limit_bytes_ = left;
   }
+  all_layers_meterable_ = std::all_of(layers_.begin(), layers_.end(),
+                                      [](const LayerPtr& layer) { return layer->meterable(); });
   // The link's rate, measured now, while nothing else runs: probed later
   // (at the first plan on measured times, as it was), it ran beside the
   // first update's CPU Adam and gradient sums and measured 0.5-3 GB/s of
@@ -832,14 +835,17 @@ std::vector<std::pair<std::string, at::Tensor>> Engine::named_buffers() const {
 }
 
 PlanEstimate Engine::auto_plan(bool fused, int num_microbatches, int min_stages,
-                               std::optional<double> memory_limit_gib) const {
+                               std::optional<double> memory_limit_gib,
+                               std::optional<RecomputeGrain> grain) const {
   PlanRequest request;
+  if (!grain) grain = default_grain();
+  const std::tuple<bool, int, int> key{fused, num_microbatches, static_cast<int>(*grain)};
   // The default plan's question (no constraints of the caller's own): the
   // plan in use stays unless a new one is clearly faster.
   std::optional<ExecutePlan> incumbent;
   if (min_stages == 0 && !memory_limit_gib) {
     std::lock_guard<std::mutex> lock(plan_log_mu_);
-    auto it = plans_in_use_.find({fused, num_microbatches});
+    auto it = plans_in_use_.find(key);
     if (it != plans_in_use_.end()) incumbent = it->second;
   }
   if (incumbent) request.incumbent = &*incumbent;
@@ -866,12 +872,14 @@ PlanEstimate Engine::auto_plan(bool fused, int num_microbatches, int min_stages,
   } else {
     request.memory_limit_bytes = default_memory_limit_bytes_;
   }
-  request.layer_grain = options_.model_run_config.recompute_grain.value_or(
-                            RecomputeGrain::kStage) == RecomputeGrain::kLayer;
+  request.layer_grain = *grain == RecomputeGrain::kLayer;
   // Measured times once every layer has them (with the measured upload
-  // rate, in the same unit), else bytes stand in.
-  if (!timings_->complete())
-    return plan_stages(costs_from_bytes(layer_bytes_, layer_grad_bytes_), request);
+  // rate, in the same unit), else bytes stand in. Until what layers keep
+  // for their backward is measured (or where a layer cannot be metered),
+  // half the limit is held back for it.
+  const bool measured = timings_->complete();
+  request.activations_unmeasured = !measured || !all_layers_meterable_;
+  if (!measured) return plan_stages(costs_from_bytes(layer_bytes_, layer_grad_bytes_), request);
   request.upload_bytes_per_second = upload_bytes_per_second();
   return plan_stages(timings_->costs(layer_bytes_, layer_grad_bytes_), request);
 }
@@ -921,14 +929,15 @@ double Engine::upload_bytes_per_second() const {
 }
 
 ExecutePlan Engine::default_plan(bool fused) const {
-  return default_plan(fused, options_.model_run_config.num_microbatch.value_or(pool_.size() + 1));
+  return default_plan(fused, options_.model_run_config.num_microbatch.value_or(pool_.size() + 1),
+                      default_grain());
 }
 
-ExecutePlan Engine::default_plan(bool fused, int n) const {
-  auto estimate = auto_plan(fused, n, 0, std::nullopt);
+ExecutePlan Engine::default_plan(bool fused, int n, RecomputeGrain grain) const {
+  auto estimate = auto_plan(fused, n, 0, std::nullopt, grain);
   {
     std::lock_guard<std::mutex> lock(plan_log_mu_);
-    plans_in_use_[{fused, n}] = estimate.plan;
+    plans_in_use_[{fused, n, static_cast<int>(grain)}] = estimate.plan;
   }
   if (options_.verbose) {
     std::lock_guard<std::mutex> lock(plan_log_mu_);
@@ -1670,22 +1679,19 @@ struct StageRunner {
     // holds after one is what it keeps for its backward (the planner's
     // activation memory).
     std::optional<MeterScope> metering;
-    if (with_grad && engine.timings_->wants_kept_bytes(l)) metering.emplace();
+    if (with_grad && engine.layers_[l]->meterable() && engine.timings_->wants_kept_bytes(l))
+      metering.emplace();
     auto start = mark();
     auto y = instances[l]->forward(x);
-    if (metering && metering->meter()) {
-      const int64_t kept = metering->meter()->net_bytes();
-      metering->end();
-      engine.timings_->add_kept_bytes(l, kept);
-    }
+    const int64_t kept = metering && metering->meter() ? metering->meter()->net_bytes() : -1;
+    metering.reset();
     intervals.push_back(
         {l, with_grad ? LayerTimings::kRecompute : LayerTimings::kForward, start, mark()});
     check_devices(y, device, l, engine.layers_[l]->type_name());
-    if (!with_grad) {
-      int64_t bytes = 0;
-      for (const auto& t : flatten_tensors(y)) bytes += t.defined() ? t.nbytes() : 0;
-      engine.timings_->add_output_bytes(l, bytes);
-    }
+    int64_t bytes = 0;
+    for (const auto& t : flatten_tensors(y)) bytes += t.defined() ? t.nbytes() : 0;
+    engine.timings_->add_output_bytes(l, bytes);
+    if (kept >= 0) engine.timings_->add_kept_bytes(l, kept, bytes);
     return y;
   }
 
@@ -2059,8 +2065,8 @@ std::shared_ptr<CallState> Engine::start_call(const c10::IValue& input, const Ru
                   static_cast<long long>(call->id), ms_since(start),
                   static_cast<long long>(call->weights_version));
   TORCH_CHECK(call->n >= 1, name_, ": num_microbatch must be at least 1, got ", call->n);
-  call->plan =
-      call->config.execute_plan ? *call->config.execute_plan : default_plan(fused, call->n);
+  call->plan = call->config.execute_plan ? *call->config.execute_plan
+                                         : default_plan(fused, call->n, call->grain);
   call->plan.validate(num_layers(), fused);
 
   const auto inputs = flatten_tensors(input);

@@ -117,12 +117,18 @@ class Engine {
   const DevicePool& pool() const { return pool_; }
   const std::string& name() const { return name_; }
   ExecutePlan default_plan(bool fused) const;
-  // The automatic plan for a call of `n` microbatches (verbose: logged).
-  ExecutePlan default_plan(bool fused, int n) const;
+  // The automatic plan for a call of `n` microbatches in `grain` (verbose:
+  // logged).
+  ExecutePlan default_plan(bool fused, int n, RecomputeGrain grain) const;
   // The automatic plan with its predicted stage times and memory, under
-  // model_memory_limit (default: what the smallest device has left).
+  // model_memory_limit (default: what the smallest device had left when the
+  // engine was made), for calls in `grain` (default: the model's).
   PlanEstimate auto_plan(bool fused, int num_microbatches, int min_stages,
-                         std::optional<double> memory_limit_gib) const;
+                         std::optional<double> memory_limit_gib,
+                         std::optional<RecomputeGrain> grain = std::nullopt) const;
+  RecomputeGrain default_grain() const {
+    return options_.model_run_config.recompute_grain.value_or(RecomputeGrain::kStage);
+  }
   std::optional<c10::ScalarType> optim_dtype() const { return options_.optim_dtype; }
   HostMemoryStats host_memory_stats() const { return {host_arena_->stats(), model_state_bytes_}; }
   PipelineStats pipeline_stats() const {
@@ -223,12 +229,14 @@ class Engine {
   // The memory limit of plans without model_memory_limit: what the smallest
   // device had left when the engine was made (0: unlimited).
   int64_t default_memory_limit_bytes_ = 0;
+  bool all_layers_meterable_ = true;  // else the planner keeps half the limit for activations
   mutable double upload_bytes_per_second_ = 0;
   mutable std::mutex plan_log_mu_;
   mutable std::string logged_plans_[2];  // verbose: the last plan logged (forward, fused)
   // The automatic plan in use per (fused, microbatches): kept while a new
   // one would not be clearly faster (PlanRequest::incumbent).
-  mutable std::map<std::pair<bool, int>, ExecutePlan> plans_in_use_;
+  // (keyed by fused, microbatches and recompute grain)
+  mutable std::map<std::tuple<bool, int, int>, ExecutePlan> plans_in_use_;
   // Buffers: whether any layer has some, whether a call has committed them,
   // whether a commit changed one (host-task thread). Replicated tail stages
   // need buffers that no forward writes.

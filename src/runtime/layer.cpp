@@ -194,6 +194,7 @@ class HomeParametersLayer final : public Layer {
   }
   bool is_training() const override { return inner_->is_training(); }
   std::unique_ptr<LayerInstance> make_instance() override { return inner_->make_instance(); }
+  bool meterable() const override { return inner_->meterable(); }
 
  private:
   LayerPtr inner_;

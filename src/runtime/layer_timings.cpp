@@ -20,7 +20,7 @@ double LayerTimings::Smoothed::value() const {
 LayerTimings::LayerTimings(int num_layers)
     : times_(3 * num_layers),
       output_bytes_(num_layers),
-      kept_bytes_(num_layers),
+      kept_per_output_byte_(num_layers),
       kept_samples_(num_layers) {}
 
 void LayerTimings::add(int layer, Kind kind, double seconds) {
@@ -40,10 +40,16 @@ bool LayerTimings::wants_kept_bytes(int layer) const {
   return kept_samples_.at(layer) < kKeptSamples;
 }
 
-void LayerTimings::add_kept_bytes(int layer, int64_t bytes) {
+void LayerTimings::add_kept_bytes(int layer, int64_t kept, int64_t output) {
   std::lock_guard<std::mutex> lock(mu_);
-  ++kept_samples_.at(layer);
-  kept_bytes_.at(layer) = std::max(kept_bytes_.at(layer), bytes);
+  if (kept_samples_.at(layer)++ == 0 || output <= 0) return;
+  auto& ratio = kept_per_output_byte_.at(layer);
+  ratio = std::max(ratio, static_cast<double>(kept) / static_cast<double>(output));
+}
+
+int64_t LayerTimings::kept_bytes(size_t layer) const {
+  return std::max(output_bytes_[layer],
+                  static_cast<int64_t>(kept_per_output_byte_[layer] * output_bytes_[layer]));
 }
 
 bool LayerTimings::complete() const {
@@ -75,7 +81,7 @@ std::vector<LayerCost> LayerTimings::costs(const std::vector<int64_t>& param_byt
     costs[l].grad_bytes = grad_bytes[l];
     // What a backward stage keeps per layer and microbatch: what the
     // layer's forward with grad was measured to keep, at least its output.
-    costs[l].activation_bytes = std::max(output_bytes_[l], kept_bytes_[l]);
+    costs[l].activation_bytes = kept_bytes(l);
   }
   return costs;
 }
@@ -90,7 +96,7 @@ std::string LayerTimings::describe() const {
                   "output %.2f MiB  kept for backward %.2f MiB\n",
                   l, 1e3 * times_[3 * l].value(), 1e3 * times_[3 * l + 1].value(),
                   1e3 * times_[3 * l + 2].value(), output_bytes_[l] / 1048576.0,
-                  kept_bytes_[l] / 1048576.0);
+                  kept_bytes(l) / 1048576.0);
     out << line;
   }
   return out.str();

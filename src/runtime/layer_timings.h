@@ -22,12 +22,13 @@ class LayerTimings {
   // The bytes of a layer's output for one microbatch (largest seen).
   void add_output_bytes(int layer, int64_t bytes);
   // The bytes a layer's forward with grad keeps until its backward (its
-  // saved activations and output) for one microbatch: the largest of the
-  // first few measured (kKeptSamples; wants_kept_bytes says whether more
-  // are wanted).
+  // saved activations and output), measured on a few forwards
+  // (kKeptSamples, the first dropped: it also holds one-off workspaces),
+  // as a multiple of that forward's output bytes: the estimate follows the
+  // largest output seen (longer sequences keep more).
   static constexpr int kKeptSamples = 3;
   bool wants_kept_bytes(int layer) const;
-  void add_kept_bytes(int layer, int64_t bytes);
+  void add_kept_bytes(int layer, int64_t kept, int64_t output);
   // Whether every layer has a smoothed time of every kind.
   bool complete() const;
   // Measured costs (call when complete()).
@@ -37,6 +38,7 @@ class LayerTimings {
   std::string describe() const;
 
  private:
+  int64_t kept_bytes(size_t layer) const;  // (mu_ held)
   struct Smoothed {
     int samples = 0;  // including the dropped first one
     double average = 0;
@@ -45,7 +47,7 @@ class LayerTimings {
   mutable std::mutex mu_;
   std::vector<Smoothed> times_;  // [layer * 3 + kind]
   std::vector<int64_t> output_bytes_;
-  std::vector<int64_t> kept_bytes_;
+  std::vector<double> kept_per_output_byte_;
   std::vector<int> kept_samples_;
 };
 

@@ -1,8 +1,9 @@
 // The automatic plan: try every stage workload W that some run of
-// consecutive layers sums to; pack layers greedily under W and half the
-// memory limit (the fused tail and backward stages from the last layer
-// down, forward stages from layer 0 up); predict the call's time; keep the
-// cheapest.
+// consecutive layers sums to; pack layers greedily under W and the memory
+// limit (the fused tail and backward stages from the last layer down,
+// forward stages from layer 0 up); keep the plans whose every stage fits
+// with the next stage's parameters arriving; predict the call's time; keep
+// the cheapest.
 #include "roundpipe/planner.h"
 
 #include <c10/util/Exception.h>
@@ -43,12 +44,20 @@ struct StageLoad {
     if (!backward) return params + max_act;
     return params + grads + (layer_grain ? max_act : acts);
   }
-  // Its memory while the next stage's parameters arrive (as many bytes as
-  // its own, the planner assumes: stages are balanced).
+  // Its memory while the next stage's parameters arrive, with its own
+  // standing for theirs (packing does not know the next stage yet; the
+  // packed plan is then checked with the real one).
   int64_t peak(bool backward, bool layer_grain) const {
     return memory(backward, layer_grain) + params;
   }
 };
+
+// The limit stages are packed under: half of it until the activations are
+// measured.
+int64_t effective_limit(const PlanRequest& request) {
+  return request.activations_unmeasured ? request.memory_limit_bytes / 2
+                                        : request.memory_limit_bytes;
+}
 
 StageLoad stage_load(const std::vector<LayerCost>& layers, const LayerRange& r) {
   StageLoad load;
@@ -62,7 +71,7 @@ StageLoad stage_load(const std::vector<LayerCost>& layers, const LayerRange& r) 
 std::vector<LayerRange> pack(const std::vector<LayerCost>& layers, const std::vector<double>& cost,
                              int begin, int end, double budget, const PlanRequest& request,
                              bool backward, bool descending) {
-  const int64_t limit = request.memory_limit_bytes;
+  const int64_t limit = effective_limit(request);
   std::vector<LayerRange> stages;
   StageLoad load;
   int edge = descending ? end : begin;  // where the open stage starts
@@ -181,29 +190,31 @@ PlanEstimate plan_stages(const std::vector<LayerCost>& layers, const PlanRequest
   TORCH_CHECK(request.num_devices >= 1 && request.num_microbatches >= 1,
               "plan_stages: needs at least one device and one microbatch");
   const auto c = costs_of(layers);
-  // Every layer must fit a stage of its own.
-  const int64_t limit = request.memory_limit_bytes;
-  const auto fits = [&](const StageEstimate& s) {
-    return limit == 0 || s.memory_bytes + s.param_bytes <= limit;
-  };
-  if (limit > 0) {
-    int worst = 0;
-    int64_t worst_bytes = 0;
-    for (int l = 0; l < L; ++l) {
-      const int64_t m = stage_load(layers, {l, l + 1}).peak(true, request.layer_grain);
-      if (m > worst_bytes) worst = l, worst_bytes = m;
+  // A plan fits when every stage, while it runs, fits the limit together
+  // with the parameters of the stage that arrives meanwhile on its device:
+  // the one D later in the cyclic order of stages (a replicated tail: the
+  // same stage, for the next call).
+  const int64_t limit = effective_limit(request);
+  const auto plan_fits = [&](const PlanEstimate& e) {
+    if (limit == 0) return true;
+    const size_t S = e.stages.size();
+    const size_t D = e.plan.tail_replicas > 1 ? 1 : static_cast<size_t>(request.num_devices);
+    for (size_t g = 0; g < S; ++g) {
+      if (e.stages[g].memory_bytes + e.stages[(g + D) % S].param_bytes > limit) return false;
     }
-    TORCH_CHECK(worst_bytes <= limit, "model_memory_limit ", gib(limit),
-                " GiB is too small: layer ", worst, " alone needs ", gib(worst_bytes),
-                " GiB in a backward stage (parameters ", gib(layers[worst].param_bytes),
-                ", gradients ", gib(layers[worst].grad_bytes), ", activations ",
-                gib(layers[worst].activation_bytes),
-                " GiB, and the next stage's parameters arriving), so the smallest feasible "
-                "limit is ",
-                gib(worst_bytes),
-                " GiB. Raise model_memory_limit, or cut activations with more microbatches or "
-                "recompute_grain=\"layer\", or split that layer.");
+    return true;
+  };
+  // One layer per stage fits once the limit holds the largest one-layer
+  // backward stage and the largest layer's parameters: the limit a failure
+  // names.
+  int worst = 0;
+  int64_t worst_memory = 0, largest_params = 0;
+  for (int l = 0; l < L; ++l) {
+    const int64_t m = stage_load(layers, {l, l + 1}).memory(true, request.layer_grain);
+    if (m > worst_memory) worst = l, worst_memory = m;
+    largest_params = std::max(largest_params, layers[l].param_bytes);
   }
+  bool any_fits = false, any_staged = false;
   std::set<double> budgets;
   for (const auto* cost : {&c.forward, &c.backward}) {
     for (int i = 0; i < L; ++i) {
@@ -221,7 +232,10 @@ PlanEstimate plan_stages(const std::vector<LayerCost>& layers, const PlanRequest
     plan.forward = pack(layers, c.forward, 0, forward_end, budget, request, false, false);
     const size_t stages = plan.forward.size() + plan.backward.size();
     if (static_cast<int>(stages) < request.min_stages) continue;
+    any_staged = true;
     auto candidate = estimate_plan(layers, plan, request);
+    if (!plan_fits(candidate)) continue;
+    any_fits = true;
     if (candidate.iteration < best.iteration * (1 - 1e-9) ||
         (candidate.iteration <= best.iteration * (1 + 1e-9) && stages < best_stages)) {
       best = std::move(candidate);
@@ -232,15 +246,32 @@ PlanEstimate plan_stages(const std::vector<LayerCost>& layers, const PlanRequest
   // with its share of the microbatches: no recompute and no pipeline
   // bubbles, where the whole model fits one device's stage budget.
   const int replicas = std::min(request.num_devices, request.num_microbatches);
-  if (request.fused && request.allow_tail_replicas && replicas > 1 && request.min_stages <= 1 &&
-      (limit == 0 || stage_load(layers, {0, L}).peak(true, request.layer_grain) <= limit)) {
+  if (request.fused && request.allow_tail_replicas && replicas > 1 && request.min_stages <= 1) {
     ExecutePlan plan;
     plan.backward = {{0, L}};
     plan.tail_replicas = replicas;
     auto candidate = estimate_plan(layers, plan, request);
-    if (comparable_time(candidate, request) < comparable_time(best, request))
+    if (plan_fits(candidate) &&
+        comparable_time(candidate, request) < comparable_time(best, request)) {
       best = std::move(candidate);
+      any_fits = true;
+    }
   }
+  TORCH_CHECK(any_staged || any_fits, "no plan has at least min_stages = ", request.min_stages,
+              " stages for a model of ", L, " layers");
+  TORCH_CHECK(
+      limit == 0 || any_fits, "model_memory_limit ", gib(request.memory_limit_bytes),
+      request.activations_unmeasured ? " GiB (half of it kept for activations, not measured yet)"
+                                     : " GiB",
+      " is too small: layer ", worst, " alone needs ", gib(worst_memory),
+      " GiB in a backward stage (parameters ", gib(layers[worst].param_bytes), ", gradients ",
+      gib(layers[worst].grad_bytes), ", activations ", gib(layers[worst].activation_bytes),
+      " GiB), and another stage's parameters (up to ", gib(largest_params),
+      " GiB) arrive while it runs: the smallest feasible limit is at most ",
+      gib(request.activations_unmeasured ? 2 * (worst_memory + largest_params)
+                                         : worst_memory + largest_params),
+      " GiB (one layer per stage). Raise model_memory_limit, or cut activations with "
+      "more microbatches or recompute_grain=\"layer\", or split that layer.");
   TORCH_CHECK(std::isfinite(best.iteration),
               "no plan has at least min_stages = ", request.min_stages, " stages for a model of ",
               L, " layers");
@@ -250,7 +281,7 @@ PlanEstimate plan_stages(const std::vector<LayerCost>& layers, const PlanRequest
   if (request.incumbent != nullptr &&
       (request.incumbent->tail_replicas == 1 || request.allow_tail_replicas)) {
     auto kept = estimate_plan(layers, *request.incumbent, request);
-    const bool kept_fits = std::all_of(kept.stages.begin(), kept.stages.end(), fits);
+    const bool kept_fits = plan_fits(kept);
     const bool valid = static_cast<int>(kept.stages.size()) >= request.min_stages;
     if (kept_fits && valid &&
         comparable_time(kept, request) <=

@@ -184,8 +184,9 @@ def test_auto_plan_fits_a_memory_limit(capsys):
     pipe = RoundPipe(model, devices="sim:2")
     block_bytes = sum(p.numel() * 4 for p in model[1].parameters())
     # A backward stage holds at most one block: one needs 3 blocks' bytes
-    # (parameters, gradients, the next stage's parameters), two need 6.
-    limit_gib = 5 * block_bytes / 2**30
+    # (parameters, gradients, the next stage's parameters), two need 6, and
+    # until activations are measured the plan keeps half the limit for them.
+    limit_gib = 7 * block_bytes / 2**30
     plan = ModelExecutePlan.auto("fused", pipe, model_memory_limit=limit_gib, verbose=True)
     plan.validate(len(model), fused=True)
     # (layers 1..6 are the blocks; the embedding and head are small)
