@@ -50,11 +50,12 @@ struct RoundPipeOptions {
   // if any, else one simulated device. Ignored when `device_list` is set.
   std::string devices;
   std::vector<DevicePtr> device_list;
-  // Device memory (GiB) the automatic plan may use per device; default: what
-  // the smallest device had left when the RoundPipe was made. A stage fits
-  // with its parameters, gradients and the activations its layers were
-  // measured to keep for backward, plus the next stage's parameters
-  // arriving meanwhile.
+  // Device memory (GiB) the automatic plan may use per device; default: 90%
+  // of what the smallest device had left when the RoundPipe was made. A
+  // stage fits with its parameters, gradients and the activations its
+  // layers were measured to keep for backward, plus the next stage's
+  // parameters arriving meanwhile (half the limit is held back for the
+  // activations until they are measured).
   std::optional<double> model_memory_limit_gib;
   bool verbose = false;  // log the automatic plan with its predicted stage times
 
