@@ -27,8 +27,8 @@ struct PlanRequest {
   int num_devices = 1;
   bool fused = false;  // for forward_backward (backward[0] is the fused tail stage)
   // Device memory a model may use, per device; 0 = unlimited. A stage runs
-  // while the next one's parameters arrive: a stage fits when its memory
-  // plus its own parameters' bytes (standing for the next stage's) do.
+  // while the next stage on its device has its parameters arriving: a plan
+  // fits when every stage's memory plus those parameters do.
   int64_t memory_limit_bytes = 0;
   // Recompute in layer grain: a backward stage holds one layer's kept
   // activations at a time (stage grain: all of its layers').

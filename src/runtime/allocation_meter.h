@@ -41,7 +41,6 @@ class MeterScope {
     guard_.emplace(c10::DebugInfoKind::PROFILER_STATE, meter_);
   }
   const AllocationMeter* meter() const { return meter_.get(); }
-  void end() { guard_.reset(); }
 
  private:
   std::shared_ptr<AllocationMeter> meter_;

@@ -839,7 +839,7 @@ PlanEstimate Engine::auto_plan(bool fused, int num_microbatches, int min_stages,
                                std::optional<RecomputeGrain> grain) const {
   PlanRequest request;
   if (!grain) grain = default_grain();
-  const std::tuple<bool, int, int> key{fused, num_microbatches, static_cast<int>(*grain)};
+  const PlanKey key{fused, num_microbatches, *grain};
   // The default plan's question (no constraints of the caller's own): the
   // plan in use stays unless a new one is clearly faster.
   std::optional<ExecutePlan> incumbent;
@@ -937,7 +937,7 @@ ExecutePlan Engine::default_plan(bool fused, int n, RecomputeGrain grain) const 
   auto estimate = auto_plan(fused, n, 0, std::nullopt, grain);
   {
     std::lock_guard<std::mutex> lock(plan_log_mu_);
-    plans_in_use_[{fused, n, static_cast<int>(grain)}] = estimate.plan;
+    plans_in_use_[PlanKey{fused, n, grain}] = estimate.plan;
   }
   if (options_.verbose) {
     std::lock_guard<std::mutex> lock(plan_log_mu_);
@@ -1122,8 +1122,9 @@ void Engine::wait_for_earlier_commits(const Job& job) {
   std::unique_lock<std::mutex> lock(commits_mu_);
   auto earlier_pending = [&] {
     for (int l : job.commit_layers) {
-      const auto& pending = pending_commits_[l];
-      if (!pending.empty() && *pending.begin() < job.call->id) return true;
+      auto it = pending_commits_.find(l);
+      if (it != pending_commits_.end() && !it->second.empty() && *it->second.begin() < job.call->id)
+        return true;
     }
     return false;
   };
@@ -2377,12 +2378,23 @@ ForwardBackwardResult Engine::forward_backward(const c10::IValue& input, const c
   }
   auto losses = collect(call, call->losses);
   ROUNDPIPE_TRACE("call %lld: losses collected", static_cast<long long>(call->id));
+  // From here the call's backward stages (the last microbatch's included:
+  // the losses come before it) run on in the background; the next call,
+  // step() and synchronize() report their errors and take its gradients.
+  unconsumed_calls_.push_back(call);
   ForwardBackwardResult result;
   at::Tensor total = losses[0].toTensor().clone();
   for (size_t m = 1; m < losses.size(); ++m) total.add_(losses[m].toTensor());
   result.loss = total;
   if (return_outputs) {
-    auto outs = collect(call, call->outputs);
+    std::vector<c10::IValue> outs;
+    try {
+      outs = collect(call, call->outputs);
+    } catch (...) {
+      // The call failed: reported here, so not again by the next call.
+      if (call->aborted) std::erase(unconsumed_calls_, call);
+      throw;
+    }
     if (call->config.pack_output.value_or(false)) {
       result.output = c10::ivalue::Tuple::create(outs);
     } else {
@@ -2391,11 +2403,6 @@ ForwardBackwardResult Engine::forward_backward(const c10::IValue& input, const c
     }
     result.output = to_device(result.output, *call->config.output_device);
   }
-  // From here the call's backward stages run on in the background; the next
-  // call, step() and synchronize() report their errors (an error until now
-  // was this call's to throw, once). The last microbatch's backward is one
-  // of them: the losses are returned before it runs.
-  unconsumed_calls_.push_back(call);
   return result;
 }
 

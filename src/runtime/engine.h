@@ -226,8 +226,8 @@ class Engine {
   // the engine is made (before any work competes for the host or the link).
   double upload_bytes_per_second() const;
   mutable std::once_flag upload_probe_once_;
-  // The memory limit of plans without model_memory_limit: what the smallest
-  // device had left when the engine was made (0: unlimited).
+  // The memory limit of plans without model_memory_limit: 90% of what the
+  // smallest device had left when the engine was made (0: unlimited).
   int64_t default_memory_limit_bytes_ = 0;
   bool all_layers_meterable_ = true;  // else the planner keeps half the limit for activations
   mutable double upload_bytes_per_second_ = 0;
@@ -235,8 +235,8 @@ class Engine {
   mutable std::string logged_plans_[2];  // verbose: the last plan logged (forward, fused)
   // The automatic plan in use per (fused, microbatches): kept while a new
   // one would not be clearly faster (PlanRequest::incumbent).
-  // (keyed by fused, microbatches and recompute grain)
-  mutable std::map<std::tuple<bool, int, int>, ExecutePlan> plans_in_use_;
+  using PlanKey = std::tuple<bool, int, RecomputeGrain>;  // fused, microbatches, grain
+  mutable std::map<PlanKey, ExecutePlan> plans_in_use_;
   // Buffers: whether any layer has some, whether a call has committed them,
   // whether a commit changed one (host-task thread). Replicated tail stages
   // need buffers that no forward writes.
