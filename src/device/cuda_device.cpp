@@ -50,6 +50,10 @@ class CudaTimingMark final : public Event {
 class CudaDevice final : public Device {
  public:
   explicit CudaDevice(int index) : index_(static_cast<c10::DeviceIndex>(index)) {
+    // LibTorch sets up CUDA (and its caching allocator) on the first CUDA
+    // tensor; memory_stats() may be asked before any, when the engine takes
+    // its default memory limit, and the allocator's stats need it set up.
+    at::globalContext().lazyInitDevice(c10::DeviceType::CUDA);
     for (int q = 0; q < 4; ++q) {
       // Activation uploads are on the critical path: give them priority.
       streams_[q] = c10::cuda::getStreamFromPool(q == static_cast<int>(Queue::kActUpload), index_);

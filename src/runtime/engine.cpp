@@ -941,10 +941,14 @@ ExecutePlan Engine::default_plan(bool fused, int n, RecomputeGrain grain) const 
   }
   if (options_.verbose) {
     std::lock_guard<std::mutex> lock(plan_log_mu_);
+    // Logged when the plan changes, and once when timings first replace the
+    // byte estimate even if the plan stays: the measured per-layer costs are
+    // what a user hand-tunes from.
+    const bool measured = timings_->complete();
+    const std::string key = (measured ? "measured " : "estimated ") + estimate.plan.to_string();
     auto& logged = logged_plans_[fused ? 1 : 0];
-    if (logged != estimate.plan.to_string()) {
-      logged = estimate.plan.to_string();
-      const bool measured = timings_->complete();
+    if (logged != key) {
+      logged = key;
       std::fprintf(stderr, "%s: %s plan for %d microbatches on %d device(s), costs %s\n%s%s\n",
                    name_.c_str(), fused ? "forward_backward" : "forward", n, pool_.size(),
                    measured ? "measured (seconds):" : "from parameter bytes (no timings yet):",

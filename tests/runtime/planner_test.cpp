@@ -209,6 +209,29 @@ TEST(Planner, MeasuresWhatALayerKeepsForItsBackward) {
   EXPECT_LE(activations, 4 * (rows * hidden * 4 + rows * width * 4)) << estimate.describe();
 }
 
+// Verbose mode logs the plan on bytes first and again once timings are
+// measured, with each layer's times and what it keeps for its backward, even
+// when the plan itself stays the same (one layer: one stage).
+TEST(Planner, VerboseLogsTheMeasuredPlanEvenWhenItStaysTheSame) {
+  torch::manual_seed(0);
+  torch::nn::Sequential model(WideBlock(64, 256));
+  RoundPipe pipe(model, RoundPipeOptions().set_devices("sim:1").set_verbose(true));
+  auto x = torch::randn({16, 64}), y = torch::randn({16, 64});
+  ::testing::internal::CaptureStderr();
+  for (int i = 0; i < 4; ++i)
+    pipe.forward_backward(x, y, testing::mse_loss, false, RunConfig().set_num_microbatch(1));
+  pipe.synchronize();
+  const std::string log = ::testing::internal::GetCapturedStderr();
+  const auto first = log.find("costs from parameter bytes");
+  const auto measured = log.find("costs measured");
+  ASSERT_NE(first, std::string::npos) << log;
+  ASSERT_NE(measured, std::string::npos) << log;
+  EXPECT_LT(first, measured) << log;
+  EXPECT_NE(log.find("kept for backward", measured), std::string::npos) << log;
+  // Logged once each: later calls with the same plan stay quiet.
+  EXPECT_EQ(log.find("costs measured", measured + 1), std::string::npos) << log;
+}
+
 // A layer with few parameters and much compute: its bytes say "cheap", its
 // measured time says otherwise.
 struct SlowLinearImpl : torch::nn::Cloneable<SlowLinearImpl> {
