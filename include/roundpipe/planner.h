@@ -58,6 +58,9 @@ struct StageEstimate {
   double upload = 0;         // its parameter upload time
   int64_t memory_bytes = 0;  // while it runs (parameters, gradients, activations)
   int64_t param_bytes = 0;   // of its parameters
+  // memory_bytes plus the parameters of the stage arriving meanwhile on its
+  // device: what a plan fits the limit with.
+  int64_t peak_bytes = 0;
 };
 
 struct PlanEstimate {
@@ -68,9 +71,9 @@ struct PlanEstimate {
   std::string describe() const;
 };
 
-// The cheapest plan whose every stage fits half the memory limit. Throws a
-// c10::Error naming the smallest feasible limit when even one-layer stages
-// do not fit.
+// The cheapest plan whose every stage's peak_bytes fits the memory limit
+// (half of it while activations are unmeasured). Throws a c10::Error naming
+// the smallest feasible limit when even one-layer stages do not fit.
 PlanEstimate plan_stages(const std::vector<LayerCost>& layers, const PlanRequest& request);
 
 // The predicted stages and time of a given plan (e.g. a hand-written one).

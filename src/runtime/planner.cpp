@@ -191,18 +191,12 @@ PlanEstimate plan_stages(const std::vector<LayerCost>& layers, const PlanRequest
               "plan_stages: needs at least one device and one microbatch");
   const auto c = costs_of(layers);
   // A plan fits when every stage, while it runs, fits the limit together
-  // with the parameters of the stage that arrives meanwhile on its device:
-  // the one D later in the cyclic order of stages (a replicated tail: the
-  // same stage, for the next call).
+  // with the parameters of the stage that arrives meanwhile on its device
+  // (StageEstimate::peak_bytes, from estimate_plan).
   const int64_t limit = effective_limit(request);
   const auto plan_fits = [&](const PlanEstimate& e) {
-    if (limit == 0) return true;
-    const size_t S = e.stages.size();
-    const size_t D = e.plan.tail_replicas > 1 ? 1 : static_cast<size_t>(request.num_devices);
-    for (size_t g = 0; g < S; ++g) {
-      if (e.stages[g].memory_bytes + e.stages[(g + D) % S].param_bytes > limit) return false;
-    }
-    return true;
+    return limit == 0 || std::all_of(e.stages.begin(), e.stages.end(),
+                                     [&](const StageEstimate& s) { return s.peak_bytes <= limit; });
   };
   // One layer per stage fits once the limit holds the largest one-layer
   // backward stage and the largest layer's parameters: the limit a failure
@@ -297,6 +291,13 @@ PlanEstimate estimate_plan(const std::vector<LayerCost>& layers, const ExecutePl
     e.stages.push_back(estimate(layers, c.forward, r, false, request));
   for (const auto& r : plan.backward)
     e.stages.push_back(estimate(layers, c.backward, r, true, request));
+  // While a stage runs, the stage arriving next on its device is the one D
+  // later in the cyclic order of stages (a replicated tail: the same stage,
+  // for the next call).
+  const size_t S = e.stages.size();
+  const size_t D = plan.tail_replicas > 1 ? 1 : static_cast<size_t>(request.num_devices);
+  for (size_t g = 0; g < S; ++g)
+    e.stages[g].peak_bytes = e.stages[g].memory_bytes + e.stages[(g + D) % S].param_bytes;
   if (plan.tail_replicas > 1) {
     // Each replica uploads the model (links in parallel) and runs its share
     // of the microbatches; the next call comes once the losses are back.
@@ -315,9 +316,10 @@ std::string PlanEstimate::describe() const {
   for (const auto& s : stages) {
     std::snprintf(
         line, sizeof(line),
-        "  %-9s layers [%d, %d)  compute %.4g per microbatch  upload %.4g  memory %.3f GiB\n",
+        "  %-9s layers [%d, %d)  compute %.4g per microbatch  upload %.4g  memory %.3f GiB"
+        "  (%.3f GiB with the next stage's parameters)\n",
         s.backward ? "backward" : "forward", s.range.begin, s.range.end, s.compute, s.upload,
-        gib(s.memory_bytes));
+        gib(s.memory_bytes), gib(s.peak_bytes));
     out << line;
   }
   out << "  plan " << plan.to_string() << ", predicted " << iteration << " per call";

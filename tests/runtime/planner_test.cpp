@@ -40,6 +40,7 @@ TEST(Planner, EveryStageFitsTheLimitWithTheNextStagesParameters) {
     for (const auto& s : estimate.stages) {
       EXPECT_LE(peak_of(s), request.memory_limit_bytes)
           << limit_mib << " MiB: " << estimate.describe();
+      EXPECT_LE(s.peak_bytes, request.memory_limit_bytes) << estimate.describe();
     }
     // A tighter limit never allows fewer stages.
     EXPECT_GE(estimate.stages.size(), previous_stages) << estimate.describe();
@@ -53,6 +54,33 @@ TEST(Planner, EveryStageFitsTheLimitWithTheNextStagesParameters) {
   for (const auto& s : plan_stages(layers, tight).stages) {
     if (s.backward) EXPECT_EQ(s.range.size(), 1);
   }
+}
+
+// peak_bytes (what the limit is checked against) adds the parameters of the
+// stage that arrives on the same device while a stage runs: with 2 devices,
+// the one two later in the cyclic order forward..., backward...
+TEST(Planner, StagePeakAddsTheParametersArrivingNextOnItsDevice) {
+  const auto layers = equal_layers(4, 100 * kMiB, 20 * kMiB);
+  PlanRequest request;
+  request.num_devices = 2;
+  request.fused = true;
+  ExecutePlan plan;
+  plan.forward = {{0, 1}};
+  plan.backward = {{2, 4}, {1, 2}};
+  const auto e = estimate_plan(layers, plan, request);
+  ASSERT_EQ(e.stages.size(), 3u);
+  // forward [0, 1) -> backward [1, 2) (1 layer); backward [2, 4) -> forward
+  // [0, 1) (1 layer, next call); backward [1, 2) -> backward [2, 4) (2 layers).
+  EXPECT_EQ(e.stages[0].peak_bytes - e.stages[0].memory_bytes, 100 * kMiB) << e.describe();
+  EXPECT_EQ(e.stages[1].peak_bytes - e.stages[1].memory_bytes, 100 * kMiB) << e.describe();
+  EXPECT_EQ(e.stages[2].peak_bytes - e.stages[2].memory_bytes, 200 * kMiB) << e.describe();
+  EXPECT_NE(e.describe().find("with the next stage's parameters"), std::string::npos);
+  // A replicated tail: the next call's copy of the same stage.
+  ExecutePlan tail;
+  tail.backward = {{0, 4}};
+  tail.tail_replicas = 2;
+  const auto t = estimate_plan(layers, tail, request);
+  EXPECT_EQ(t.stages[0].peak_bytes - t.stages[0].memory_bytes, 400 * kMiB) << t.describe();
 }
 
 TEST(Planner, ImpossibleLimitNamesTheSmallestFeasibleOne) {
