@@ -898,8 +898,7 @@ double Engine::upload_bytes_per_second() const {
         budget > 0 ? std::max<int64_t>(budget / 8, 1) : int64_t{64} << 20);
     // Pinned as the homes are (not from the arena, which then holds the
     // model alone).
-    const bool pinned =
-        options_.pin_model != PinMode::kOff && pool_.at(0)->supports_pinned_memory();
+    const bool pinned = options_.pin_model != PinMode::kOff && device.supports_pinned_memory();
     auto host = at::empty({bytes}, at::TensorOptions().dtype(at::kByte).pinned_memory(pinned));
     host.zero_();
     // The copy alone, timed on its queue, the fastest of three after one
@@ -934,6 +933,9 @@ ExecutePlan Engine::default_plan(bool fused) const {
 }
 
 ExecutePlan Engine::default_plan(bool fused, int n, RecomputeGrain grain) const {
+  // Read before planning: timings that complete in between make this log
+  // say "bytes" once more, and the next call logs the measured plan.
+  const bool measured = timings_->complete();
   auto estimate = auto_plan(fused, n, 0, std::nullopt, grain);
   {
     std::lock_guard<std::mutex> lock(plan_log_mu_);
@@ -944,7 +946,6 @@ ExecutePlan Engine::default_plan(bool fused, int n, RecomputeGrain grain) const 
     // Logged when the plan changes, and once when timings first replace the
     // byte estimate even if the plan stays: the measured per-layer costs are
     // what a user hand-tunes from.
-    const bool measured = timings_->complete();
     const std::string key = (measured ? "measured " : "estimated ") + estimate.plan.to_string();
     auto& logged = logged_plans_[fused ? 1 : 0];
     if (logged != key) {
