@@ -2,6 +2,7 @@
 // (or a model built from a config.json) through RoundPipe, on a JSONL
 // dataset or a built-in task, with the asynchronous fused Adam, checkpoints
 // and resume; saves a HuggingFace checkpoint at the end.
+#include <roundpipe/errors.h>
 #include <roundpipe/train/trainer.h>
 
 #include <CLI/CLI.hpp>
@@ -38,6 +39,10 @@ int main(int argc, char** argv) {
   app.add_option("--checkpoint-dir", a.checkpoint_dir,
                  "training checkpoint directory (default: OUTPUT.ckpt)");
   app.add_flag("--resume", a.resume, "resume from the training checkpoint if there is one");
+  app.add_flag("--overwrite", a.overwrite,
+               "replace a model already in --output and an earlier run's training checkpoint");
+  bool debug = false;
+  app.add_flag("--debug", debug, "print errors with LibTorch's C++ backtrace");
   app.add_flag("--sync-step", a.sync_step, "synchronous optimizer step (default: asynchronous)");
   app.add_option("--loss-chunk", a.loss_chunk,
                  "tokens per chunk of the fused linear + cross-entropy");
@@ -47,8 +52,12 @@ int main(int argc, char** argv) {
   try {
     roundpipe::train::run_training(a);
     return 0;
+  } catch (const roundpipe::train::TrainingInterrupted& e) {
+    std::fprintf(stderr, "roundpipe-train: %s\n", e.what());
+    return 128 + e.signal;  // as the shell reports a process a signal ended
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "roundpipe-train: error: %s\n", e.what());
+    std::fprintf(stderr, "roundpipe-train: error: %s\n",
+                 debug ? e.what() : roundpipe::error_message(e).c_str());
     return 1;
   }
 }

@@ -12,7 +12,10 @@
 
 namespace roundpipe {
 
-// Synchronizes `pipe` (pending steps published), then writes `dir`. The new
+// Waits for `pipe`'s background work without publishing an async step's
+// update (wait_for_background_work(): saving does not change what is
+// trained), then writes `dir`: the weights as the next call reads them and
+// the masters, one update ahead when an update is pending. The new
 // checkpoint is built in a temporary directory and moved into place; a crash
 // at any moment leaves either the previous checkpoint or the new one
 // (load_checkpoint finds the previous one under "<dir>.previous" when the
@@ -23,8 +26,10 @@ void save_checkpoint(const std::string& dir, RoundPipe& pipe, optim::Adam* adam,
                      const std::map<std::string, std::string>& extra = {});
 
 // Restores what save_checkpoint wrote into a RoundPipe over the same model
-// architecture (and an Adam built on its optim_parameters()). Names, shapes
-// and dtypes are checked, and a mismatch names the tensor.
+// architecture (and an Adam built on its optim_parameters()), a pending
+// update included (restore_pending_update()), so that training goes on as
+// in the run that saved it. Names, shapes and dtypes are checked, and a
+// mismatch names the tensor.
 // Returns the `extra` entries the checkpoint was saved with.
 std::map<std::string, std::string> load_checkpoint(const std::string& dir, RoundPipe& pipe,
                                                    optim::Adam* adam, optim::GradScaler* scaler);

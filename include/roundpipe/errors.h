@@ -1,11 +1,22 @@
 // The exception a failure inside the pipeline reaches the caller as.
 #pragma once
 
+#include <c10/util/Exception.h>
+
 #include <exception>
 #include <stdexcept>
 #include <string>
 
 namespace roundpipe {
+
+// The message of an error without LibTorch's C++ backtrace (what a user
+// reads; TORCH_CHECK's what() carries the frames too).
+inline std::string error_message(const std::exception& e) {
+  if (const auto* c10_error = dynamic_cast<const c10::Error*>(&e)) {
+    return c10_error->what_without_backtrace();
+  }
+  return e.what();
+}
 
 // Thrown on the caller's thread when a stage job failed on a worker. The
 // message names the RoundPipe, stage, layer, microbatch, phase and device,

@@ -93,6 +93,11 @@ struct RoundPipeOptions {
   }
 };
 
+// Whether the calling thread is one of a RoundPipe's own (a device worker
+// or uploader, a host-task or the optimizer thread): code that a RoundPipe
+// runs (layers, loss and step functions) runs there.
+bool on_roundpipe_thread();
+
 // loss_fn(output of the last layer, label) -> a 0-dim loss, run on the
 // device for every microbatch.
 using LossFn = std::function<at::Tensor(const c10::IValue& output, const c10::IValue& label)>;
@@ -132,6 +137,8 @@ class RoundPipe {
   // parameters stay the home of the weights (pinned in place per pin_model).
   explicit RoundPipe(torch::nn::Sequential model, RoundPipeOptions options = {});
   RoundPipe(std::vector<LayerPtr> layers, RoundPipeOptions options = {});
+  // Finishes pending work and publishes a pending async update, as
+  // synchronize() does (an error nobody collected is printed to stderr).
   ~RoundPipe();
   RoundPipe(const RoundPipe&) = delete;
   RoundPipe& operator=(const RoundPipe&) = delete;
@@ -159,6 +166,18 @@ class RoundPipe {
   // step() consumed into the parameters' .grad().
   void synchronize();
 
+  // Waits for all background work like synchronize(), but publishes
+  // nothing: after an async step the model's weights stay one update behind
+  // the masters, as the next call will read them. Returns whether the
+  // masters hold an update the weights do not have yet. This is how a
+  // checkpoint is taken without changing what is trained (synchronize()
+  // would give the next call fresher weights than it would otherwise see).
+  bool wait_for_background_work();
+  // For resuming from such a checkpoint: the masters (just restored) hold
+  // one update more than the model's weights; the next step() or
+  // synchronize() publishes it first, exactly as in the run that saved it.
+  void restore_pending_update();
+
   // The optimizer's master copies (optim_dtype) of the parameters that
   // require grad, created on first use; shared parameters appear once,
   // frozen ones not at all. Build the optimizer on these.
@@ -177,7 +196,9 @@ class RoundPipe {
   // step. An exception thrown by step_fn reaches the caller (async: at the
   // next step(), call or synchronize()). What step_fn (or the Adam of the
   // fused step) refers to must outlive the step: synchronize() before
-  // destroying it.
+  // destroying it. step_fn must not call this RoundPipe's blocking methods
+  // (synchronize(), step(), forward(), forward_backward()): it runs on the
+  // optimizer thread they would wait for, so they throw there.
   void step(std::function<void()> step_fn, bool is_async = true);
   // The fused fast path: `adam` (built on optim_parameters(), fp32 masters)
   // updates each master from the low-precision gradient and writes the new

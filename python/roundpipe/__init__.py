@@ -6,6 +6,7 @@ the optimizer runs on the CPU while the GPUs already work on the next step.
 The engine is C++ (on LibTorch); this package is its Python face.
 """
 import atexit
+import sys
 
 import torch  # noqa: F401  (loads libtorch before the extension)
 
@@ -13,15 +14,31 @@ from . import _C, optim
 from .errors import StageError
 from .grad_scaler import GradScaler
 from .recompute import doing_recompute, get_recompute_data, save_for_recompute
-from .roundpipe import OptimizerCtx, PackedMicrobatches, RoundPipe
+from .roundpipe import OptimizerCtx, PackedMicrobatches, RoundPipe, _live_roundpipes
 from .run_config import ModelExecutePlan, RoundPipeRunConfig
 from .wrap import AutoRoundPipe, CausalLMRoundPipe, wrap_model_to_roundpipe
 
 __version__ = "0.1.0"
 
-# RoundPipes dropped by Python are destroyed on a thread of their own; let
-# them finish (their jobs may run Python layers) before the interpreter goes.
-atexit.register(_C.wait_for_released_engines)
+
+
+def _finish_at_exit():
+    """A script may end with work in flight (backward stages, an async
+    step): it finishes while the interpreter still runs, since the engine's
+    threads need it for Python layers, losses and step functions. An error
+    found now has nobody left to catch it: it is printed, and the exit
+    status stays what Python gives. See Note [Engine lifetime in Python]
+    in python/src/module.cpp."""
+    for pipe in list(_live_roundpipes):
+        try:
+            pipe.synchronize()
+        except BaseException as error:  # noqa: BLE001 (nobody is left to catch it)
+            print(f"roundpipe: {pipe.name}: pending work failed at exit: "
+                  f"{type(error).__name__}: {error}", file=sys.stderr)
+    _C.shutdown()
+
+
+atexit.register(_finish_at_exit)
 
 __all__ = [
     "AutoRoundPipe", "CausalLMRoundPipe", "GradScaler", "ModelExecutePlan", "OptimizerCtx",

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import threading
 import types
+import weakref
 from typing import Any, Callable, Optional
 
 import torch
@@ -13,6 +14,8 @@ from ._pass_through import PassThroughToModel
 from .run_config import RoundPipeRunConfig
 
 _optimizer_ctx = threading.local()
+# Every RoundPipe alive, so that work still in flight finishes at exit.
+_live_roundpipes: "weakref.WeakSet[RoundPipe]" = weakref.WeakSet()
 
 
 class OptimizerCtx:
@@ -130,6 +133,7 @@ class RoundPipe(PassThroughToModel, nn.Module):
             model_memory_limit, bool(verbose)))
         object.__setattr__(self, "_names", self._original_names())
         object.__setattr__(self, "training", model.training)
+        _live_roundpipes.add(self)
 
     # ------------------------------------------------------------ calls
 

@@ -5,7 +5,9 @@
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
 
+#include <atomic>
 #include <condition_variable>
+#include <cstdio>
 #include <deque>
 #include <mutex>
 #include <thread>
@@ -99,11 +101,19 @@ RunConfig run_config_from(const py::handle& cfg) {
 
 // ---------------------------------------------------------------- engine
 
+// Note [Engine lifetime in Python]
 // Destroying an engine waits for its jobs and joins its threads, which may
 // need the GIL. Python drops a RoundPipe on whatever thread holds the GIL
 // (the garbage collector runs on engine threads too), so engines are
-// destroyed on a thread of their own; wait_for_released_engines() (run at
-// exit) waits until all are gone.
+// destroyed on a thread of their own. Dropped on an ordinary thread, a
+// RoundPipe first finishes its work there (GIL released), so that its last
+// update is in the model when `del pipe` returns. At exit the package
+// finishes every live RoundPipe while the interpreter still runs
+// (finish_at_exit in __init__.py), then calls shutdown(): engines dropped
+// after that, during interpreter finalization, are left to the operating
+// system, since a thread that takes the GIL then is killed mid-call.
+std::atomic<bool> interpreter_exiting{false};
+
 class EngineReaper {
  public:
   static EngineReaper& get() {
@@ -147,7 +157,19 @@ class EngineReaper {
 };
 
 struct ReapEngine {
-  void operator()(RoundPipe* p) const { EngineReaper::get().post(p); }
+  void operator()(RoundPipe* p) const {
+    if (interpreter_exiting) return;  // finished at exit; left to the OS
+    if (!on_roundpipe_thread() && PyGILState_Check()) {
+      try {
+        py::gil_scoped_release release;
+        p->synchronize();
+      } catch (const std::exception& e) {
+        std::fprintf(stderr, "roundpipe: %s was dropped with an error it had not reported: %s\n",
+                     p->name().c_str(), error_message(e).c_str());
+      }
+    }
+    EngineReaper::get().post(p);
+  }
 };
 using EnginePtr = std::unique_ptr<RoundPipe, ReapEngine>;
 
@@ -395,6 +417,14 @@ PYBIND11_MODULE(_C, m) {
 
   m.def(
       "wait_for_released_engines", [] { EngineReaper::get().wait_idle(); },
+      py::call_guard<py::gil_scoped_release>());
+  // See Note [Engine lifetime in Python].
+  m.def(
+      "shutdown",
+      [] {
+        EngineReaper::get().wait_idle();
+        interpreter_exiting = true;
+      },
       py::call_guard<py::gil_scoped_release>());
 
   m.def("save_for_recompute", [](py::object data) { save_for_recompute(to_ivalue(data)); });

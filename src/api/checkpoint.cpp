@@ -63,7 +63,11 @@ torch::optim::AdamParamState& adam_state(optim::Adam& adam, const at::Tensor& ma
 
 void save_checkpoint(const std::string& dir, RoundPipe& pipe, optim::Adam* adam,
                      optim::GradScaler* scaler, const std::map<std::string, std::string>& extra) {
-  pipe.synchronize();
+  // Not synchronize(): publishing an async step's update here would give the
+  // next call fresher weights than it reads without a checkpoint. The
+  // weights are saved as the next call reads them, the masters one update
+  // ahead, and loading restores that state.
+  const bool update_pending = pipe.wait_for_background_work();
   write_directory_atomically(dir, [&](const std::string& tmp_dir) {
     const fs::path tmp(tmp_dir);
     auto state = pipe.named_parameters();
@@ -71,7 +75,10 @@ void save_checkpoint(const std::string& dir, RoundPipe& pipe, optim::Adam* adam,
     safetensors::save_file((tmp / "model.safetensors").string(), state);
     safetensors::save_file((tmp / "master.safetensors").string(), pipe.optim_named_parameters());
 
-    nlohmann::json meta = {{"format", "roundpipe-checkpoint"}, {"version", 1}, {"extra", extra}};
+    nlohmann::json meta = {{"format", "roundpipe-checkpoint"},
+                           {"version", 1},
+                           {"update_pending", update_pending},
+                           {"extra", extra}};
     if (adam) {
       safetensors::NamedTensors moments;
       nlohmann::json steps = nlohmann::json::object();
@@ -148,9 +155,15 @@ std::map<std::string, std::string> load_checkpoint(const std::string& dir, Round
     TORCH_CHECK(meta.contains("grad_scaler"), dir, " holds no GradScaler state");
     scaler->load_state_dict(meta["grad_scaler"].get<std::map<std::string, double>>());
   }
-  auto gen = at::detail::getDefaultCPUGenerator();
-  std::lock_guard<std::mutex> lock(gen.mutex());
-  gen.set_state(safetensors::load_file((source / "rng.safetensors").string()).get("cpu"));
+  {
+    auto gen = at::detail::getDefaultCPUGenerator();
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    gen.set_state(safetensors::load_file((source / "rng.safetensors").string()).get("cpu"));
+  }
+  const auto pending = meta.find("update_pending");
+  TORCH_CHECK(pending == meta.end() || pending->is_boolean(), dir,
+              ": checkpoint.json's update_pending must be true or false");
+  if (pending != meta.end() && pending->get<bool>()) pipe.restore_pending_update();
   return meta.value("extra", std::map<std::string, std::string>{});
 }
 

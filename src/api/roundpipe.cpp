@@ -49,6 +49,12 @@ ForwardBackwardResult RoundPipe::forward_backward(const c10::IValue& input,
 void RoundPipe::synchronize() {
   engine_->synchronize();
 }
+bool RoundPipe::wait_for_background_work() {
+  return engine_->wait_for_background_work();
+}
+void RoundPipe::restore_pending_update() {
+  engine_->restore_pending_update();
+}
 std::vector<at::Tensor> RoundPipe::parameters() const {
   return engine_->parameters();
 }

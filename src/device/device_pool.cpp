@@ -2,6 +2,7 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <sstream>
 
@@ -10,9 +11,28 @@
 namespace roundpipe {
 namespace {
 
+// Whole text as a number (std::stoll alone reads "3abc" as 3 and "-5" as
+// a count); std::invalid_argument otherwise.
+int64_t whole_number(const std::string& text, int64_t min) {
+  size_t pos = 0;
+  const int64_t value = std::stoll(text, &pos);
+  if (pos != text.size() || value < min) throw std::invalid_argument(text);
+  return value;
+}
+
+double positive_number(const std::string& text) {
+  size_t pos = 0;
+  const double value = std::stod(text, &pos);
+  if (pos != text.size() || !(value > 0) || !std::isfinite(value)) {
+    throw std::invalid_argument(text);
+  }
+  return value;
+}
+
 int64_t parse_size(const std::string& text) {
   size_t pos = 0;
   const double value = std::stod(text, &pos);
+  if (!(value > 0) || !std::isfinite(value)) throw std::invalid_argument(text);
   const std::string unit = text.substr(pos);
   double scale = 1;
   if (unit == "" || unit == "B")
@@ -106,7 +126,7 @@ std::vector<DevicePtr> make_devices(const std::string& spec_in) {
     std::vector<int> indices;
     for (const auto& part : split(spec.substr(5), ',')) {
       try {
-        indices.push_back(std::stoi(part));
+        indices.push_back(static_cast<int>(whole_number(part, 0)));
       } catch (const std::exception&) {
         TORCH_CHECK(false, "bad GPU index '", part, "' in device spec '", spec, "'. ", help);
       }
@@ -119,9 +139,9 @@ std::vector<DevicePtr> make_devices(const std::string& spec_in) {
     if (parts[0] != "sim") {
       TORCH_CHECK(parts[0].rfind("sim:", 0) == 0, "bad device spec '", spec, "'. ", help);
       try {
-        count = std::stoi(parts[0].substr(4));
+        count = static_cast<int>(whole_number(parts[0].substr(4), 1));
       } catch (const std::exception&) {
-        TORCH_CHECK(false, "bad device count in '", spec, "'. ", help);
+        TORCH_CHECK(false, "bad device count in '", spec, "' (a whole number >= 1). ", help);
       }
     }
     SimDeviceOptions options;
@@ -133,11 +153,15 @@ std::vector<DevicePtr> make_devices(const std::string& spec_in) {
                   "unknown sim option '", key, "'. ", help);
       try {
         if (key == "mem") options.memory_budget_bytes = parse_size(value);
-        if (key == "jitter_us") options.copy_jitter_us = std::stoll(value);
-        if (key == "gbps") options.bandwidth_gbps = std::stod(value);
+        if (key == "jitter_us") options.copy_jitter_us = whole_number(value, 0);
+        if (key == "gbps") options.bandwidth_gbps = positive_number(value);
         if (key == "chunk") options.param_chunk_bytes = parse_size(value);
+      } catch (const c10::Error& e) {
+        TORCH_CHECK(false, "bad value '", value, "' for sim option '", key,
+                    "': ", e.what_without_backtrace(), ". ", help);
       } catch (const std::exception&) {
-        TORCH_CHECK(false, "bad value '", value, "' for sim option '", key, "'. ", help);
+        TORCH_CHECK(false, "bad value '", value, "' for sim option '", key,
+                    "' (sizes and rates must be positive, jitter_us a whole number >= 0). ", help);
       }
     }
     TORCH_CHECK(options.param_chunk_bytes > 0, "chunk must be positive in '", spec, "'. ", help);

@@ -15,6 +15,7 @@
 #include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <regex>
 #include <set>
 
 #include "roundpipe/atomic_directory.h"
@@ -411,7 +412,12 @@ std::map<std::string, std::string> weight_files(const fs::path& dir) {
     for (auto it = j["weight_map"].begin(); it != j["weight_map"].end(); ++it) {
       TORCH_CHECK(it->is_string(), index.string(), ": weight_map['", it.key(),
                   "'] is not a file name");
-      files[it.key()] = (dir / it->get<std::string>()).string();
+      // A plain name in this directory: an index must not reach elsewhere.
+      const fs::path file(it->get<std::string>());
+      TORCH_CHECK(!file.empty() && file == file.filename() && file != "." && file != "..",
+                  index.string(), ": weight_map['", it.key(), "'] = '", file.string(),
+                  "' is not a file name in ", dir.string());
+      files[it.key()] = (dir / file).string();
     }
     return files;
   }
@@ -511,41 +517,53 @@ CausalLM CausalLM::from_pretrained(const std::string& dir, CausalLMOptions optio
   return model;
 }
 
+bool is_weight_file(const std::string& name) {
+  static const std::regex shard(R"(model-[0-9]+-of-[0-9]+\.safetensors)");
+  return name == "model.safetensors" || name == "model.safetensors.index.json" ||
+         std::regex_match(name, shard);
+}
+
 void CausalLM::save_pretrained(const std::string& dir, int64_t max_shard_bytes) const {
-  write_directory_atomically(dir, [&](const std::string& tmp_dir) {
-    const fs::path tmp(tmp_dir);
-    {
-      std::ofstream out(tmp / "config.json");
-      out << config_.to_json_string();
-    }
-    // Shards of at most max_shard_bytes (a larger single tensor gets its own).
-    std::vector<safetensors::NamedTensors> shards(1);
-    int64_t shard_bytes = 0, total = 0;
-    for (auto& [name, t] : hf_state_dict()) {
-      if (shard_bytes > 0 && shard_bytes + static_cast<int64_t>(t.nbytes()) > max_shard_bytes) {
-        shards.emplace_back();
-        shard_bytes = 0;
-      }
-      shards.back().emplace_back(name, t);
-      shard_bytes += t.nbytes();
-      total += t.nbytes();
-    }
-    const std::map<std::string, std::string> metadata = {{"format", "pt"}};
-    if (shards.size() == 1) {
-      safetensors::save_file((tmp / "model.safetensors").string(), shards[0], metadata);
-    } else {
-      nlohmann::ordered_json index = {{"metadata", {{"total_size", total}}},
-                                      {"weight_map", nlohmann::ordered_json::object()}};
-      for (size_t i = 0; i < shards.size(); ++i) {
-        char name[64];
-        std::snprintf(name, sizeof(name), "model-%05zu-of-%05zu.safetensors", i + 1, shards.size());
-        safetensors::save_file((tmp / name).string(), shards[i], metadata);
-        for (const auto& [tensor, t] : shards[i]) index["weight_map"][tensor] = name;
-      }
-      std::ofstream out(tmp / "model.safetensors.index.json");
-      out << index.dump(2);
-    }
-  });
+  // Only our own files change: a tokenizer or README beside them stays, and
+  // the shards of an earlier save that this one does not overwrite go.
+  write_files_into_directory(
+      dir,
+      [&](const std::string& tmp_dir) {
+        const fs::path tmp(tmp_dir);
+        {
+          std::ofstream out(tmp / "config.json");
+          out << config_.to_json_string();
+        }
+        // Shards of at most max_shard_bytes (a larger single tensor gets its own).
+        std::vector<safetensors::NamedTensors> shards(1);
+        int64_t shard_bytes = 0, total = 0;
+        for (auto& [name, t] : hf_state_dict()) {
+          if (shard_bytes > 0 && shard_bytes + static_cast<int64_t>(t.nbytes()) > max_shard_bytes) {
+            shards.emplace_back();
+            shard_bytes = 0;
+          }
+          shards.back().emplace_back(name, t);
+          shard_bytes += t.nbytes();
+          total += t.nbytes();
+        }
+        const std::map<std::string, std::string> metadata = {{"format", "pt"}};
+        if (shards.size() == 1) {
+          safetensors::save_file((tmp / "model.safetensors").string(), shards[0], metadata);
+        } else {
+          nlohmann::ordered_json index = {{"metadata", {{"total_size", total}}},
+                                          {"weight_map", nlohmann::ordered_json::object()}};
+          for (size_t i = 0; i < shards.size(); ++i) {
+            char name[64];
+            std::snprintf(name, sizeof(name), "model-%05zu-of-%05zu.safetensors", i + 1,
+                          shards.size());
+            safetensors::save_file((tmp / name).string(), shards[i], metadata);
+            for (const auto& [tensor, t] : shards[i]) index["weight_map"][tensor] = name;
+          }
+          std::ofstream out(tmp / "model.safetensors.index.json");
+          out << index.dump(2);
+        }
+      },
+      is_weight_file);
 }
 
 }  // namespace roundpipe::models

@@ -3,20 +3,47 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <sstream>
+#include <type_traits>
 
 #include "roundpipe/models/config.h"
 
 namespace roundpipe::models {
 namespace {
 
+// nlohmann converts between JSON number kinds silently (2.5 would read as
+// the integer 2): each field is checked for its exact kind first.
+template <typename T>
+bool has_kind(const nlohmann::json& v) {
+  if constexpr (std::is_same_v<T, bool>) {
+    return v.is_boolean();
+  } else if constexpr (std::is_integral_v<T>) {
+    return v.is_number_integer();
+  } else if constexpr (std::is_floating_point_v<T>) {
+    return v.is_number();
+  } else {
+    return v.is_string();
+  }
+}
+
+template <typename T>
+const char* kind_name() {
+  if constexpr (std::is_same_v<T, bool>) {
+    return "true or false";
+  } else if constexpr (std::is_integral_v<T>) {
+    return "a whole number";
+  } else if constexpr (std::is_floating_point_v<T>) {
+    return "a number";
+  } else {
+    return "a string";
+  }
+}
+
 template <typename T>
 T required(const nlohmann::json& j, const char* key, const std::string& what) {
   TORCH_CHECK(j.contains(key) && !j[key].is_null(), what, ": missing required field '", key, "'");
-  try {
-    return j[key].get<T>();
-  } catch (const nlohmann::json::exception&) {
-    TORCH_CHECK(false, what, ": field '", key, "' has the wrong type (", j[key].dump(), ")");
-  }
+  TORCH_CHECK(has_kind<T>(j[key]), what, ": field '", key, "' has the wrong type: it must be ",
+              kind_name<T>(), ", got ", j[key].dump());
+  return j[key].get<T>();
 }
 
 template <typename T>

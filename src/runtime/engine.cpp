@@ -38,6 +38,21 @@ struct CallAborted {};
 // milliseconds (the profiler's clock, modulo 100 s) so that they line up
 // with a kernel timeline. Who: the thread's role ("gpu0", "optimizer", ...).
 thread_local const char* trace_who = "caller";
+
+thread_local const void* engine_of_this_thread = nullptr;
+bool on_engine_thread(const void* engine) {
+  return engine != nullptr && engine_of_this_thread == engine;
+}
+void set_engine_thread(const void* engine) {
+  engine_of_this_thread = engine;
+}
+}  // namespace roundpipe::detail
+
+bool roundpipe::on_roundpipe_thread() {
+  return detail::engine_of_this_thread != nullptr;
+}
+
+namespace roundpipe::detail {
 bool tracing() {
   static const bool on = [] {
     const char* v = std::getenv("ROUNDPIPE_TRACE");
@@ -139,6 +154,9 @@ struct CallState {
   }
 
   std::atomic<bool> aborted{false};
+  // Its error already reached the caller (through the autograd backward of
+  // forward()): not reported again, and its gradients are dropped.
+  std::atomic<bool> reported{false};
   std::mutex error_mu;
   std::optional<StageError> error;
   std::vector<std::shared_ptr<Slot>> all_slots;
@@ -404,7 +422,11 @@ void backward_through(const c10::IValue& output, const std::vector<at::Tensor>& 
 
 // ---------------------------------------------------------------- host tasks
 
-HostTasks::HostTasks() : thread_([this] { loop(); }) {}
+HostTasks::HostTasks(const void* owner)
+    : owner_(owner), thread_([this] {
+        set_engine_thread(owner_);
+        loop();
+      }) {}
 
 HostTasks::~HostTasks() {
   {
@@ -476,12 +498,14 @@ class Worker {
  public:
   Worker(Engine& engine, DevicePtr device) : engine_(engine), device_(std::move(device)) {
     thread_ = std::thread([this] {
+      set_engine_thread(&engine_);
       device_->bind_compute_thread();
       trace_name_ = device_->name();
       trace_who = trace_name_.c_str();
       loop();
     });
     uploader_ = std::thread([this] {
+      set_engine_thread(&engine_);
       device_->bind_compute_thread();
       uploader_name_ = device_->name() + " uploader";
       trace_who = uploader_name_.c_str();
@@ -797,13 +821,20 @@ Engine::Engine(std::vector<LayerPtr> layers, RoundPipeOptions options)
 }
 
 Engine::~Engine() {
-  // A destructor cannot report: the errors were the caller's to collect.
+  // Pending work finishes and an async step's update is published, as
+  // synchronize() does: the model keeps every update it was given. A
+  // destructor cannot throw, so an error the caller never collected is
+  // printed rather than lost.
   try {
-    fence();
-  } catch (...) {
-  }
-  try {
-    optimizer_.drain();  // no step may run while the members go
+    synchronize();
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "%s: destroyed with an error it had not reported yet: %s\n", name_.c_str(),
+                 error_message(e).c_str());
+    try {
+      settle();  // the rest of its work, whatever failed
+      if (pending_publish_ >= 0) publish(pending_publish_);
+    } catch (...) {
+    }
   } catch (...) {
   }
   workers_.clear();
@@ -959,6 +990,20 @@ ExecutePlan Engine::default_plan(bool fused, int n, RecomputeGrain grain) const 
   return estimate.plan;
 }
 
+// Note [Calls from engine threads]
+// Step functions run on the optimizer thread, loss functions and layers on
+// the device workers. A blocking entry point called from there (say
+// synchronize() inside a step function, or forward_backward() inside a
+// synchronous step) would wait for work queued behind the very task that
+// is waiting: a deadlock. Those calls are refused with an error instead;
+// another RoundPipe's calls are fine.
+void Engine::check_caller_thread(const char* what) const {
+  TORCH_CHECK(!on_engine_thread(this), name_, ": ", what,
+              " was called from inside this RoundPipe (a step function, loss function or layer "
+              "it runs), where it would wait for itself forever. Call it from the training loop, "
+              "after step() or forward_backward() has returned.");
+}
+
 RunConfig Engine::resolve(const RunConfig& config) const {
   RunConfig out = config.overriding(options_.model_run_config);
   if (!out.requires_grad) out.requires_grad = c10::GradMode::is_enabled();
@@ -1093,6 +1138,7 @@ void Engine::fence() {
 
 void Engine::report_failed_call() {
   // A training call that failed in the background is reported once, here.
+  std::erase_if(unconsumed_calls_, [](const auto& call) { return call->reported.load(); });
   for (auto it = unconsumed_calls_.begin(); it != unconsumed_calls_.end(); ++it) {
     if ((*it)->aborted) {
       auto failed = *it;
@@ -1222,8 +1268,11 @@ void Engine::update_as_gradients_arrive(
   if (pending_version >= 0) publish(pending_version);  // parameters without gradients
   for (const auto& call : calls) call->wait_idle();
   // A call that failed: the batches final before it failed were applied
-  // (their weights go live with this update); the rest were not.
-  for (const auto& call : calls) call->rethrow_if_failed();
+  // (their weights go live with this update); the rest were not. (Unless
+  // its error already reached the caller through autograd.)
+  for (const auto& call : calls) {
+    if (!call->reported) call->rethrow_if_failed();
+  }
   std::lock_guard<std::mutex> lock(grads_mu_);
   for (const auto& call : calls) call->param_grads.clear();
 }
@@ -1231,7 +1280,10 @@ void Engine::update_as_gradients_arrive(
 std::map<int, at::Tensor> Engine::take_call_grads(std::vector<std::shared_ptr<CallState>> calls) {
   std::map<int, at::Tensor> grads;
   for (auto& call : calls) call->wait_idle();
-  for (auto& call : calls) call->rethrow_if_failed();  // a failed call contributes nothing
+  // A failed call contributes nothing; its error is thrown here unless the
+  // caller already had it.
+  std::erase_if(calls, [](const auto& call) { return call->reported.load(); });
+  for (auto& call : calls) call->rethrow_if_failed();
   for (auto& call : calls) {
     for (auto& [id, g] : call->param_grads) {
       auto& sum = grads[id];
@@ -1320,6 +1372,7 @@ void Engine::publish_version_only(int64_t version) {
 }
 
 void Engine::step(std::function<void()> step_fn, bool is_async) {
+  check_caller_thread("step()");
   TORCH_CHECK(step_fn, name_, ": step() needs a step function");
   queue_step(
       [this, step_fn = std::move(step_fn)](std::map<int, at::Tensor>& grads) {
@@ -1336,6 +1389,7 @@ void Engine::step(std::function<void()> step_fn, bool is_async) {
 }
 
 void Engine::step_fused(optim::Adam& adam, bool is_async, optim::GradScaler* scaler) {
+  check_caller_thread("step()");
   queue_step(
       [this, &adam, is_async, scaler](std::map<int, at::Tensor>& grads) {
         std::vector<at::Tensor> masters, lowp_grads, outs;
@@ -2294,10 +2348,12 @@ void Engine::run_backward_pass(const std::shared_ptr<CallState>& call) {
   }
   // Wait for this call's backward jobs and gradient downloads.
   call->wait_idle();
+  if (call->aborted) call->reported = true;  // thrown here, through autograd: once
   call->rethrow_if_failed();
 }
 
 c10::IValue Engine::forward(const c10::IValue& input, const RunConfig& config) {
+  check_caller_thread("forward()");
   const bool training = resolve(config).requires_grad.value();
   auto call = start_call(input, config, /*fused=*/false, training);
   const auto& plan = call->plan;
@@ -2354,6 +2410,7 @@ c10::IValue Engine::forward(const c10::IValue& input, const RunConfig& config) {
 ForwardBackwardResult Engine::forward_backward(const c10::IValue& input, const c10::IValue& label,
                                                const LossFn& loss_fn, bool return_outputs,
                                                const RunConfig& config) {
+  check_caller_thread("forward_backward()");
   TORCH_CHECK(loss_fn, name_, ": forward_backward needs a loss_fn");
   auto call = start_call(input, config, /*fused=*/true, /*training=*/true);
   call->loss_fn = loss_fn;
@@ -2411,7 +2468,7 @@ ForwardBackwardResult Engine::forward_backward(const c10::IValue& input, const c
   return result;
 }
 
-void Engine::synchronize() {
+void Engine::settle() {
   wait_for_jobs();
   std::exception_ptr error;
   try {
@@ -2425,6 +2482,11 @@ void Engine::synchronize() {
     if (!error) error = std::current_exception();
   }
   if (error) std::rethrow_exception(error);
+}
+
+void Engine::synchronize() {
+  check_caller_thread("synchronize()");
+  settle();
   if (pending_publish_ >= 0) {
     publish(pending_publish_);
     version_for_new_calls_ = pending_publish_;
@@ -2436,6 +2498,22 @@ void Engine::synchronize() {
     auto& grad = params_[id].home.mutable_grad();
     grad = grad.defined() ? grad.add_(g) : g;
   }
+}
+
+bool Engine::wait_for_background_work() {
+  check_caller_thread("wait_for_background_work()");
+  settle();
+  report_failed_call();
+  return pending_publish_ >= 0;
+}
+
+void Engine::restore_pending_update() {
+  synchronize();
+  // After synchronize() the weights are at version updates_ and nothing is
+  // pending: the masters become one update ahead, published by the next
+  // step() or synchronize() before anything else (ParamEntry's versions).
+  ensure_masters();
+  pending_publish_ = ++updates_;
 }
 
 }  // namespace roundpipe::detail

@@ -73,7 +73,8 @@ struct ParamEntry {
 // (gradient accumulation, buffer commits).
 class HostTasks {
  public:
-  HostTasks();
+  // `owner`: the engine whose thread this is (see on_engine_thread()).
+  explicit HostTasks(const void* owner);
   ~HostTasks();
   void post(EventPtr event, std::function<void()> task);
   // Waits until every posted task ran; rethrows the first failure.
@@ -83,6 +84,7 @@ class HostTasks {
 
  private:
   void loop();
+  const void* owner_;
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<std::pair<EventPtr, std::function<void()>>> tasks_;
@@ -91,6 +93,14 @@ class HostTasks {
   std::exception_ptr error_;
   std::thread thread_;
 };
+
+// Whether the calling thread is one of `engine`'s own (a worker, uploader,
+// host-task or optimizer thread): a step function, loss function or layer
+// running inside it. Such code must not call the engine's blocking entry
+// points, which would wait for the thread they run on.
+bool on_engine_thread(const void* engine);
+// Marks the calling thread as one of `engine`'s own.
+void set_engine_thread(const void* engine);
 
 // The value with its tensors moved to `device` (tensors already there kept).
 c10::IValue to_device(const c10::IValue& value, c10::Device device);
@@ -105,6 +115,8 @@ class Engine {
                                          const LossFn& loss_fn, bool return_outputs,
                                          const RunConfig& config);
   void synchronize();
+  bool wait_for_background_work();
+  void restore_pending_update();
   void step(std::function<void()> step_fn, bool is_async);
   void step_fused(optim::Adam& adam, bool is_async, optim::GradScaler* scaler);
   std::vector<at::Tensor> optim_parameters();
@@ -161,6 +173,9 @@ class Engine {
   friend struct StageRunner;
   friend class Worker;
   RunConfig resolve(const RunConfig& config) const;
+  // Refuses a blocking call (`what`) made from one of this engine's own
+  // threads, which it would wait for forever (Note [Calls from engine threads]).
+  void check_caller_thread(const char* what) const;
   std::shared_ptr<CallState> start_call(const c10::IValue& input, const RunConfig& config,
                                         bool fused, bool training);
   void dispatch(const std::shared_ptr<CallState>& call, int kind, const LayerRange& range,
@@ -178,6 +193,9 @@ class Engine {
   // Drains the host-task queues (all of them, even after an error), then
   // rethrows the first error.
   void drain_host_tasks();
+  // Waits for every job, host task and optimizer step; rethrows the first
+  // error. Publishes nothing and leaves unconsumed calls where they are.
+  void settle();
   // Waits until no stage job is queued or running on any device.
   void wait_for_jobs();
   // Waits for `calls` to finish and sums their parameter gradients; throws
@@ -256,8 +274,8 @@ class Engine {
   // commits a next call waits for, upload reads the optimizer's publish
   // waits for, timings), and the gradients' accumulation apart, so that
   // the former never queue behind the latter's large adds.
-  HostTasks host_tasks_;
-  HostTasks grad_tasks_;
+  HostTasks host_tasks_{this};
+  HostTasks grad_tasks_{this};
 
   std::mutex instances_mu_;
   std::vector<std::vector<std::unique_ptr<LayerInstance>>> free_instances_;
@@ -291,7 +309,7 @@ class Engine {
   void add_seconds(double PipelineStats::*field, std::chrono::steady_clock::time_point start);
 
   // Last: destroyed (its thread joined) before the members its tasks use.
-  HostTasks optimizer_;  // the optimizer thread
+  HostTasks optimizer_{this};  // the optimizer thread
 };
 
 }  // namespace roundpipe::detail

@@ -46,9 +46,30 @@ Example prompt_completion(const std::string& prompt, const std::string& completi
   return ex;
 }
 
+// A JSON array of whole numbers (nlohmann would read 3.7 as 3).
+std::vector<int64_t> token_list(const nlohmann::json& value, const std::string& where,
+                                const char* field) {
+  TORCH_CHECK(value.is_array(), where, ": ", field, " must be a list of token ids");
+  std::vector<int64_t> out;
+  out.reserve(value.size());
+  for (const auto& item : value) {
+    TORCH_CHECK(item.is_number_integer(), where, ": ", field, " must hold whole numbers, found ",
+                item.dump());
+    out.push_back(item.get<int64_t>());
+  }
+  return out;
+}
+
+std::string text_field(const nlohmann::json& j, const char* field, const std::string& where) {
+  TORCH_CHECK(j[field].is_string(), where, ": ", field, " must be a string, found ",
+              j[field].dump());
+  return j[field].get<std::string>();
+}
+
 }  // namespace
 
 std::vector<Example> load_jsonl(const std::string& path, int64_t max_tokens, int64_t vocab_size) {
+  TORCH_CHECK(max_tokens >= 2, "load_jsonl: max_tokens must be at least 2, got ", max_tokens);
   std::ifstream in(path);
   TORCH_CHECK(in.good(), "cannot open dataset ", path);
   std::vector<Example> out;
@@ -64,10 +85,11 @@ std::vector<Example> load_jsonl(const std::string& path, int64_t max_tokens, int
     } catch (const nlohmann::json::exception& e) {
       TORCH_CHECK(false, where, ": not valid JSON (", e.what(), ")");
     }
+    TORCH_CHECK(j.is_object(), where, ": each line must be a JSON object");
     Example ex;
     if (j.contains("input_ids")) {
-      ex.input_ids = j["input_ids"].get<std::vector<int64_t>>();
-      ex.labels = j.contains("labels") ? j["labels"].get<std::vector<int64_t>>() : ex.input_ids;
+      ex.input_ids = token_list(j["input_ids"], where, "input_ids");
+      ex.labels = j.contains("labels") ? token_list(j["labels"], where, "labels") : ex.input_ids;
       TORCH_CHECK(ex.labels.size() == ex.input_ids.size(), where,
                   ": labels and input_ids differ in length");
     } else if (j.contains("text") || j.contains("prompt")) {
@@ -75,9 +97,9 @@ std::vector<Example> load_jsonl(const std::string& path, int64_t max_tokens, int
                   ": raw text needs the byte-level tokenizer (vocab >= 259) but the model's vocab "
                   "is ",
                   vocab_size, "; pre-tokenise the dataset into input_ids");
-      const std::string prompt = j.contains("prompt") ? j["prompt"].get<std::string>() : "";
-      const std::string text = j.contains("completion") ? j["completion"].get<std::string>()
-                               : j.contains("text")     ? j["text"].get<std::string>()
+      const std::string prompt = j.contains("prompt") ? text_field(j, "prompt", where) : "";
+      const std::string text = j.contains("completion") ? text_field(j, "completion", where)
+                               : j.contains("text")     ? text_field(j, "text", where)
                                                         : "";
       ex = prompt_completion(prompt, text);
     } else {
@@ -86,6 +108,10 @@ std::vector<Example> load_jsonl(const std::string& path, int64_t max_tokens, int
     for (int64_t id : ex.input_ids) {
       TORCH_CHECK(id >= 0 && id < vocab_size, where, ": token id ", id, " is outside the vocab (",
                   vocab_size, ")");
+    }
+    for (int64_t label : ex.labels) {
+      TORCH_CHECK(label == -100 || (label >= 0 && label < vocab_size), where, ": label ", label,
+                  " is outside the vocab (", vocab_size, "); use -100 for tokens not trained on");
     }
     if (static_cast<int64_t>(ex.input_ids.size()) > max_tokens) {
       ex.input_ids.resize(max_tokens);

@@ -1,16 +1,23 @@
 #include "roundpipe/train/trainer.h"
 
+#include <ATen/ops/isfinite.h>
 #include <roundpipe/atomic_directory.h>
 #include <roundpipe/checkpoint.h>
+#include <roundpipe/models/causal_lm.h>
 #include <roundpipe/train/data.h>
 #include <roundpipe/wrap.h>
+#include <signal.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <map>
+#include <nlohmann/json.hpp>
 #include <numeric>
 #include <random>
 
@@ -28,9 +35,195 @@ std::string eta(double seconds) {
   return text;
 }
 
+// ---------------------------------------------------------------- signals
+
+std::atomic<int> stop_signal{0};
+
+extern "C" void on_stop_signal(int signal) {
+  if (stop_signal.exchange(signal) != 0) {  // the second one: stop at once
+    ::signal(signal, SIG_DFL);
+    ::raise(signal);
+    return;
+  }
+  static const char message[] =
+      "\nroundpipe-train: stopping after the current step and saving a training checkpoint "
+      "(send the signal again to quit at once)\n";
+  [[maybe_unused]] auto written = ::write(STDERR_FILENO, message, sizeof(message) - 1);
+}
+
+// SIGINT and SIGTERM ask the loop to stop after the step in flight, while
+// it runs; the previous handlers come back when it ends.
+class StopSignals {
+ public:
+  StopSignals() {
+    stop_signal = 0;
+    struct sigaction action {};
+    action.sa_handler = on_stop_signal;
+    sigemptyset(&action.sa_mask);
+    ::sigaction(SIGINT, &action, &previous_int_);
+    ::sigaction(SIGTERM, &action, &previous_term_);
+  }
+  ~StopSignals() {
+    ::sigaction(SIGINT, &previous_int_, nullptr);
+    ::sigaction(SIGTERM, &previous_term_, nullptr);
+    stop_signal = 0;
+  }
+  StopSignals(const StopSignals&) = delete;
+  StopSignals& operator=(const StopSignals&) = delete;
+  int received() const { return stop_signal.load(); }
+
+ private:
+  struct sigaction previous_int_ {};
+  struct sigaction previous_term_ {};
+};
+
+// ---------------------------------------------------------------- paths
+
+// Where a run writes, checked before it trains.
+struct OutputPaths {
+  std::string output;      // the HuggingFace checkpoint at the end
+  std::string checkpoint;  // training checkpoints (resume)
+  bool has_checkpoint = false;
+  int64_t checkpoint_step = -1;
+};
+
+int64_t step_of(const std::map<std::string, std::string>& extra, const std::string& where) {
+  const auto it = extra.find("step");
+  TORCH_CHECK(it != extra.end(), where, " was not written by roundpipe-train (no step)");
+  const std::string& text = it->second;
+  size_t used = 0;
+  int64_t step = -1;
+  try {
+    step = std::stoll(text, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  TORCH_CHECK(!text.empty() && used == text.size() && step >= 0, where,
+              ": the step must be a whole number >= 0, got '", text, "'");
+  return step;
+}
+
+// The step of the roundpipe-train checkpoint in `dir`, -1 when there is
+// none (no directory, or an empty one); an error for anything else.
+int64_t existing_checkpoint_step(const std::string& dir) {
+  const fs::path source(readable_directory(dir));
+  if (!fs::exists(source) || fs::is_empty(source)) return -1;
+  const auto meta_path = source / "checkpoint.json";
+  TORCH_CHECK(fs::exists(meta_path), dir,
+              " exists and is not a RoundPipe training checkpoint (no checkpoint.json): choose "
+              "another --checkpoint-dir, or move that directory away");
+  std::ifstream in(meta_path);
+  nlohmann::json meta;
+  try {
+    meta = nlohmann::json::parse(in);
+  } catch (const nlohmann::json::exception& e) {
+    TORCH_CHECK(false, meta_path.string(), " is not valid JSON: ", e.what());
+  }
+  TORCH_CHECK(meta.is_object() && meta.value("format", "") == "roundpipe-checkpoint",
+              meta_path.string(), " is not a RoundPipe checkpoint");
+  std::map<std::string, std::string> extra;
+  if (meta.contains("extra") && meta["extra"].is_object()) {
+    for (const auto& [key, value] : meta["extra"].items()) {
+      if (value.is_string()) extra[key] = value.get<std::string>();
+    }
+  }
+  return step_of(extra, meta_path.string());
+}
+
+// A directory can be written to: made if missing, a file created and removed.
+void check_writable(const fs::path& dir, const std::string& what) {
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  TORCH_CHECK(!ec, "cannot create ", what, " ", dir.string(), ": ", ec.message());
+  const fs::path probe = dir / (".roundpipe-probe-" + std::to_string(::getpid()));
+  { std::ofstream(probe) << "probe"; }
+  const bool ok = fs::exists(probe);
+  fs::remove(probe, ec);
+  TORCH_CHECK(ok, "cannot write to ", what, " ", dir.string(),
+              ": check its permissions and free space");
+}
+
+OutputPaths prepare_outputs(const TrainOptions& args) {
+  OutputPaths paths;
+  paths.output = normalized_directory(args.output);
+  paths.checkpoint = normalized_directory(args.checkpoint_dir.empty() ? paths.output + ".ckpt"
+                                                                      : args.checkpoint_dir);
+  TORCH_CHECK(paths.checkpoint != paths.output,
+              "--checkpoint-dir and --output name the same directory; give them different ones");
+  const int removed =
+      remove_stale_temporaries(paths.output) + remove_stale_temporaries(paths.checkpoint);
+  if (removed > 0) {
+    std::printf("removed %d temporary director%s left by interrupted runs\n", removed,
+                removed == 1 ? "y" : "ies");
+  }
+  // The model output: other files there are kept; an earlier model is
+  // replaced only when asked to.
+  if (fs::exists(paths.output) && !args.overwrite && !args.resume) {
+    for (const auto& entry : fs::directory_iterator(paths.output)) {
+      const auto name = entry.path().filename().string();
+      TORCH_CHECK(name != "config.json" && !models::is_weight_file(name), "--output ", paths.output,
+                  " already holds a model (", name,
+                  "): pass --overwrite to replace it, or choose another directory");
+    }
+  }
+  paths.checkpoint_step = existing_checkpoint_step(paths.checkpoint);
+  paths.has_checkpoint = paths.checkpoint_step >= 0;
+  TORCH_CHECK(!paths.has_checkpoint || args.resume || args.overwrite, paths.checkpoint,
+              " holds a training checkpoint (step ", paths.checkpoint_step,
+              ") of an earlier run: pass --resume to continue it, or --overwrite to start over "
+              "(it is replaced at the first save)");
+  check_writable(paths.output, "--output");
+  const fs::path checkpoint(paths.checkpoint);
+  check_writable(checkpoint.has_parent_path() ? checkpoint.parent_path() : fs::path("."),
+                 "the directory of the training checkpoint");
+  return paths;
+}
+
+// ---------------------------------------------------------------- numbers
+
+bool all_finite(const std::vector<at::Tensor>& tensors) {
+  return std::all_of(tensors.begin(), tensors.end(),
+                     [](const at::Tensor& t) { return at::isfinite(t).all().item<bool>(); });
+}
+
+void check(bool ok, const char* option, const std::string& accepted, const std::string& got) {
+  TORCH_CHECK(ok, option, " must be ", accepted, ", got ", got);
+}
+
 }  // namespace
 
+void validate(const TrainOptions& a) {
+  auto text = [](auto v) { return std::to_string(v); };
+  check(a.batch_size >= 1, "--batch-size", "at least 1", text(a.batch_size));
+  check(a.seq_len >= 2, "--seq-len", "at least 2 (a token and the next)", text(a.seq_len));
+  check(a.steps >= 0, "--steps", ">= 0 (0: one epoch, or --epochs)", text(a.steps));
+  check(a.epochs >= 0, "--epochs", ">= 0", text(a.epochs));
+  check(a.checkpoint_every >= 0, "--checkpoint-every", ">= 0 (0: no periodic checkpoints)",
+        text(a.checkpoint_every));
+  check(a.log_every >= 1, "--log-every", "at least 1", text(a.log_every));
+  check(a.microbatches >= 0, "--microbatches", ">= 0 (0: devices + 1)", text(a.microbatches));
+  check(a.train_examples >= 1, "--train-examples", "at least 1", text(a.train_examples));
+  check(a.eval_examples >= 0, "--eval-examples", ">= 0", text(a.eval_examples));
+  check(a.loss_chunk >= 1, "--loss-chunk", "at least 1", text(a.loss_chunk));
+  check(a.digits >= 1 && a.digits <= 9, "--digits", "between 1 and 9", text(a.digits));
+  check(a.length >= 1, "--length", "at least 1", text(a.length));
+  check(std::isfinite(a.lr) && a.lr > 0, "--lr", "a positive number", text(a.lr));
+  check(std::isfinite(a.weight_decay) && a.weight_decay >= 0, "--weight-decay", ">= 0",
+        text(a.weight_decay));
+  check(a.recompute == "stage" || a.recompute == "layer", "--recompute", "stage or layer",
+        a.recompute);
+  dtype_from_string(a.dtype);
+  pin_mode_from_string(a.pin);
+  if (a.data.empty()) {
+    check(a.task == "addition" || a.task == "reverse", "--task",
+          "reverse or addition (or give --data)", a.task);
+  }
+}
+
 TrainSummary run_training(const TrainOptions& args) {
+  validate(args);
+  const OutputPaths paths = prepare_outputs(args);
+  StopSignals signals;
   TrainSummary summary;
   torch::manual_seed(args.seed);
   const auto dtype = dtype_from_string(args.dtype);
@@ -40,8 +233,6 @@ TrainSummary run_training(const TrainOptions& args) {
   if (args.microbatches > 0) run_config.set_num_microbatch(args.microbatches);
   run_config.set_recompute_grain(args.recompute == "layer" ? roundpipe::RecomputeGrain::kLayer
                                                            : roundpipe::RecomputeGrain::kStage);
-  TORCH_CHECK(args.recompute == "layer" || args.recompute == "stage",
-              "--recompute must be stage or layer");
   auto options = roundpipe::WrapOptions()
                      .set_model(model_options)
                      .set_roundpipe(roundpipe::RoundPipeOptions()
@@ -72,8 +263,6 @@ TrainSummary run_training(const TrainOptions& args) {
   if (!args.data.empty()) {
     train = roundpipe::train::load_jsonl(args.data, args.seq_len, config.vocab_size);
   } else {
-    TORCH_CHECK(args.task == "addition" || args.task == "reverse",
-                "--task must be reverse or addition (or give --data)");
     TORCH_CHECK(config.vocab_size >= roundpipe::train::ByteTokenizer::kVocab,
                 "the built-in tasks use the byte-level tokenizer: the model needs vocab >= 259");
     auto make = [&](int64_t count, uint64_t seed) {
@@ -112,13 +301,35 @@ TrainSummary run_training(const TrainOptions& args) {
   if (dtype == c10::kHalf) scaler = std::make_unique<roundpipe::optim::GradScaler>();
 
   int64_t first_step = 0;
-  const std::string ckpt =
-      args.checkpoint_dir.empty() ? args.output + ".ckpt" : args.checkpoint_dir;
-  if (args.resume && fs::exists(roundpipe::readable_directory(ckpt))) {
-    const auto extra = roundpipe::load_checkpoint(ckpt, pipe, &adam, scaler.get());
-    TORCH_CHECK(extra.count("step"), ckpt, " was not written by roundpipe-train (no step)");
-    first_step = std::stoll(extra.at("step"));
-    std::printf("resumed from %s at step %lld\n", ckpt.c_str(), static_cast<long long>(first_step));
+  int64_t last_good_checkpoint = -1;  // the step of the newest checkpoint of finite weights
+  if (args.resume && paths.has_checkpoint) {
+    const auto extra = roundpipe::load_checkpoint(paths.checkpoint, pipe, &adam, scaler.get());
+    first_step = step_of(extra, paths.checkpoint);
+    last_good_checkpoint = first_step;
+    TORCH_CHECK(first_step < total_steps, paths.checkpoint, " is at step ", first_step, " of the ",
+                total_steps,
+                " this run trains for: nothing is left to train; raise --steps (or --epochs)");
+    std::printf("resumed from %s at step %lld; %lld steps to go\n", paths.checkpoint.c_str(),
+                static_cast<long long>(first_step),
+                static_cast<long long>(total_steps - first_step));
+  }
+  // A training checkpoint of the state after `steps_done` steps, never of
+  // non-finite weights (the last good one stays).
+  auto save_training_checkpoint = [&](int64_t steps_done) {
+    pipe.wait_for_background_work();
+    TORCH_CHECK(all_finite(pipe.optim_parameters()), "the weights hold inf or NaN after step ",
+                steps_done, ": training diverged (lower --lr",
+                dtype == c10::kFloat ? "" : ", or train in float32", "); no checkpoint written",
+                last_good_checkpoint >= 0
+                    ? "; the last good one is " + paths.checkpoint + " (step " +
+                          std::to_string(last_good_checkpoint) + ")"
+                    : std::string());
+    roundpipe::save_checkpoint(paths.checkpoint, pipe, &adam, scaler.get(),
+                               {{"step", std::to_string(steps_done)}});
+    last_good_checkpoint = steps_done;
+  };
+  if (signals.received()) {
+    throw TrainingInterrupted("interrupted before training started", signals.received(), "");
   }
 
   std::vector<int64_t> order(train.size());
@@ -149,10 +360,22 @@ TrainSummary run_training(const TrainOptions& args) {
                                           auto loss = out.toTensor();
                                           return scaler ? scaler->scale(loss) : loss;
                                         });
+    const int n = args.microbatches > 0 ? args.microbatches : pipe.devices().size() + 1;
+    const double scale = scaler ? scaler->get_scale() : 1.0;
+    last_loss = result.loss.item<double>() / n / scale;
+    if (!std::isfinite(last_loss)) {
+      // Stop before the step: its update would be of non-finite gradients.
+      pipe.wait_for_background_work();
+      TORCH_CHECK(false, "the loss is ", last_loss, " at step ", step + 1,
+                  ": training diverged (lower --lr",
+                  dtype == c10::kFloat ? "" : ", or train in float32", "); nothing was saved",
+                  last_good_checkpoint >= 0
+                      ? ", the last good checkpoint is " + paths.checkpoint + " (step " +
+                            std::to_string(last_good_checkpoint) + ")"
+                      : std::string());
+    }
     pipe.step(adam, /*is_async=*/!args.sync_step, scaler.get());
     if (scaler) scaler->update();
-    const int n = args.microbatches > 0 ? args.microbatches : pipe.devices().size() + 1;
-    last_loss = result.loss.item<double>() / n / (scaler ? scaler->get_scale() : 1.0);
     loss_avg = step == first_step ? last_loss : 0.9 * loss_avg + 0.1 * last_loss;
     tokens += batch.tokens;
     window_tokens += batch.tokens;
@@ -174,9 +397,20 @@ TrainSummary run_training(const TrainOptions& args) {
                   eta(left).c_str(), tty && !last ? "   " : "\n");
       std::fflush(stdout);
     }
+    if (args.after_step) args.after_step(step + 1);
+    if (signals.received() && !last) {
+      save_training_checkpoint(step + 1);
+      const char* name = signals.received() == SIGINT ? "SIGINT" : "SIGTERM";
+      throw TrainingInterrupted(std::string("interrupted by ") + name + " after step " +
+                                    std::to_string(step + 1) + " of " +
+                                    std::to_string(total_steps) +
+                                    ": saved a training checkpoint "
+                                    "to " +
+                                    paths.checkpoint + "; continue with --resume",
+                                signals.received(), paths.checkpoint);
+    }
     if (args.checkpoint_every > 0 && (step + 1) % args.checkpoint_every == 0 && !last) {
-      roundpipe::save_checkpoint(ckpt, pipe, &adam, scaler.get(),
-                                 {{"step", std::to_string(step + 1)}});
+      save_training_checkpoint(step + 1);
     }
   }
   pipe.synchronize();
@@ -184,6 +418,9 @@ TrainSummary run_training(const TrainOptions& args) {
   std::printf("\nsummary: %lld steps, %lld tokens in %.1fs = %.0f tokens/s, final loss %.4f\n",
               static_cast<long long>(total_steps - first_step), static_cast<long long>(tokens),
               seconds, tokens / std::max(seconds, 1e-9), loss_avg);
+  TORCH_CHECK(all_finite(pipe.parameters()),
+              "the trained weights hold inf or NaN: training diverged in the last steps (lower "
+              "--lr); no model saved");
   if (!held_out.empty()) {
     summary.accuracy_after = roundpipe::train::task_accuracy(held_out, logits_of);
     std::printf("held-out accuracy: %.1f%% before, %.1f%% after training\n", 100 * accuracy_before,
@@ -195,8 +432,23 @@ TrainSummary run_training(const TrainOptions& args) {
   summary.seconds = seconds;
   summary.tokens_per_second = tokens / std::max(seconds, 1e-9);
   summary.final_loss = loss_avg;
-  wrapped->save_pretrained(args.output);
-  std::printf("saved a HuggingFace checkpoint to %s\n", args.output.c_str());
+  try {
+    wrapped->save_pretrained(paths.output);
+  } catch (const std::exception& e) {
+    // The trained model must not be lost: keep it as a training checkpoint.
+    const std::string why = error_message(e);
+    try {
+      roundpipe::save_checkpoint(paths.checkpoint, pipe, &adam, scaler.get(),
+                                 {{"step", std::to_string(total_steps)}});
+    } catch (const std::exception& second) {
+      TORCH_CHECK(false, "cannot save the trained model to ", paths.output, " (", why,
+                  ") nor a training checkpoint to ", paths.checkpoint, " (", error_message(second),
+                  ")");
+    }
+    TORCH_CHECK(false, "cannot save the trained model to ", paths.output, " (", why,
+                "); it is kept as a training checkpoint in ", paths.checkpoint);
+  }
+  std::printf("saved a HuggingFace checkpoint to %s\n", paths.output.c_str());
   return summary;
 }
 

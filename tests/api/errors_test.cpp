@@ -182,6 +182,80 @@ TEST_P(ErrorsTest, LayerReturningATensorOnTheWrongDevice) {
   EXPECT_HAS(what, "take their device from its inputs or weights");
 }
 
+// forward() + loss.backward(): a backward failure is thrown by backward()
+// and not again by the next synchronize(); the call leaves no gradients.
+TEST_P(ErrorsTest, BackwardErrorThroughAutogradIsReportedOnce) {
+  auto m = model();
+  RoundPipe pipe(m, RoundPipeOptions().set_devices(GetParam()));
+  auto x = at::randn({4, 6}), y = at::randn({4, 2});
+  auto config = RunConfig().set_num_microbatch(2).set_execute_plan(
+      ExecutePlan::one_layer_per_stage(4, false));
+  fail_in_recompute = true;
+  auto loss = mse_loss(pipe.forward(x, config), y);
+  const auto what = message_of([&] { loss.backward(); });
+  fail_in_recompute = false;
+  EXPECT_HAS(what, "injected recompute failure");
+  EXPECT_EQ(message_of([&] { pipe.synchronize(); }), "(no error)");
+  for (auto& p : pipe.parameters()) EXPECT_FALSE(p.grad().defined());
+  auto again = mse_loss(pipe.forward(x, config), y);
+  again.backward();
+  pipe.synchronize();
+  for (auto& p : pipe.parameters()) EXPECT_TRUE(p.grad().defined());
+}
+
+// Note [Calls from engine threads]: a step or loss function that calls its
+// own RoundPipe's blocking methods gets an error, not a deadlock.
+TEST_P(ErrorsTest, BlockingCallsFromInsideTheRoundPipeAreRefused) {
+  auto m = model();
+  RoundPipe pipe(m, RoundPipeOptions().set_devices(GetParam()));
+  auto x = at::randn({4, 6}), y = at::randn({4, 2});
+  pipe.forward_backward(x, y, mse);
+  EXPECT_HAS(message_of([&] { pipe.step([&] { pipe.synchronize(); }, /*is_async=*/false); }),
+             "synchronize() was called from inside this RoundPipe");
+  pipe.forward_backward(x, y, mse);
+  EXPECT_HAS(
+      message_of([&] { pipe.step([&] { pipe.forward_backward(x, y, mse); }, /*is_async=*/false); }),
+      "forward_backward() was called from inside this RoundPipe");
+  pipe.forward_backward(x, y, mse);
+  pipe.step([&] { pipe.step([] {}, false); }, /*is_async=*/true);
+  EXPECT_HAS(message_of([&] { pipe.synchronize(); }), "step() was called from inside");
+  const auto in_loss = message_of([&] {
+    pipe.forward_backward(x, y, [&](const c10::IValue& o, const c10::IValue& l) {
+      pipe.synchronize();
+      return mse_loss(o, l);
+    });
+    pipe.synchronize();
+  });
+  EXPECT_HAS(in_loss, "phase loss");
+  EXPECT_HAS(in_loss, "synchronize() was called from inside this RoundPipe");
+  // Still usable.
+  pipe.forward_backward(x, y, mse);
+  pipe.step([] {}, false);
+  pipe.synchronize();
+}
+
+// Destroying a RoundPipe finishes its work: an async step's update reaches
+// the model as if synchronize() had been called.
+TEST_P(ErrorsTest, DestroyingPublishesAPendingAsyncStep) {
+  auto x = at::randn({4, 6}), y = at::randn({4, 2});
+  auto train_once = [&](torch::nn::Sequential& m, bool synchronize) {
+    auto pipe = std::make_unique<RoundPipe>(m, RoundPipeOptions().set_devices(GetParam()));
+    optim::Adam adam(pipe->optim_parameters(), optim::AdamConfig().set_lr(0.1));
+    pipe->forward_backward(x, y, mse);
+    pipe->step(adam, /*is_async=*/true);
+    if (synchronize) pipe->synchronize();
+    pipe.reset();  // before the Adam it uses goes
+  };
+  auto dropped = model(), synchronized = model(), untouched = model();
+  train_once(dropped, false);
+  train_once(synchronized, true);
+  const auto a = dropped->parameters(), b = synchronized->parameters(), c = untouched->parameters();
+  for (size_t i = 0; i < a.size(); ++i) {
+    EXPECT_TRUE(at::equal(a[i], b[i])) << "parameter " << i;
+    EXPECT_FALSE(at::equal(a[i], c[i])) << "parameter " << i << " was not updated";
+  }
+}
+
 TEST_P(ErrorsTest, BackwardTwiceThroughTheSameOutputs) {
   auto m = model();
   RoundPipe pipe(m, RoundPipeOptions().set_devices(GetParam()));

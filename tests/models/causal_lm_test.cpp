@@ -206,6 +206,16 @@ TEST(CausalLMConfig, ErrorsNameTheFieldAndTheFix) {
             std::string::npos);
   EXPECT_NE(config_error(R"({"model_type":"llama","vocab_size":"ten"})").find("wrong type"),
             std::string::npos);
+  // JSON numbers are not converted between kinds: 2.5 layers is an error.
+  EXPECT_NE(config_error(R"({"model_type":"llama","vocab_size":10,"hidden_size":8,
+      "intermediate_size":8,"num_hidden_layers":2.5,"num_attention_heads":2})")
+                .find("'num_hidden_layers' has the wrong type: it must be a whole number"),
+            std::string::npos);
+  EXPECT_NE(config_error(R"({"model_type":"llama","vocab_size":10,"hidden_size":8,
+      "intermediate_size":8,"num_hidden_layers":2,"num_attention_heads":2,
+      "tie_word_embeddings":1})")
+                .find("'tie_word_embeddings' has the wrong type: it must be true or false"),
+            std::string::npos);
   EXPECT_NE(
       config_error(R"({"model_type":"llama","vocab_size":10,"hidden_size":8,"intermediate_size":8,
       "num_hidden_layers":1,"num_attention_heads":3,"num_key_value_heads":2})")
@@ -237,6 +247,45 @@ TEST(CausalLMCheckpoint, MissingAndMismatchedWeightsGiveClearErrors) {
   weights.pop_back();
   safetensors::save_file((broken / "model.safetensors").string(), weights);
   EXPECT_NE(what().find("has no tensor"), std::string::npos) << what();
+  // An index may only name files in the checkpoint's own directory.
+  for (const char* escape : {"../../../etc/passwd", "/etc/passwd", "sub/model.safetensors"}) {
+    std::ofstream(broken / "model.safetensors.index.json")
+        << R"({"weight_map": {"model.embed_tokens.weight": ")" << escape << R"("}})";
+    EXPECT_NE(what().find("is not a file name in"), std::string::npos) << escape << ": " << what();
+  }
+}
+
+// save_pretrained into a directory that holds other files: they stay, our
+// files are replaced, and the shards of an earlier, sharded save go.
+TEST(CausalLMCheckpoint, SavingKeepsOtherFilesAndDropsStaleShards) {
+  auto model = models::CausalLM::from_pretrained((reference_root() / "qwen3").string());
+  const auto out = reference_root() / "qwen3_resaved";
+  fs::remove_all(out);
+  fs::create_directories(out);
+  std::ofstream(out / "tokenizer.json") << "{}";
+  model.save_pretrained((out.string() + "/"), /*max_shard_bytes=*/20000);  // trailing separator
+  ASSERT_TRUE(fs::exists(out / "model.safetensors.index.json"));
+  int shards = 0;
+  for (const auto& entry : fs::directory_iterator(out)) {
+    shards += models::is_weight_file(entry.path().filename().string()) &&
+              entry.path().filename() != "model.safetensors.index.json";
+  }
+  ASSERT_GT(shards, 1);
+  model.save_pretrained(out.string());  // one file now
+  std::vector<std::string> names;
+  for (const auto& entry : fs::directory_iterator(out)) {
+    names.push_back(entry.path().filename().string());
+  }
+  std::sort(names.begin(), names.end());
+  EXPECT_EQ(names,
+            (std::vector<std::string>{"config.json", "model.safetensors", "tokenizer.json"}));
+  auto again = models::CausalLM::from_pretrained(out.string());
+  EXPECT_TRUE(at::equal(again.hf_state_dict()[0].second, model.hf_state_dict()[0].second));
+  // A regular file where the directory should be is refused, and left alone.
+  const auto file = reference_root() / "qwen3_not_a_dir";
+  std::ofstream(file) << "mine";
+  EXPECT_THROW(model.save_pretrained(file.string()), c10::Error);
+  EXPECT_TRUE(fs::is_regular_file(file));
 }
 
 }  // namespace

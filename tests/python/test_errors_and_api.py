@@ -63,6 +63,53 @@ def test_step_fn_error_reaches_caller(devices):
         pipe.step(step_fn, is_async=False)
 
 
+class FailsInRecompute(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.armed = False
+
+    def forward(self, x):
+        if self.armed and doing_recompute():
+            raise ValueError("recompute failed")
+        return self.lin(x)
+
+
+def test_backward_error_through_autograd_is_reported_once(devices):
+    model = nn.Sequential(nn.Linear(4, 4), FailsInRecompute(), nn.Linear(4, 2))
+    pipe = RoundPipe(model, devices=devices, model_run_config=RoundPipeRunConfig(
+        num_microbatch=2, execute_plan=ModelExecutePlan([range(0, 3)], [range(2, 3), range(0, 2)])))
+    x, y = torch.randn(4, 4), torch.randn(4, 2)
+    model[1].armed = True
+    loss = mse(pipe(x), y)
+    with pytest.raises(RuntimeError, match="recompute failed"):  # autograd's own error type
+        loss.backward()
+    model[1].armed = False
+    pipe.synchronize()  # reported once: not again here
+    assert all(p.grad is None for p in model.parameters())
+    mse(pipe(x), y).backward()
+    pipe.synchronize()
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_blocking_calls_inside_a_step_function_raise(devices):
+    pipe = RoundPipe(make_model(), devices=devices)
+    x, y = torch.randn(4, 4), torch.randn(4, 3)
+    pipe.forward_backward(input_args=(x,), label=y, loss_fn=mse)
+    with pytest.raises(RuntimeError, match="synchronize\\(\\) was called from inside this RoundPipe"):
+        pipe.step(pipe.synchronize, is_async=False)
+    pipe.forward_backward(input_args=(x,), label=y, loss_fn=mse)
+    with pytest.raises(RuntimeError, match="forward_backward\\(\\) was called from inside"):
+        pipe.step(lambda: pipe.forward_backward(input_args=(x,), label=y, loss_fn=mse),
+                  is_async=False)
+    pipe.forward_backward(input_args=(x,), label=y, loss_fn=mse)
+    pipe.step(pipe.synchronize, is_async=True)
+    with pytest.raises(RuntimeError, match="synchronize\\(\\) was called from inside"):
+        pipe.synchronize()
+    pipe.forward_backward(input_args=(x,), label=y, loss_fn=mse)  # still usable
+    pipe.synchronize()
+
+
 def test_bad_arguments_are_named():
     with pytest.raises(ValueError, match="pin_model"):
         RoundPipe(make_model(), pin_model="always")

@@ -2,12 +2,18 @@
 // is really learnt; resuming from a checkpoint continues exactly; datasets.
 #include <gtest/gtest.h>
 #include <roundpipe/models/causal_lm.h>
+#include <roundpipe/safetensors.h>
 #include <roundpipe/train/data.h>
 #include <roundpipe/train/trainer.h>
+#include <signal.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
+#include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <regex>
+#include <sstream>
 
 #include "test_util.h"
 
@@ -65,6 +71,202 @@ TEST(Trainer, ResumingContinuesExactly) {
     EXPECT_TENSOR_NEAR(b[i].second, a[i].second, 1e-6, a[i].first);
 }
 
+std::vector<std::pair<std::string, at::Tensor>> trained_weights(const std::string& output) {
+  return models::CausalLM::from_pretrained(output).hf_state_dict();
+}
+
+void expect_same_weights(const std::string& a_dir, const std::string& b_dir, double tol) {
+  auto a = trained_weights(a_dir), b = trained_weights(b_dir);
+  ASSERT_EQ(a.size(), b.size());
+  for (size_t i = 0; i < a.size(); ++i)
+    EXPECT_TENSOR_NEAR(b[i].second, a[i].second, tol, a[i].first);
+}
+
+template <typename Fn>
+std::string error_of(Fn&& fn) {
+  try {
+    fn();
+  } catch (const std::exception& e) {
+    return error_message(e);
+  }
+  return "(no error)";
+}
+
+#define EXPECT_HAS(text, part) EXPECT_NE((text).find(part), std::string::npos) << (text)
+
+// Saving a checkpoint waits for the async step without publishing it, so
+// a run that checkpoints every step trains exactly what one that never
+// does trains (before, the checkpoint gave the next call fresher weights).
+TEST(Trainer, CheckpointingDoesNotChangeAnAsyncRun) {
+  auto plain = tiny("plain"), saving = tiny("saving");
+  plain.steps = saving.steps = 12;
+  saving.checkpoint_every = 1;
+  train::run_training(plain);
+  train::run_training(saving);
+  expect_same_weights(plain.output, saving.output, 1e-6);
+}
+
+// SIGINT while training: the step in flight finishes, a training
+// checkpoint is written, TrainingInterrupted is thrown; --resume then ends
+// where an uninterrupted run ends.
+TEST(Trainer, InterruptSavesACheckpointAndResumeMatchesAnUninterruptedRun) {
+  auto through = tiny("uninterrupted");
+  through.steps = 12;
+  train::run_training(through);
+  auto stopped = tiny("interrupted");
+  stopped.steps = 12;
+  stopped.after_step = [](int64_t done) {
+    if (done == 5) ::raise(SIGINT);  // delivered to this thread: the handler runs at once
+  };
+  try {
+    train::run_training(stopped);
+    FAIL() << "the run was not interrupted";
+  } catch (const train::TrainingInterrupted& e) {
+    EXPECT_EQ(e.signal, SIGINT);
+    EXPECT_HAS(std::string(e.what()), "after step 5 of 12");
+    EXPECT_TRUE(fs::exists(stopped.output + ".ckpt/checkpoint.json"));
+  }
+  EXPECT_FALSE(fs::exists(stopped.output + "/model.safetensors"));
+  stopped.after_step = nullptr;
+  stopped.resume = true;
+  train::run_training(stopped);
+  expect_same_weights(through.output, stopped.output, 1e-6);
+  // The handler is gone again: SIGINT's disposition is what it was.
+  struct sigaction now {};
+  ::sigaction(SIGINT, nullptr, &now);
+  EXPECT_EQ(now.sa_handler, SIG_DFL);
+}
+
+TEST(Trainer, EveryOptionIsValidatedBeforeTraining) {
+  auto expect_rejected = [](auto change, const std::string& option) {
+    auto o = tiny("invalid");
+    change(o);
+    EXPECT_HAS(error_of([&] { train::run_training(o); }), option);
+  };
+  expect_rejected([](auto& o) { o.batch_size = 0; }, "--batch-size must be at least 1");
+  expect_rejected([](auto& o) { o.log_every = 0; }, "--log-every must be at least 1");
+  expect_rejected([](auto& o) { o.steps = -3; }, "--steps must be >= 0");
+  expect_rejected([](auto& o) { o.microbatches = -2; }, "--microbatches must be >= 0");
+  expect_rejected([](auto& o) { o.checkpoint_every = -1; }, "--checkpoint-every must be >= 0");
+  expect_rejected([](auto& o) { o.seq_len = -5; }, "--seq-len must be at least 2");
+  expect_rejected([](auto& o) { o.epochs = -1; }, "--epochs must be >= 0");
+  expect_rejected([](auto& o) { o.lr = -1; }, "--lr must be a positive number");
+  expect_rejected([](auto& o) { o.lr = std::nan(""); }, "--lr must be a positive number");
+  expect_rejected([](auto& o) { o.digits = 40; }, "--digits must be between 1 and 9");
+  expect_rejected([](auto& o) { o.loss_chunk = 0; }, "--loss-chunk must be at least 1");
+  expect_rejected([](auto& o) { o.recompute = "block"; }, "--recompute must be stage or layer");
+  expect_rejected([](auto& o) { o.dtype = "int8"; }, "unknown dtype 'int8'");
+  expect_rejected([](auto& o) { o.task = "sorting"; }, "--task must be reverse or addition");
+  expect_rejected([](auto& o) { o.devices = "sim:2,jitter_us=-5"; }, "jitter_us");
+  expect_rejected([](auto& o) { o.output = ""; }, "must not be empty");
+}
+
+// --output: files that are not ours stay; a model already there is
+// replaced only with --overwrite; a regular file is refused before
+// training; a trailing separator or "." work.
+TEST(Trainer, OutputDirectoryKeepsOtherFilesAndNeverLosesAModel) {
+  auto o = tiny("outdir");
+  o.steps = 2;
+  fs::create_directories(o.output);
+  std::ofstream(o.output + "/notes.txt") << "mine";
+  o.output += "/";
+  train::run_training(o);
+  EXPECT_TRUE(fs::exists(o.output + "notes.txt"));
+  EXPECT_TRUE(fs::exists(o.output + "model.safetensors"));
+  EXPECT_HAS(error_of([&] { train::run_training(o); }), "already holds a model");
+  o.overwrite = true;
+  train::run_training(o);
+  EXPECT_TRUE(fs::exists(o.output + "notes.txt"));
+
+  auto file = tiny("outfile");
+  std::ofstream(file.output) << "not a directory";
+  EXPECT_HAS(error_of([&] { train::run_training(file); }), "exists and is not a directory");
+  std::ifstream in(file.output);
+  std::string kept;
+  std::getline(in, kept);
+  EXPECT_EQ(kept, "not a directory");
+
+  auto here = tiny("dot");
+  here.steps = 2;
+  fs::create_directories(here.output);
+  const auto cwd = fs::current_path();
+  fs::current_path(here.output);
+  here.output = ".";  // the checkpoint goes beside it, as <directory>.ckpt
+  const auto error = error_of([&] { train::run_training(here); });
+  fs::current_path(cwd);
+  EXPECT_EQ(error, "(no error)");
+  EXPECT_TRUE(fs::exists(tiny("dot").output + "/model.safetensors"));
+}
+
+TEST(Trainer, AnEarlierRunsCheckpointNeedsResumeOrOverwrite) {
+  auto o = tiny("earlier");
+  o.steps = 4;
+  o.checkpoint_every = 2;
+  train::run_training(o);
+  o.overwrite = true;  // the model in --output may be replaced; the checkpoint is the question
+  auto again = tiny("earlier_again");
+  again.checkpoint_dir = o.output + ".ckpt";
+  EXPECT_HAS(error_of([&] { train::run_training(again); }),
+             "holds a training checkpoint (step 2) of an earlier run: pass --resume");
+  // Something that is not a checkpoint of ours is never written over.
+  auto foreign = tiny("foreign");
+  foreign.checkpoint_dir = foreign.output + ".mine";
+  fs::create_directories(foreign.checkpoint_dir);
+  std::ofstream(foreign.checkpoint_dir + "/data.bin") << "x";
+  foreign.overwrite = true;
+  EXPECT_HAS(error_of([&] { train::run_training(foreign); }),
+             "is not a RoundPipe training checkpoint");
+  // Resuming past --steps, or from a damaged step, says so.
+  auto past = o;
+  past.resume = true;
+  past.steps = 1;
+  EXPECT_HAS(error_of([&] { train::run_training(past); }), "nothing is left to train");
+  auto meta = o.output + ".ckpt/checkpoint.json";
+  std::stringstream text;
+  text << std::ifstream(meta).rdbuf();
+  auto damaged = std::regex_replace(text.str(), std::regex("\"step\": \"2\""), "\"step\": \"x2\"");
+  ASSERT_NE(damaged, text.str());
+  std::ofstream(meta) << damaged;
+  past.steps = 8;
+  EXPECT_HAS(error_of([&] { train::run_training(past); }), "the step must be a whole number");
+}
+
+// Temporaries of killed runs (a checkpoint write, a model save) are removed
+// at the next start; those of running processes are not.
+TEST(Trainer, LeftoversOfKilledRunsAreRemovedAtTheNextStart) {
+  const pid_t child = ::fork();
+  if (child == 0) ::_exit(0);
+  ::waitpid(child, nullptr, 0);  // a process id that no longer runs
+  auto o = tiny("leftovers");
+  o.steps = 2;
+  const std::string dead = std::to_string(child), alive = std::to_string(::getppid());
+  fs::create_directories(o.output + ".ckpt.tmp-" + dead);
+  fs::create_directories(o.output + "/.roundpipe-tmp-" + dead);
+  fs::create_directories(o.output + ".ckpt.tmp-" + alive);
+  train::run_training(o);
+  EXPECT_FALSE(fs::exists(o.output + ".ckpt.tmp-" + dead));
+  EXPECT_FALSE(fs::exists(o.output + "/.roundpipe-tmp-" + dead));
+  EXPECT_TRUE(fs::exists(o.output + ".ckpt.tmp-" + alive));
+  fs::remove_all(o.output + ".ckpt.tmp-" + alive);
+}
+
+// A run that diverges stops at the first non-finite loss or weights with
+// an error; no checkpoint or model of NaN weights is written.
+TEST(Trainer, DivergenceStopsAndKeepsTheLastGoodCheckpoint) {
+  auto o = tiny("diverge");
+  o.steps = 30;
+  o.lr = 1e30;
+  o.checkpoint_every = 1;
+  const auto error = error_of([&] { train::run_training(o); });
+  EXPECT_HAS(error, "training diverged");
+  EXPECT_FALSE(fs::exists(o.output + "/model.safetensors"));
+  if (fs::exists(o.output + ".ckpt")) {  // the last good one holds finite masters
+    const auto masters = safetensors::load_file(o.output + ".ckpt/master.safetensors");
+    for (const auto& [name, t] : masters.tensors)
+      EXPECT_TRUE(at::isfinite(t).all().item<bool>()) << name;
+  }
+}
+
 TEST(TrainData, JsonlFormatsAndErrors) {
   const auto path = temp("data.jsonl");
   {
@@ -98,6 +300,17 @@ TEST(TrainData, JsonlFormatsAndErrors) {
             std::string::npos);
   EXPECT_NE(error_of(R"({"text": "x"})", 100).find("byte-level tokenizer"), std::string::npos);
   EXPECT_NE(error_of(R"({"other": 1})", 300).find("needs input_ids, text"), std::string::npos);
+  // Token ids are whole numbers (3.7 is not read as 3); labels are -100 or
+  // in the vocab, checked at load rather than at the step that reaches them.
+  EXPECT_NE(error_of(R"({"input_ids": [1, 3.7, 5]})", 300).find("must hold whole numbers"),
+            std::string::npos);
+  EXPECT_NE(error_of(R"({"input_ids": [1, 3], "labels": [-100, 300]})", 300)
+                .find("label 300 is outside the vocab"),
+            std::string::npos);
+  EXPECT_NE(error_of(R"({"input_ids": "1 2 3"})", 300).find("must be a list of token ids"),
+            std::string::npos);
+  EXPECT_NE(error_of(R"({"text": 5})", 300).find("text must be a string"), std::string::npos);
+  EXPECT_NE(error_of(R"([1, 2])", 300).find("must be a JSON object"), std::string::npos);
 }
 
 TEST(TrainData, TasksAreDeterministicAndCorrect) {

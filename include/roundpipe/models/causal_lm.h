@@ -68,7 +68,9 @@ class CausalLM {
   // with model.safetensors.index.json) of a HuggingFace checkpoint directory.
   static CausalLM from_pretrained(const std::string& dir, CausalLMOptions options = {});
   // Writes config.json and the weights (sharded past max_shard_bytes, with an
-  // index) in HuggingFace's layout, atomically.
+  // index) in HuggingFace's layout into `dir`, each file replaced atomically;
+  // other files in `dir` are left alone, except the weight files of an
+  // earlier save that this one does not overwrite.
   void save_pretrained(const std::string& dir, int64_t max_shard_bytes = int64_t{5} << 30) const;
 
   const CausalLMConfig& config() const { return config_; }
@@ -85,6 +87,10 @@ class CausalLM {
   CausalLMOptions options_;
   torch::nn::Sequential sequential_;
 };
+
+// Whether `name` is a weight file of a HuggingFace checkpoint
+// (model.safetensors, model-00001-of-00002.safetensors, the index).
+bool is_weight_file(const std::string& name);
 
 // Mean cross-entropy of (hidden @ weight^T) against labels (ignore -100),
 // chunked over tokens so the [tokens, vocab] logits never exist whole, in

@@ -3,6 +3,8 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
+#include <stdexcept>
 #include <string>
 
 namespace roundpipe::train {
@@ -18,8 +20,17 @@ struct TrainOptions {
   int microbatches = 0, digits = 2, length = 4;
   double lr = 3e-4, weight_decay = 0.01;
   bool resume = false, sync_step = false;
+  // Replace a model already in `output` and a training checkpoint of an
+  // earlier run (without it, either is an error before training starts).
+  bool overwrite = false;
   uint64_t seed = 0;
+  // Called after each finished step with the number of steps done (tests
+  // use it to interrupt a run at a chosen step).
+  std::function<void(int64_t steps_done)> after_step;
 };
+
+// Checks every option; throws naming the option and what it accepts.
+void validate(const TrainOptions& options);
 
 struct TrainSummary {
   int64_t steps = 0;
@@ -31,8 +42,23 @@ struct TrainSummary {
   double accuracy_before = -1, accuracy_after = -1;  // built-in tasks only
 };
 
+// SIGINT or SIGTERM arrived: the step in flight was finished and a training
+// checkpoint written (when `checkpoint` is not empty) before this is thrown.
+class TrainingInterrupted : public std::runtime_error {
+ public:
+  TrainingInterrupted(const std::string& message, int signal, std::string checkpoint)
+      : std::runtime_error(message), signal(signal), checkpoint(std::move(checkpoint)) {}
+  int signal;
+  std::string checkpoint;
+};
+
 // Loads or builds the model, trains, prints progress to stdout, and saves a
-// HuggingFace checkpoint to options.output. Throws on errors.
+// HuggingFace checkpoint to options.output. Before training it checks the
+// options, the data and the output paths, and removes temporaries that
+// killed runs left there. A non-finite loss stops training with an error
+// (the last good training checkpoint stays); SIGINT/SIGTERM finish the
+// current step, write a training checkpoint and throw TrainingInterrupted
+// (a second signal ends the process at once). Throws on errors.
 TrainSummary run_training(const TrainOptions& options);
 
 }  // namespace roundpipe::train

@@ -1,0 +1,104 @@
+"""A RoundPipe's life end: a script that ends with work in flight exits
+with Python's own status (no abort) and its last update is in the model;
+dropping a RoundPipe finishes its work first. The exit cases run in
+subprocesses, repeated, since the failure they guard against was a race
+between the engine's threads and the interpreter's shutdown."""
+import gc
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from torch import nn
+
+import roundpipe
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+# The script trains a few async steps and ends without synchronize(). A
+# handler registered before roundpipe is imported runs after roundpipe's own
+# (atexit is last in, first out) and checks that the last update was
+# published into the model's weights.
+SCRIPT = textwrap.dedent("""
+    import atexit, sys, torch
+    from torch import nn
+    seen = {}
+    def check():
+        same = all(torch.equal(p, m) for p, m in zip(seen["params"], seen["masters"]))
+        print("PUBLISHED" if same else "NOT PUBLISHED", flush=True)
+    atexit.register(check)
+    import roundpipe
+    sys.path.insert(0, HERE)
+    torch.manual_seed(0)
+    if MODEL == "qwen3":
+        from hf_models import tiny_qwen3
+        model = tiny_qwen3()
+        pipe = roundpipe.wrap_model_to_roundpipe(model, devices=DEVICES)
+        ids = torch.randint(0, 96, (4, 12))
+        call = dict(input_kwargs=dict(input_ids=ids, labels=ids))
+    else:
+        model = nn.Sequential(*[nn.Sequential(nn.Linear(32, 32), nn.Tanh()) for _ in range(4)])
+        pipe = roundpipe.RoundPipe(model, devices=DEVICES)
+        call = dict(input_args=(torch.randn(8, 32),), loss_fn=lambda out, _: out.pow(2).mean())
+    opt = roundpipe.optim.Adam(pipe.optim_parameters(), lr=1e-2)
+    names = dict(pipe.optim_named_parameters())
+    seen["masters"] = list(names.values())
+    params = dict(model.named_parameters())
+    seen["params"] = [params[n] for n in names]
+    for _ in range(3):
+        pipe.forward_backward(**call)
+        pipe.step(lambda: (opt.step(), opt.zero_grad()), is_async=True)
+    if RAISE:
+        raise ValueError("the script's own error")
+""")
+
+
+def run_script(devices, model="mlp", raise_at_end=False):
+    header = f"HERE = {HERE!r}\nDEVICES = {devices!r}\nMODEL = {model!r}\nRAISE = {raise_at_end}\n"
+    return subprocess.run([sys.executable, "-c", header + SCRIPT], capture_output=True, text=True,
+                          timeout=300)
+
+
+@pytest.mark.parametrize("model,devices,runs", [
+    ("mlp", "sim:1", 3), ("mlp", "sim:2", 8), ("mlp", "sim:3,jitter_us=200", 3),
+    ("qwen3", "sim:2", 3)])
+def test_a_script_ending_with_work_in_flight_exits_cleanly(model, devices, runs):
+    for run in range(runs):
+        result = run_script(devices, model)
+        context = f"run {run}: status {result.returncode}\n{result.stdout}\n{result.stderr}"
+        assert result.returncode == 0, context
+        assert "PUBLISHED" in result.stdout and "NOT PUBLISHED" not in result.stdout, context
+        assert "terminate called" not in result.stderr and "FATAL" not in result.stderr, context
+
+
+def test_a_script_that_raises_keeps_pythons_exit_status():
+    result = run_script("sim:2", raise_at_end=True)
+    assert result.returncode == 1, result.stderr
+    assert "ValueError: the script's own error" in result.stderr
+    assert "PUBLISHED" in result.stdout and "NOT PUBLISHED" not in result.stdout
+    assert "terminate called" not in result.stderr and "FATAL" not in result.stderr
+
+
+def test_dropping_a_roundpipe_publishes_its_pending_step(devices):
+    def trained(drop):
+        torch.manual_seed(1)
+        model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2))
+        pipe = roundpipe.RoundPipe(model, devices=devices)
+        opt = roundpipe.optim.Adam(pipe.optim_parameters(), lr=0.1)
+        pipe.forward_backward(input_args=(torch.ones(4, 8),), loss_fn=lambda o, _: o.sum())
+        pipe.step(lambda: (opt.step(), opt.zero_grad()), is_async=True)
+        if not drop:
+            pipe.synchronize()
+        del pipe, opt
+        gc.collect()
+        return [p.detach().clone() for p in model.parameters()]
+
+    torch.manual_seed(1)
+    initial = [p.detach().clone() for p in
+               nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2)).parameters()]
+    dropped, synchronized = trained(drop=True), trained(drop=False)
+    for d, s, i in zip(dropped, synchronized, initial):
+        assert torch.equal(d, s)
+        assert not torch.equal(d, i)
