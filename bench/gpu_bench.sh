@@ -5,13 +5,14 @@
 # each Qwen3 shape and each device set print roundpipe-bench's table (with a
 # kernel profile) next to the GPU-resident HuggingFace run of the same shape
 # and settings, and search the longest sequence under a 24 GiB cap.
-# Logs go to $OUT. SHAPES, STEPS, DEVICES (space-separated device specs, e.g.
-# "cuda:0 cuda" on two GPUs; DEVICES_4B for the 4B shape), TRACE (ROUNDPIPE_TRACE),
+# Logs go to $OUT (or ./bench-out, ignored by git). SHAPES, STEPS, DEVICES
+# (space-separated device specs, e.g. "cuda:0 cuda" on two GPUs; DEVICES_4B
+# for the 4B shape), TRACE (ROUNDPIPE_TRACE),
 # PROFILE (profiled steps), SKIP_HF, SKIP_TRANSFER, SKIP_MAX_SEQ override the
 # defaults; COMPARE_PIPELINE=1 also runs multi-GPU on the pipelined plan. At most 8
 # log files: what the device tool brings back.
 set -uo pipefail
-out="${OUT:-$PWD/gpu-out}"; mkdir -p "$out"
+out="${OUT:-$PWD/bench-out}"; mkdir -p "$out"
 export PYTHON="${PYTHON:-python3}"
 # (The machine and the build share one log: the device tool returns 8 files.)
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; nproc; date -u; git log -1 --oneline; } \

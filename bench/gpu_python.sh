@@ -4,9 +4,9 @@
 # from .deps/wheels: scripts/vendor_deps.sh), run the pytest suite with the
 # CUDA backend, then train a random-weight Qwen3-1.7B-shaped model with the
 # seed's Python code and with the C++ roundpipe-train (same shape, dtype,
-# batch and microbatches). Logs go to $OUT.
+# batch and microbatches). Logs go to $OUT (or ./bench-out).
 set -uo pipefail
-out="${OUT:-$PWD/gpu-out}"; mkdir -p "$out"
+out="${OUT:-$PWD/bench-out}"; mkdir -p "$out"
 steps="${STEPS:-10}"
 # The machine's python3 (a venv with torch and transformers): install there.
 py=python3

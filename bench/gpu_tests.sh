@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # On the GPU machine: build from source against its torch and run the whole
 # test suite with the CUDA backend beside the simulated ones; then the demo on
-# the GPU. Logs go to $OUT (or ./gpu-out). Run from the repository root,
+# the GPU. Logs go to $OUT (or ./bench-out). Run from the repository root,
 # carrying .deps (scripts/vendor_deps.sh) when the machine lacks GoogleTest.
 set -uo pipefail
-out="${OUT:-$PWD/gpu-out}"; mkdir -p "$out"
+out="${OUT:-$PWD/bench-out}"; mkdir -p "$out"
 export PYTHON="${PYTHON:-python3}"
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; nproc;
   "$PYTHON" -c 'import torch; print("torch", torch.__version__, "gpus", torch.cuda.device_count())'; } 2>&1 | tee "$out/machine.txt"

@@ -2,9 +2,9 @@
 # On the GPU machine: build, create a random-weight Qwen3-1.7B-shaped
 # checkpoint with transformers, and fine-tune it with roundpipe-train on the
 # GPU (bf16 weights, fp32 Adam on the CPU, async step; 16 x 4096 tokens per
-# step). Logs go to $OUT.
+# step). Logs go to $OUT (or ./bench-out).
 set -uo pipefail
-out="${OUT:-$PWD/gpu-out}"; mkdir -p "$out"
+out="${OUT:-$PWD/bench-out}"; mkdir -p "$out"
 export PYTHON="${PYTHON:-python3}"
 JOBS=16 scripts/build.sh build-gpu 2>&1 | tail -2 | tee "$out/build.log"
 steps="${STEPS:-8}"

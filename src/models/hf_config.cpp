@@ -1,5 +1,6 @@
 #include <c10/util/Exception.h>
 
+#include <cmath>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <sstream>
@@ -120,6 +121,19 @@ CausalLMConfig CausalLMConfig::from_json_string(const std::string& text, const s
               c.num_attention_heads, ") must be a multiple of num_key_value_heads (",
               c.num_key_value_heads, ")");
   TORCH_CHECK(c.head_dim % 2 == 0, what, ": head_dim must be even for rotary embeddings");
+  TORCH_CHECK(c.max_position_embeddings > 0, what, ": max_position_embeddings must be positive");
+  TORCH_CHECK(c.rms_norm_eps > 0 && std::isfinite(c.rms_norm_eps), what,
+              ": rms_norm_eps must be a positive number, got ", c.rms_norm_eps);
+  TORCH_CHECK(c.rope_theta > 0 && std::isfinite(c.rope_theta), what,
+              ": rope_theta must be a positive number, got ", c.rope_theta);
+  if (type == "llama3") {
+    const auto& r = c.rope_scaling;
+    TORCH_CHECK(r.factor > 0 && r.low_freq_factor > 0 && r.high_freq_factor > r.low_freq_factor &&
+                    r.original_max_position_embeddings > 0,
+                what,
+                ": llama3 rope_scaling needs factor > 0, 0 < low_freq_factor < high_freq_factor "
+                "and original_max_position_embeddings > 0");
+  }
   return c;
 }
 
