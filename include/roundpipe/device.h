@@ -195,8 +195,9 @@ class DevicePool {
   int size() const { return static_cast<int>(devices_.size()); }
   const DevicePtr& at(int i) const { return devices_.at(i); }
   const std::vector<DevicePtr>& devices() const { return devices_; }
-  // The device index for the next job, advancing the round-robin cursor.
-  int next();
+  // Reserves `count` consecutive turns of the round-robin (a call's jobs)
+  // and returns the device index of the first.
+  int take(int count = 1);
 
  private:
   std::vector<DevicePtr> devices_;

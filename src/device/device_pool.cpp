@@ -179,11 +179,12 @@ DevicePool::DevicePool(std::vector<DevicePtr> devices) : devices_(std::move(devi
   }
 }
 
-int DevicePool::next() {
+int DevicePool::take(int count) {
+  TORCH_CHECK(count >= 0, "DevicePool::take: count must not be negative");
   std::lock_guard<std::mutex> lock(mu_);
-  const int i = cursor_;
-  cursor_ = (cursor_ + 1) % size();
-  return i;
+  const int first = cursor_;
+  cursor_ = (cursor_ + count) % size();
+  return first;
 }
 
 #ifndef ROUNDPIPE_WITH_CUDA

@@ -26,10 +26,9 @@
 #include "roundpipe/parallel.h"
 #include "roundpipe/rng.h"
 #include "runtime/allocation_meter.h"
+#include "runtime/schedule.h"
 
 namespace roundpipe::detail {
-
-enum JobKind : int { kForwardJob = 0, kBackwardJob = 1, kTailJob = 2 };
 
 // Unwinds a job of a call that already failed elsewhere.
 struct CallAborted {};
@@ -211,16 +210,15 @@ struct CallState {
 
 struct Job {
   std::shared_ptr<CallState> call;
-  int kind = kForwardJob;
+  JobKind kind = JobKind::kForward;
   LayerRange range;
   int stage_index = 0;
   // The microbatches it runs: first, first + stride, ... (a replicated
   // fused tail stage shares them out; every other job runs them all).
   int first_microbatch = 0, microbatch_stride = 1;
   std::string describe() const {
-    static const char* names[] = {"forward", "backward", "fused tail"};
     std::ostringstream out;
-    out << names[kind] << " stage " << stage_index << " (layers " << range.begin << ".."
+    out << job_kind_name(kind) << " stage " << stage_index << " (layers " << range.begin << ".."
         << range.end - 1 << ")";
     if (microbatch_stride > 1)
       out << " replica " << first_microbatch << " of " << microbatch_stride;
@@ -1532,15 +1530,24 @@ void Engine::queue_step(std::function<void(std::map<int, at::Tensor>&)> update_m
   if (!is_async) optimizer_.drain();
 }
 
-void Engine::dispatch(const std::shared_ptr<CallState>& call, int kind, const LayerRange& range,
-                      int stage_index, int replica, int replicas) {
+std::vector<ScheduledJob> Engine::schedule(const CallState& call, CallPhase phase) {
+  // The jobs take consecutive turns of the pool's round-robin, carried
+  // across calls: reserve as many turns as the phase has jobs.
+  const int devices = pool_.size();
+  const auto turns = static_cast<int>(schedule_call(call.plan, phase, devices, 0, call.n).size());
+  return schedule_call(call.plan, phase, devices, pool_.take(turns), call.n);
+}
+
+void Engine::dispatch(const std::shared_ptr<CallState>& call, const ScheduledJob& scheduled) {
   auto job = std::make_shared<Job>();
   job->call = call;
-  job->kind = kind;
-  job->range = range;
-  job->stage_index = stage_index;
-  job->first_microbatch = replica;
-  job->microbatch_stride = replicas;
+  job->kind = scheduled.kind;
+  job->range = scheduled.range;
+  job->stage_index = scheduled.stage_index;
+  job->first_microbatch = scheduled.replica;
+  job->microbatch_stride = scheduled.replicas;
+  const auto& range = scheduled.range;
+  const auto kind = scheduled.kind;
   std::set<int> seen;
   for (int l = range.begin; l < range.end; ++l) {
     for (int id : layer_param_ids_[l]) {
@@ -1551,13 +1558,13 @@ void Engine::dispatch(const std::shared_ptr<CallState>& call, int kind, const La
     std::lock_guard<std::mutex> lock(versions_mu_);
     for (int id : job->param_ids) ++params_[id].reads[call->weights_version];
   }
-  if (kind != kForwardJob && call->training) {
+  if (kind != JobKind::kForward && call->training) {
     std::lock_guard<std::mutex> lock(grads_mu_);
     for (int id : job->param_ids) {
       if (params_[id].home.requires_grad()) ++call->grad_pending[id];
     }
   }
-  if (kind != kBackwardJob) {
+  if (kind != JobKind::kBackward) {
     // Later calls' forwards of these layers read the buffers it commits.
     std::lock_guard<std::mutex> lock(commits_mu_);
     for (int l = range.begin; l < range.end; ++l) {
@@ -1572,7 +1579,7 @@ void Engine::dispatch(const std::shared_ptr<CallState>& call, int kind, const La
     std::lock_guard<std::mutex> lock(inflight_mu_);
     ++inflight_;
   }
-  workers_[pool_.next()]->submit(std::move(job));
+  workers_[scheduled.device]->submit(std::move(job));
 }
 
 void Worker::upload(Job& job, std::chrono::steady_clock::time_point start) {
@@ -1669,15 +1676,15 @@ struct StageRunner {
     if (ms_since(start) > 0.5)
       ROUNDPIPE_TRACE("call %lld: layer instances took %.1f ms", static_cast<long long>(call.id),
                       ms_since(start));
-    if (job.kind == kForwardJob) run_forward();
-    if (job.kind == kBackwardJob) run_backward();
-    if (job.kind == kTailJob) run_tail();
+    if (job.kind == JobKind::kForward) run_forward();
+    if (job.kind == JobKind::kBackward) run_backward();
+    if (job.kind == JobKind::kTail) run_tail();
     layer = -1;
     microbatch = -1;
     // Buffer commits first: a next call's forward of these layers waits
     // for them, not for the gradients.
-    if (job.kind != kBackwardJob) commit_buffers();
-    if (job.kind != kForwardJob) download_param_grads();
+    if (job.kind != JobKind::kBackward) commit_buffers();
+    if (job.kind != JobKind::kForward) download_param_grads();
   }
 
   // Binds the stage's parameters and buffers (home buffers, or for a
@@ -1685,7 +1692,7 @@ struct StageRunner {
   void bind_instances() {
     if (buffers_bound) return;
     phase = "buffer commit of an earlier call";
-    if (job.kind != kBackwardJob) engine.wait_for_earlier_commits(job);
+    if (job.kind != JobKind::kBackward) engine.wait_for_earlier_commits(job);
     phase = "parameter upload";
     std::unordered_map<int, at::Tensor> by_id;
     for (size_t i = 0; i < job.param_ids.size(); ++i)
@@ -1694,12 +1701,12 @@ struct StageRunner {
     std::vector<size_t> counts;
     for (int l = job.range.begin; l < job.range.end; ++l) {
       std::vector<at::Tensor> buffers = engine.layers_[l]->buffers();
-      if (job.kind == kBackwardJob && !buffers.empty()) {
+      if (job.kind == JobKind::kBackward && !buffers.empty()) {
         std::lock_guard<std::mutex> lock(call.buffers_mu);
         auto it = call.buffer_snapshot.find(l);
         TORCH_CHECK(it != call.buffer_snapshot.end(), "no buffer snapshot for layer ", l);
         buffers = it->second;
-      } else if (job.kind == kForwardJob && call.training && !buffers.empty()) {
+      } else if (job.kind == JobKind::kForward && call.training && !buffers.empty()) {
         std::vector<at::Tensor> snapshot;
         for (const auto& b : buffers) snapshot.push_back(b.clone());
         std::lock_guard<std::mutex> lock(call.buffers_mu);
@@ -1718,7 +1725,8 @@ struct StageRunner {
       std::vector<bool> requires_grad;
       for (int id : engine.layer_param_ids_[l]) {
         params.push_back(by_id.at(id));
-        requires_grad.push_back(job.kind != kForwardJob && engine.params_[id].home.requires_grad());
+        requires_grad.push_back(job.kind != JobKind::kForward &&
+                                engine.params_[id].home.requires_grad());
       }
       const size_t count = counts[l - job.range.begin];
       buffers.assign(device_buffers.begin() + next, device_buffers.begin() + next + count);
@@ -2342,10 +2350,7 @@ struct PipelineFunction : public torch::autograd::Function<PipelineFunction> {
 }  // namespace
 
 void Engine::run_backward_pass(const std::shared_ptr<CallState>& call) {
-  const auto& plan = call->plan;
-  for (size_t i = 0; i < plan.backward.size(); ++i) {
-    dispatch(call, kBackwardJob, plan.backward[i], static_cast<int>(i));
-  }
+  for (const auto& job : schedule(*call, CallPhase::kBackward)) dispatch(call, job);
   // Wait for this call's backward jobs and gradient downloads.
   call->wait_idle();
   if (call->aborted) call->reported = true;  // thrown here, through autograd: once
@@ -2356,10 +2361,7 @@ c10::IValue Engine::forward(const c10::IValue& input, const RunConfig& config) {
   check_caller_thread("forward()");
   const bool training = resolve(config).requires_grad.value();
   auto call = start_call(input, config, /*fused=*/false, training);
-  const auto& plan = call->plan;
-  for (size_t i = 0; i < plan.forward.size(); ++i) {
-    dispatch(call, kForwardJob, plan.forward[i], static_cast<int>(i));
-  }
+  for (const auto& job : schedule(*call, CallPhase::kForward)) dispatch(call, job);
   auto outs = collect(call, call->act.at(num_layers()));
   // Buffer writes are committed once the forward's jobs are done: make them
   // visible before returning.
@@ -2428,16 +2430,7 @@ ForwardBackwardResult Engine::forward_backward(const c10::IValue& input, const c
   } else {
     call->labels = split_microbatches(label, call->n);
   }
-  const auto& plan = call->plan;
-  for (size_t i = 0; i < plan.forward.size(); ++i) {
-    dispatch(call, kForwardJob, plan.forward[i], static_cast<int>(i));
-  }
-  // A replicated tail: one job per replica, on consecutive devices.
-  const int replicas = std::min(plan.tail_replicas, call->n);
-  for (int k = 0; k < replicas; ++k) dispatch(call, kTailJob, plan.backward[0], 0, k, replicas);
-  for (size_t i = 1; i < plan.backward.size(); ++i) {
-    dispatch(call, kBackwardJob, plan.backward[i], static_cast<int>(i));
-  }
+  for (const auto& job : schedule(*call, CallPhase::kFused)) dispatch(call, job);
   auto losses = collect(call, call->losses);
   ROUNDPIPE_TRACE("call %lld: losses collected", static_cast<long long>(call->id));
   // From here the call's backward stages (the last microbatch's included:

@@ -23,6 +23,7 @@
 #include "roundpipe/planner.h"
 #include "roundpipe/roundpipe.h"
 #include "runtime/layer_timings.h"
+#include "runtime/schedule.h"
 
 namespace roundpipe::detail {
 
@@ -178,8 +179,10 @@ class Engine {
   void check_caller_thread(const char* what) const;
   std::shared_ptr<CallState> start_call(const c10::IValue& input, const RunConfig& config,
                                         bool fused, bool training);
-  void dispatch(const std::shared_ptr<CallState>& call, int kind, const LayerRange& range,
-                int stage_index, int replica = 0, int replicas = 1);
+  // The call's jobs of `phase` (schedule.h) on the devices whose turns they
+  // take, and the dispatch of one of them to its device's worker.
+  std::vector<ScheduledJob> schedule(const CallState& call, CallPhase phase);
+  void dispatch(const std::shared_ptr<CallState>& call, const ScheduledJob& job);
   // Waits for every job and host task of earlier calls; rethrows an error a
   // background backward pass left behind.
   void fence();

@@ -188,8 +188,13 @@ TEST(DeviceSpec, AutoPicksGpusElseOneSim) {
 TEST(DevicePool, HandsOutRoundRobin) {
   DevicePool pool(make_sim_devices(3));
   std::vector<int> order;
-  for (int i = 0; i < 7; ++i) order.push_back(pool.next());
+  for (int i = 0; i < 7; ++i) order.push_back(pool.take());
   EXPECT_EQ(order, (std::vector<int>{0, 1, 2, 0, 1, 2, 0}));
+  // A call reserves its jobs' turns at once: the next call starts after them.
+  EXPECT_EQ(pool.take(5), 1);
+  EXPECT_EQ(pool.take(), 0);
+  EXPECT_EQ(pool.take(0), 1);
+  EXPECT_EQ(pool.take(), 1);
 }
 
 }  // namespace
