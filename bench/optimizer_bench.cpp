@@ -10,11 +10,12 @@
 #include <ATen/Parallel.h>
 #include <benchmark/benchmark.h>
 #include <roundpipe/optim/adam.h>
-#include <roundpipe/parallel.h>
 #include <torch/optim/adamw.h>
 
 #include <cstdio>
 #include <map>
+
+#include "optim/parallel.h"
 
 namespace {
 

@@ -9,7 +9,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
-#include "roundpipe/atomic_directory.h"
+#include "io/atomic_directory.h"
 #include "roundpipe/safetensors.h"
 
 namespace fs = std::filesystem;

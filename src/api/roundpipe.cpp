@@ -14,6 +14,10 @@ PinMode pin_mode_from_string(const std::string& text) {
   TORCH_CHECK(false, "unknown pin_model '", text, "': use alloc, register or off");
 }
 
+bool on_roundpipe_thread() {
+  return detail::on_any_engine_thread();
+}
+
 c10::ScalarType dtype_from_string(const std::string& text) {
   if (text == "float32" || text == "fp32") return c10::kFloat;
   if (text == "bfloat16" || text == "bf16") return c10::kBFloat16;

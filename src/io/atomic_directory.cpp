@@ -1,4 +1,4 @@
-#include "roundpipe/atomic_directory.h"
+#include "io/atomic_directory.h"
 
 #include <c10/util/Exception.h>
 #include <signal.h>

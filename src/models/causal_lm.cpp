@@ -18,7 +18,7 @@
 #include <regex>
 #include <set>
 
-#include "roundpipe/atomic_directory.h"
+#include "io/atomic_directory.h"
 #include "roundpipe/layer.h"
 #include "roundpipe/models/fused_ops.h"
 #include "roundpipe/safetensors.h"

@@ -7,7 +7,7 @@
 #include <tuple>
 
 #include "optim/adam_kernel.h"
-#include "roundpipe/parallel.h"
+#include "optim/parallel.h"
 
 namespace roundpipe::optim {
 namespace {

@@ -1,4 +1,4 @@
-#include "roundpipe/parallel.h"
+#include "optim/parallel.h"
 
 #include <ATen/Parallel.h>
 #include <sys/resource.h>

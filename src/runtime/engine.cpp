@@ -22,10 +22,13 @@
 #include <sstream>
 #include <unordered_map>
 
-#include "roundpipe/ivalue_tree.h"
-#include "roundpipe/parallel.h"
-#include "roundpipe/rng.h"
+#include "optim/parallel.h"
+#include "roundpipe/errors.h"
+#include "roundpipe/microbatch.h"
+#include "roundpipe/recompute.h"
 #include "runtime/allocation_meter.h"
+#include "runtime/ivalue_tree.h"
+#include "runtime/rng.h"
 #include "runtime/schedule.h"
 
 namespace roundpipe::detail {
@@ -45,13 +48,10 @@ bool on_engine_thread(const void* engine) {
 void set_engine_thread(const void* engine) {
   engine_of_this_thread = engine;
 }
-}  // namespace roundpipe::detail
-
-bool roundpipe::on_roundpipe_thread() {
-  return detail::engine_of_this_thread != nullptr;
+bool on_any_engine_thread() {
+  return engine_of_this_thread != nullptr;
 }
 
-namespace roundpipe::detail {
 bool tracing() {
   static const bool on = [] {
     const char* v = std::getenv("ROUNDPIPE_TRACE");

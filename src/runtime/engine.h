@@ -18,10 +18,15 @@
 #include <thread>
 #include <vector>
 
-#include "roundpipe/host_arena.h"
+#include "roundpipe/device.h"
+#include "roundpipe/execute_plan.h"
+#include "roundpipe/layer.h"
 #include "roundpipe/optim/adam.h"
+#include "roundpipe/optim/grad_scaler.h"
+#include "roundpipe/options.h"
 #include "roundpipe/planner.h"
-#include "roundpipe/roundpipe.h"
+#include "roundpipe/run_config.h"
+#include "runtime/host_arena.h"
 #include "runtime/layer_timings.h"
 #include "runtime/schedule.h"
 
@@ -102,6 +107,9 @@ class HostTasks {
 bool on_engine_thread(const void* engine);
 // Marks the calling thread as one of `engine`'s own.
 void set_engine_thread(const void* engine);
+// Whether the calling thread is one of any engine's own
+// (roundpipe::on_roundpipe_thread()).
+bool on_any_engine_thread();
 
 // The value with its tensors moved to `device` (tensors already there kept).
 c10::IValue to_device(const c10::IValue& value, c10::Device device);

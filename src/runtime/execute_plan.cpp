@@ -2,13 +2,7 @@
 
 #include <c10/util/Exception.h>
 
-#include <algorithm>
-#include <limits>
-#include <set>
 #include <sstream>
-
-#include "roundpipe/planner.h"
-#include "roundpipe/run_config.h"
 
 namespace roundpipe {
 namespace {
@@ -96,34 +90,6 @@ ExecutePlan ExecutePlan::single_stage(int num_layers, bool fused) {
   plan.backward.push_back({0, num_layers});
   if (!fused) plan.forward.push_back({0, num_layers});
   return plan;
-}
-
-ExecutePlan ExecutePlan::from_layer_costs(const std::vector<int64_t>& layer_bytes, int num_devices,
-                                          bool fused) {
-  PlanRequest request;
-  request.num_devices = num_devices;
-  request.fused = fused;
-  request.num_microbatches = num_devices + 1;
-  return plan_stages(costs_from_bytes(layer_bytes, layer_bytes), request).plan;
-}
-
-RunConfig RunConfig::overriding(const RunConfig& model) const {
-  RunConfig out = model;
-  if (requires_grad) out.requires_grad = requires_grad;
-  if (output_device) out.output_device = output_device;
-  if (preserve_rng_state) out.preserve_rng_state = preserve_rng_state;
-  if (recompute_grain) out.recompute_grain = recompute_grain;
-  if (num_microbatch) out.num_microbatch = num_microbatch;
-  if (split_input) out.split_input = split_input;
-  if (split_label) out.split_label = split_label;
-  if (merge_output) {
-    out.merge_output = merge_output;
-    out.pack_output.reset();  // a call's own merge replaces the model's packing
-  }
-  if (pack_output) out.pack_output = pack_output;
-  if (packed_input) out.packed_input = packed_input;
-  if (execute_plan) out.execute_plan = execute_plan;
-  return out;
 }
 
 }  // namespace roundpipe

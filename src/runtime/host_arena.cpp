@@ -1,5 +1,5 @@
-// HostArena: see include/roundpipe/host_arena.h.
-#include "roundpipe/host_arena.h"
+// HostArena: see host_arena.h.
+#include "runtime/host_arena.h"
 
 #include <c10/core/Storage.h>
 #include <c10/core/TensorImpl.h>

@@ -1,4 +1,4 @@
-#include "roundpipe/ivalue_tree.h"
+#include "runtime/ivalue_tree.h"
 
 #include <c10/util/Exception.h>
 

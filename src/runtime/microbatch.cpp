@@ -8,7 +8,7 @@
 #include <optional>
 #include <sstream>
 
-#include "roundpipe/ivalue_tree.h"
+#include "runtime/ivalue_tree.h"
 
 namespace roundpipe {
 namespace {

@@ -326,4 +326,15 @@ std::string PlanEstimate::describe() const {
   return out.str();
 }
 
+// The default plan of ExecutePlan (execute_plan.h) is the planner's: the
+// automatic plan on byte costs, without a memory limit or upload rate.
+ExecutePlan ExecutePlan::from_layer_costs(const std::vector<int64_t>& layer_bytes, int num_devices,
+                                          bool fused) {
+  PlanRequest request;
+  request.num_devices = num_devices;
+  request.fused = fused;
+  request.num_microbatches = num_devices + 1;
+  return plan_stages(costs_from_bytes(layer_bytes, layer_bytes), request).plan;
+}
+
 }  // namespace roundpipe

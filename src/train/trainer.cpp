@@ -1,7 +1,6 @@
 #include "roundpipe/train/trainer.h"
 
 #include <ATen/ops/isfinite.h>
-#include <roundpipe/atomic_directory.h>
 #include <roundpipe/checkpoint.h>
 #include <roundpipe/models/causal_lm.h>
 #include <roundpipe/train/data.h>
@@ -20,6 +19,8 @@
 #include <nlohmann/json.hpp>
 #include <numeric>
 #include <random>
+
+#include "io/atomic_directory.h"
 
 namespace roundpipe::train {
 namespace {

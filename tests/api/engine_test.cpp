@@ -3,12 +3,12 @@
 // streams (rng.h). Every case runs on every backend (test_util.h): outputs,
 // losses, input and parameter gradients and buffers must agree to 1e-5.
 #include <ATen/CPUGeneratorImpl.h>
-#include <roundpipe/rng.h>
 #include <torch/nn/functional/loss.h>
 #include <torch/optim/sgd.h>
 
 #include <tuple>
 
+#include "runtime/rng.h"
 #include "test_util.h"
 
 namespace roundpipe::testing {

@@ -1,7 +1,7 @@
 // HostArena: exact sizes, reuse, coalescing, no leaks under concurrent use,
 // blocks outliving the arena; and the engine's use of it (pin_model=alloc on
 // simulated devices, where the arena runs unpinned).
-#include <roundpipe/host_arena.h>
+#include "runtime/host_arena.h"
 
 #include <atomic>
 #include <chrono>

@@ -4,6 +4,8 @@
 // neighbours and reused best-fit. The engine keeps the model's parameters, the
 // fused optimizer's staging copies and every download in one arena, so pinned
 // memory stays close to what is actually held and is reused across iterations.
+// Internal header (src/runtime); the statistics type, HostArenaStats, is
+// public in roundpipe/options.h.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -12,6 +14,8 @@
 
 #include <cstdint>
 #include <memory>
+
+#include "roundpipe/options.h"  // HostArenaStats
 
 namespace roundpipe {
 
@@ -37,15 +41,6 @@ struct HostArenaOptions {
     pin = v;
     return *this;
   }
-};
-
-struct HostArenaStats {
-  int64_t reserved_bytes = 0;        // all chunks
-  int64_t pinned_bytes = 0;          // chunks the driver pinned
-  int64_t allocated_bytes = 0;       // live blocks (requests rounded to the alignment)
-  int64_t peak_allocated_bytes = 0;  // the most allocated_bytes has been
-  int64_t live_blocks = 0;
-  int64_t chunks = 0;
 };
 
 class HostArena {

@@ -1,0 +1,127 @@
+// The option, loss-function and statistics types of RoundPipe: what a caller
+// passes to RoundPipe's constructor and calls, and what it gets back. The
+// runtime builds on these types without including roundpipe.h.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <ATen/core/ivalue.h>
+#include <c10/core/ScalarType.h>
+
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "roundpipe/device.h"
+#include "roundpipe/run_config.h"
+
+namespace roundpipe {
+
+enum class PinMode {
+  kAlloc,     // copy model state into pinned host memory (fastest transfers)
+  kRegister,  // pin the existing storage in place (CUDA only; ~1x memory)
+  kOff,       // leave host memory pageable (e.g. mmap-loaded weights)
+};
+PinMode pin_mode_from_string(const std::string& text);
+// float32/fp32, bfloat16/bf16, float16/fp16 (command lines, configs).
+c10::ScalarType dtype_from_string(const std::string& text);
+
+struct RoundPipeOptions {
+  // dtype of the optimizer's master copies; default: the parameter dtype.
+  std::optional<c10::ScalarType> optim_dtype;
+  PinMode pin_model = PinMode::kAlloc;
+  RunConfig model_run_config;
+  std::string name;  // for messages; default "RoundPipe"
+  // Device spec (see make_devices); empty: $ROUNDPIPE_DEVICES, else all GPUs
+  // if any, else one simulated device. Ignored when `device_list` is set.
+  std::string devices;
+  std::vector<DevicePtr> device_list;
+  // Device memory (GiB) the automatic plan may use per device; default: 90%
+  // of what the smallest device had left when the RoundPipe was made. A
+  // stage fits with its parameters, gradients and the activations its
+  // layers were measured to keep for backward, plus the next stage's
+  // parameters arriving meanwhile (half the limit is held back for the
+  // activations until they are measured).
+  std::optional<double> model_memory_limit_gib;
+  bool verbose = false;  // log the automatic plan with its predicted stage times
+
+  RoundPipeOptions& set_optim_dtype(c10::ScalarType v) {
+    optim_dtype = v;
+    return *this;
+  }
+  RoundPipeOptions& set_pin_model(PinMode v) {
+    pin_model = v;
+    return *this;
+  }
+  RoundPipeOptions& set_model_run_config(RunConfig v) {
+    model_run_config = std::move(v);
+    return *this;
+  }
+  RoundPipeOptions& set_name(std::string v) {
+    name = std::move(v);
+    return *this;
+  }
+  RoundPipeOptions& set_devices(std::string v) {
+    devices = std::move(v);
+    return *this;
+  }
+  RoundPipeOptions& set_device_list(std::vector<DevicePtr> v) {
+    device_list = std::move(v);
+    return *this;
+  }
+  RoundPipeOptions& set_model_memory_limit_gib(double v) {
+    model_memory_limit_gib = v;
+    return *this;
+  }
+  RoundPipeOptions& set_verbose(bool v) {
+    verbose = v;
+    return *this;
+  }
+};
+
+// loss_fn(output of the last layer, label) -> a 0-dim loss, run on the
+// device for every microbatch.
+using LossFn = std::function<at::Tensor(const c10::IValue& output, const c10::IValue& label)>;
+
+// Host memory held by a HostArena (the engine's pinned host memory, see
+// HostMemoryStats).
+struct HostArenaStats {
+  int64_t reserved_bytes = 0;        // all chunks
+  int64_t pinned_bytes = 0;          // chunks the driver pinned
+  int64_t allocated_bytes = 0;       // live blocks (requests rounded to the alignment)
+  int64_t peak_allocated_bytes = 0;  // the most allocated_bytes has been
+  int64_t live_blocks = 0;
+  int64_t chunks = 0;
+};
+
+// Host memory of a RoundPipe. With pin_model=alloc the parameters' home
+// copies, the fused optimizer's staging copies and every download (gradients,
+// activations) are blocks of one HostArena (pinned on CUDA; pageable on
+// simulated devices); with register or off the arena stays empty.
+struct HostMemoryStats {
+  HostArenaStats arena;
+  // Bytes of the parameters' home copies (shared storages once; with alloc,
+  // what the arena's first, exact-size chunk was reserved for, before rounding).
+  int64_t model_state_bytes = 0;
+};
+
+// Where the engine's threads spent their wall time since it was built, in
+// seconds: what a slow pipeline waits for. Workers waiting for weights wait
+// for the optimizer (its update, or its publish behind the previous call's
+// uploads); a call start waits for the earlier calls' forward work to land.
+struct PipelineStats {
+  int64_t optimizer_updates = 0;
+  double optimizer_update_seconds = 0;     // the update itself (e.g. the Adam pass)
+  double optimizer_grad_wait_seconds = 0;  // waiting for the calls' last gradients
+  double optimizer_publish_seconds = 0;    // publishing weights, readers of the old ones included
+  double weight_wait_seconds = 0;          // workers waiting for published weights (all devices)
+  double call_start_wait_seconds = 0;      // new calls waiting for earlier calls
+};
+
+struct ForwardBackwardResult {
+  at::Tensor loss;     // sum of the microbatch losses (CPU, 0-dim)
+  c10::IValue output;  // merged outputs when asked for, else None
+};
+
+}  // namespace roundpipe
