@@ -171,6 +171,15 @@ struct CallState {
     return slots;
   }
 
+  // Note [Call cancellation]
+  // A failing job calls fail() once: the error is kept, `aborted` is set,
+  // and every waiter of the call is woken: its hand-off slots, and the
+  // engine's waits that may be waiting on it (weights, buffer commits,
+  // gradients), registered as `wakers` when the call starts. A waker takes
+  // its waiters' mutex before notifying, so a waiter that checked `aborted`
+  // under that mutex just before is already waiting and wakes; none polls.
+  std::vector<std::function<void()>> wakers;
+
   void fail(StageError e) {
     {
       std::lock_guard<std::mutex> lock(error_mu);
@@ -181,6 +190,7 @@ struct CallState {
       std::lock_guard<std::mutex> lock(slot->mu);
       slot->cv.notify_all();
     }
+    for (const auto& wake : wakers) wake();
   }
   void rethrow_if_failed() {
     std::lock_guard<std::mutex> lock(error_mu);
@@ -1087,14 +1097,13 @@ bool Engine::wait_params_published(const Job& job) {
   bool available = false;
   {
     std::unique_lock<std::mutex> lock(versions_mu_);
-    // (A failing call sets `aborted` without this condition variable.)
-    while (!job.call->aborted) {
+    // A failing call wakes this wait (Note [Call cancellation]).
+    versions_cv_.wait(lock, [&] {
       available = std::all_of(job.param_ids.begin(), job.param_ids.end(), [&](int id) {
         return weights_available(params_[id], job.call->weights_version);
       });
-      if (available) break;
-      versions_cv_.wait_for(lock, std::chrono::milliseconds(10));
-    }
+      return available || job.call->aborted.load();
+    });
   }
   add_seconds(&PipelineStats::weight_wait_seconds, start);
   return available;
@@ -1177,11 +1186,9 @@ void Engine::wait_for_earlier_commits(const Job& job) {
     }
     return false;
   };
-  // (A failing call sets `aborted` without this condition variable.)
-  while (earlier_pending()) {
-    if (job.call->aborted) throw CallAborted{};
-    commits_cv_.wait_for(lock, std::chrono::milliseconds(10));
-  }
+  // A failing call wakes this wait (Note [Call cancellation]).
+  commits_cv_.wait(lock, [&] { return !earlier_pending() || job.call->aborted.load(); });
+  if (earlier_pending()) throw CallAborted{};
   TORCH_CHECK(!commits_failed_, name_,
               ": an earlier call's buffer commit failed (its error is reported by "
               "synchronize() or the next call), so the layers' buffers may be half written. "
@@ -1237,8 +1244,7 @@ void Engine::update_as_gradients_arrive(
           if (final) ready.push_back(id);
         }
         if (!ready.empty()) break;
-        // (A failing call sets `aborted` without this condition variable.)
-        grads_cv_.wait_for(lock, std::chrono::milliseconds(10));
+        grads_cv_.wait(lock);  // a failing call wakes it (Note [Call cancellation])
       }
     }
     if (failed) break;  // take_call_grads below reports it
@@ -2121,6 +2127,14 @@ std::shared_ptr<CallState> Engine::start_call(const c10::IValue& input, const Ru
   check_earlier_calls();
   add_seconds(&PipelineStats::call_start_wait_seconds, start);
   auto call = std::make_shared<CallState>();
+  // Every engine wait that may wait on this call (Note [Call cancellation]).
+  for (auto [mu, cv] : {std::pair{&versions_mu_, &versions_cv_},
+                        std::pair{&commits_mu_, &commits_cv_}, std::pair{&grads_mu_, &grads_cv_}}) {
+    call->wakers.push_back([mu, cv] {
+      { std::lock_guard<std::mutex> lock(*mu); }
+      cv->notify_all();
+    });
+  }
   call->config = resolve(config);
   call->fused = fused;
   call->training = training;
