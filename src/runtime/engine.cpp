@@ -41,17 +41,6 @@ struct CallAborted {};
 // with a kernel timeline. Who: the thread's role ("gpu0", "optimizer", ...).
 thread_local const char* trace_who = "caller";
 
-thread_local const void* engine_of_this_thread = nullptr;
-bool on_engine_thread(const void* engine) {
-  return engine != nullptr && engine_of_this_thread == engine;
-}
-void set_engine_thread(const void* engine) {
-  engine_of_this_thread = engine;
-}
-bool on_any_engine_thread() {
-  return engine_of_this_thread != nullptr;
-}
-
 bool tracing() {
   static const bool on = [] {
     const char* v = std::getenv("ROUNDPIPE_TRACE");
@@ -427,72 +416,6 @@ void backward_through(const c10::IValue& output, const std::vector<at::Tensor>& 
 }
 
 }  // namespace
-
-// ---------------------------------------------------------------- host tasks
-
-HostTasks::HostTasks(const void* owner)
-    : owner_(owner), thread_([this] {
-        set_engine_thread(owner_);
-        loop();
-      }) {}
-
-HostTasks::~HostTasks() {
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    stop_ = true;
-    cv_.notify_all();
-  }
-  thread_.join();
-}
-
-void HostTasks::post(EventPtr event, std::function<void()> task) {
-  std::lock_guard<std::mutex> lock(mu_);
-  tasks_.emplace_back(std::move(event), std::move(task));
-  cv_.notify_all();
-}
-
-void HostTasks::drain() {
-  std::unique_lock<std::mutex> lock(mu_);
-  cv_.wait(lock, [&] { return tasks_.empty() && running_ == 0; });
-  if (error_) {
-    auto error = error_;
-    error_ = nullptr;
-    std::rethrow_exception(error);
-  }
-}
-
-void HostTasks::rethrow_failure() {
-  std::lock_guard<std::mutex> lock(mu_);
-  if (error_) {
-    auto error = error_;
-    error_ = nullptr;
-    std::rethrow_exception(error);
-  }
-}
-
-void HostTasks::loop() {
-  for (;;) {
-    std::pair<EventPtr, std::function<void()>> task;
-    {
-      std::unique_lock<std::mutex> lock(mu_);
-      cv_.wait(lock, [&] { return stop_ || !tasks_.empty(); });
-      if (tasks_.empty()) return;
-      task = std::move(tasks_.front());
-      tasks_.pop_front();
-      ++running_;
-    }
-    try {
-      if (task.first) task.first->synchronize();
-      task.second();
-    } catch (...) {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (!error_) error_ = std::current_exception();
-    }
-    std::lock_guard<std::mutex> lock(mu_);
-    --running_;
-    cv_.notify_all();
-  }
-}
 
 // ---------------------------------------------------------------- workers
 
@@ -1059,7 +982,7 @@ void Engine::release_instance(int layer, std::unique_ptr<LayerInstance> instance
 
 void Engine::job_finished(Job& job) {
   release_reads(job);
-  if (!job.commit_posted) settle_commits(job);
+  if (!job.commit_posted) commits_.settle(job.commit_layers, job.call->id);
   job.call->end_work();
   std::lock_guard<std::mutex> lock(inflight_mu_);
   --inflight_;
@@ -1162,37 +1085,13 @@ void Engine::check_earlier_calls() {
   report_failed_call();
 }
 
-void Engine::settle_commits(const std::vector<int>& layers, int64_t call_id) {
-  std::lock_guard<std::mutex> lock(commits_mu_);
-  for (int l : layers) {
-    auto& pending = pending_commits_[l];
-    pending.erase(pending.find(call_id));
-  }
-  commits_cv_.notify_all();
-}
-
-void Engine::settle_commits(Job& job) {
-  settle_commits(job.commit_layers, job.call->id);
-}
-
 void Engine::wait_for_earlier_commits(const Job& job) {
   const auto start = std::chrono::steady_clock::now();
-  std::unique_lock<std::mutex> lock(commits_mu_);
-  auto earlier_pending = [&] {
-    for (int l : job.commit_layers) {
-      auto it = pending_commits_.find(l);
-      if (it != pending_commits_.end() && !it->second.empty() && *it->second.begin() < job.call->id)
-        return true;
-    }
-    return false;
-  };
   // A failing call wakes this wait (Note [Call cancellation]).
-  commits_cv_.wait(lock, [&] { return !earlier_pending() || job.call->aborted.load(); });
-  if (earlier_pending()) throw CallAborted{};
-  TORCH_CHECK(!commits_failed_, name_,
-              ": an earlier call's buffer commit failed (its error is reported by "
-              "synchronize() or the next call), so the layers' buffers may be half written. "
-              "Restore them from a checkpoint.");
+  if (!commits_.wait_for_earlier(
+          job.commit_layers, job.call->id, [&] { return job.call->aborted.load(); }, name_)) {
+    throw CallAborted{};
+  }
   if (ms_since(start) > 0.5)
     ROUNDPIPE_TRACE("call %lld: waited %.1f ms for earlier calls' buffer commits",
                     static_cast<long long>(job.call->id), ms_since(start));
@@ -1572,12 +1471,10 @@ void Engine::dispatch(const std::shared_ptr<CallState>& call, const ScheduledJob
   }
   if (kind != JobKind::kBackward) {
     // Later calls' forwards of these layers read the buffers it commits.
-    std::lock_guard<std::mutex> lock(commits_mu_);
     for (int l = range.begin; l < range.end; ++l) {
-      if (layers_[l]->buffers().empty()) continue;
-      job->commit_layers.push_back(l);
-      pending_commits_[l].insert(call->id);
+      if (!layers_[l]->buffers().empty()) job->commit_layers.push_back(l);
     }
+    commits_.expect(job->commit_layers, call->id);
     if (!job->commit_layers.empty()) ++call->commits_left;
   }
   call->begin_work();
@@ -2057,8 +1954,7 @@ struct StageRunner {
         const std::vector<int>& layers;
         bool ok = false;
         ~Settle() {
-          if (!ok) engine.commits_failed_ = true;
-          engine.settle_commits(layers, call.id);
+          engine.commits_.settle(layers, call.id, ok);
           call.end_work();
         }
       } settle{engine, *call, layers};
@@ -2128,8 +2024,9 @@ std::shared_ptr<CallState> Engine::start_call(const c10::IValue& input, const Ru
   add_seconds(&PipelineStats::call_start_wait_seconds, start);
   auto call = std::make_shared<CallState>();
   // Every engine wait that may wait on this call (Note [Call cancellation]).
-  for (auto [mu, cv] : {std::pair{&versions_mu_, &versions_cv_},
-                        std::pair{&commits_mu_, &commits_cv_}, std::pair{&grads_mu_, &grads_cv_}}) {
+  call->wakers.push_back([this] { commits_.wake(); });
+  for (auto [mu, cv] :
+       {std::pair{&versions_mu_, &versions_cv_}, std::pair{&grads_mu_, &grads_cv_}}) {
     call->wakers.push_back([mu, cv] {
       { std::lock_guard<std::mutex> lock(*mu); }
       cv->notify_all();

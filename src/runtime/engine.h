@@ -26,7 +26,9 @@
 #include "roundpipe/options.h"
 #include "roundpipe/planner.h"
 #include "roundpipe/run_config.h"
+#include "runtime/commit_ledger.h"
 #include "runtime/host_arena.h"
+#include "runtime/host_tasks.h"
 #include "runtime/layer_timings.h"
 #include "runtime/schedule.h"
 
@@ -74,42 +76,6 @@ struct ParamEntry {
   // which must wait until the previous version's readers are done.
   int64_t staged_version = -1;
 };
-
-// Runs host work in order once the event it waits for has completed
-// (gradient accumulation, buffer commits).
-class HostTasks {
- public:
-  // `owner`: the engine whose thread this is (see on_engine_thread()).
-  explicit HostTasks(const void* owner);
-  ~HostTasks();
-  void post(EventPtr event, std::function<void()> task);
-  // Waits until every posted task ran; rethrows the first failure.
-  void drain();
-  // Rethrows (once) a failure of a task that already ran, without waiting.
-  void rethrow_failure();
-
- private:
-  void loop();
-  const void* owner_;
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<std::pair<EventPtr, std::function<void()>>> tasks_;
-  int running_ = 0;
-  bool stop_ = false;
-  std::exception_ptr error_;
-  std::thread thread_;
-};
-
-// Whether the calling thread is one of `engine`'s own (a worker, uploader,
-// host-task or optimizer thread): a step function, loss function or layer
-// running inside it. Such code must not call the engine's blocking entry
-// points, which would wait for the thread they run on.
-bool on_engine_thread(const void* engine);
-// Marks the calling thread as one of `engine`'s own.
-void set_engine_thread(const void* engine);
-// Whether the calling thread is one of any engine's own
-// (roundpipe::on_roundpipe_thread()).
-bool on_any_engine_thread();
 
 // The value with its tensors moved to `device` (tensors already there kept).
 c10::IValue to_device(const c10::IValue& value, c10::Device device);
@@ -170,10 +136,8 @@ class Engine {
   // The host tensors that hold the job's weights version (home or staging).
   std::vector<at::Tensor> weights_to_upload(const Job& job);
   void release_reads(Job& job);
-  // Buffer commits (see pending_commits_).
+  // Waits until earlier calls have committed the buffers the job reads.
   void wait_for_earlier_commits(const Job& job);
-  void settle_commits(Job& job);
-  void settle_commits(const std::vector<int>& layers, int64_t call_id);
   void run_backward_pass(const std::shared_ptr<CallState>& call);
   std::unique_ptr<LayerInstance> acquire_instance(int layer, Device& device);
   void release_instance(int layer, std::unique_ptr<LayerInstance> instance);
@@ -296,13 +260,8 @@ class Engine {
   int inflight_ = 0;
   // Training calls whose gradients no step() or synchronize() took yet.
   std::vector<std::shared_ptr<CallState>> unconsumed_calls_;
-  // Buffer commits: per layer, the ids of calls whose forward-side job
-  // for it has not committed yet. A call's forward of the layer waits for
-  // those of earlier calls (the buffers it uploads are theirs).
-  std::mutex commits_mu_;
-  std::condition_variable commits_cv_;
-  std::map<int, std::multiset<int64_t>> pending_commits_;
-  std::atomic<bool> commits_failed_{false};  // a commit failed: buffers may be half written
+  // The order of buffer commits across overlapping calls.
+  CommitLedger commits_;
 
   std::mutex versions_mu_;
   std::condition_variable versions_cv_;
