@@ -109,17 +109,11 @@ struct CallState {
   std::mutex recompute_mu;
   std::map<std::pair<int, int>, c10::IValue> recompute_data;
 
-  // Parameter gradients this call produced (host-task thread), taken by a
-  // step() or synchronize() once the whole call succeeded, or by a fused
-  // async step parameter by parameter as they become final. grad_pending:
-  // per parameter, the backward stages still to deliver its gradient. Both
-  // maps' structure is guarded by Engine::grads_mu_.
-  std::map<int, at::Tensor> param_grads;
-  std::map<int, int> grad_pending;
-  // Replicated tail stages: each replica's gradients, added in replica
-  // order once all are in (so that the sum does not depend on which
-  // device finished first).
-  std::map<int, std::map<int, at::Tensor>> replica_grads;
+  // Parameter gradients this call produced (gradient-task thread), taken
+  // by a step() or synchronize() once the whole call succeeded, or by a
+  // fused async step parameter by parameter as they become final
+  // (Engine::grads_, the ledger that guards it).
+  CallGradients grads;
   int64_t weights_version = 0;  // the optimizer version its uploads read
 
   // Buffer commits of this call's forward-side jobs still to land.
@@ -1097,29 +1091,6 @@ void Engine::wait_for_earlier_commits(const Job& job) {
                     static_cast<long long>(job.call->id), ms_since(start));
 }
 
-void Engine::gradients_delivered(CallState& call, const std::vector<int>& ids) {
-  std::lock_guard<std::mutex> lock(grads_mu_);
-  for (int id : ids) {
-    auto it = call.grad_pending.find(id);
-    if (it == call.grad_pending.end() || it->second == 0) continue;
-    if (it->second == 1) {
-      // The last part: a replicated tail's gradients are added in replica
-      // order (not in the order the devices finished) before the parameter
-      // counts as final.
-      auto parts = call.replica_grads.find(id);
-      if (parts != call.replica_grads.end()) {
-        at::Tensor sum;
-        for (auto& [replica, g] : parts->second) sum = sum.defined() ? sum.add_(g) : g;
-        auto& acc = call.param_grads[id];
-        acc = acc.defined() ? acc.add_(sum) : sum;
-        call.replica_grads.erase(parts);
-      }
-    }
-    --it->second;
-  }
-  grads_cv_.notify_all();
-}
-
 void Engine::update_as_gradients_arrive(
     std::vector<std::shared_ptr<CallState>> calls, int64_t pending_version,
     const std::function<void(std::map<int, at::Tensor>&)>& update) {
@@ -1127,39 +1098,20 @@ void Engine::update_as_gradients_arrive(
   for (size_t id = 0; id < params_.size(); ++id) {
     if (params_[id].master.defined()) left.insert(static_cast<int>(id));
   }
+  std::vector<CallGradients*> call_grads;
+  for (const auto& call : calls) call_grads.push_back(&call->grads);
+  auto failed = [&] {
+    return std::any_of(calls.begin(), calls.end(), [](const auto& c) { return c->aborted.load(); });
+  };
   while (!left.empty()) {
-    std::vector<int> ready;
-    bool failed = false;
-    {
-      std::unique_lock<std::mutex> lock(grads_mu_);
-      for (;;) {
-        for (const auto& call : calls) failed = failed || call->aborted.load();
-        if (failed) break;
-        for (int id : left) {
-          const bool final = std::all_of(calls.begin(), calls.end(), [&](const auto& call) {
-            auto it = call->grad_pending.find(id);
-            return it == call->grad_pending.end() || it->second == 0;
-          });
-          if (final) ready.push_back(id);
-        }
-        if (!ready.empty()) break;
-        grads_cv_.wait(lock);  // a failing call wakes it (Note [Call cancellation])
-      }
-    }
-    if (failed) break;  // take_call_grads below reports it
+    // A failing call wakes the wait (Note [Call cancellation]); the failure
+    // is reported below.
+    const auto ready = grads_.wait_final(call_grads, left, failed);
+    if (ready.empty()) break;
     std::map<int, at::Tensor> batch;
     for (int id : ready) {
       left.erase(id);
-      at::Tensor sum;
-      for (const auto& call : calls) {
-        at::Tensor g;
-        {
-          std::lock_guard<std::mutex> lock(grads_mu_);
-          auto it = call->param_grads.find(id);
-          if (it != call->param_grads.end()) g = it->second;
-        }
-        if (g.defined()) sum = sum.defined() ? sum.add_(g) : g;
-      }
+      at::Tensor sum = grads_.sum(call_grads, id);
       // The previous update's weights go live first (once the calls that
       // read the older ones have uploaded them): the update writes over
       // the storage they leave.
@@ -1176,8 +1128,7 @@ void Engine::update_as_gradients_arrive(
   for (const auto& call : calls) {
     if (!call->reported) call->rethrow_if_failed();
   }
-  std::lock_guard<std::mutex> lock(grads_mu_);
-  for (const auto& call : calls) call->param_grads.clear();
+  for (auto* call : call_grads) grads_.take(*call);
 }
 
 std::map<int, at::Tensor> Engine::take_call_grads(std::vector<std::shared_ptr<CallState>> calls) {
@@ -1188,11 +1139,10 @@ std::map<int, at::Tensor> Engine::take_call_grads(std::vector<std::shared_ptr<Ca
   std::erase_if(calls, [](const auto& call) { return call->reported.load(); });
   for (auto& call : calls) call->rethrow_if_failed();
   for (auto& call : calls) {
-    for (auto& [id, g] : call->param_grads) {
+    for (auto& [id, g] : grads_.take(call->grads)) {
       auto& sum = grads[id];
       sum = sum.defined() ? sum.add_(g) : g;
     }
-    call->param_grads.clear();
   }
   return grads;
 }
@@ -1464,10 +1414,11 @@ void Engine::dispatch(const std::shared_ptr<CallState>& call, const ScheduledJob
     for (int id : job->param_ids) ++params_[id].reads[call->weights_version];
   }
   if (kind != JobKind::kForward && call->training) {
-    std::lock_guard<std::mutex> lock(grads_mu_);
+    std::vector<int> trainable;
     for (int id : job->param_ids) {
-      if (params_[id].home.requires_grad()) ++call->grad_pending[id];
+      if (params_[id].home.requires_grad()) trainable.push_back(id);
     }
+    grads_.expect(call->grads, trainable);
   }
   if (kind != JobKind::kBackward) {
     // Later calls' forwards of these layers read the buffers it commits.
@@ -1894,7 +1845,7 @@ struct StageRunner {
       grads.push_back(g);
     }
     if (grads.empty()) {
-      engine.gradients_delivered(*job.call, job.param_ids);
+      engine.grads_.delivered(job.call->grads, job.param_ids);
       return;
     }
     auto [host, event] = device.download(grads, engine.host_allocator_);
@@ -1908,16 +1859,9 @@ struct StageRunner {
                                       where = device.name(), name = engine.name_] {
       try {
         event->synchronize();
-        for (size_t i = 0; i < ids.size(); ++i) {
-          at::Tensor* acc;
-          {
-            std::lock_guard<std::mutex> lock(engine.grads_mu_);
-            // (map nodes stay put while other threads insert)
-            acc = replica < 0 ? &call->param_grads[ids[i]] : &call->replica_grads[ids[i]][replica];
-          }
-          *acc = acc->defined() ? acc->add_(host[i]) : host[i];
-        }
-        engine.gradients_delivered(*call, delivered);
+        for (size_t i = 0; i < ids.size(); ++i)
+          engine.grads_.add(call->grads, ids[i], replica, host[i]);
+        engine.grads_.delivered(call->grads, delivered);
       } catch (const std::exception& e) {
         call->fail(StageError(
             name + ": " + stage + " failed on " + where + ", phase gradient download: " + e.what(),
@@ -2025,13 +1969,11 @@ std::shared_ptr<CallState> Engine::start_call(const c10::IValue& input, const Ru
   auto call = std::make_shared<CallState>();
   // Every engine wait that may wait on this call (Note [Call cancellation]).
   call->wakers.push_back([this] { commits_.wake(); });
-  for (auto [mu, cv] :
-       {std::pair{&versions_mu_, &versions_cv_}, std::pair{&grads_mu_, &grads_cv_}}) {
-    call->wakers.push_back([mu, cv] {
-      { std::lock_guard<std::mutex> lock(*mu); }
-      cv->notify_all();
-    });
-  }
+  call->wakers.push_back([this] { grads_.wake(); });
+  call->wakers.push_back([this] {
+    { std::lock_guard<std::mutex> lock(versions_mu_); }
+    versions_cv_.notify_all();
+  });
   call->config = resolve(config);
   call->fused = fused;
   call->training = training;

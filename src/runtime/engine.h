@@ -27,6 +27,7 @@
 #include "roundpipe/planner.h"
 #include "roundpipe/run_config.h"
 #include "runtime/commit_ledger.h"
+#include "runtime/gradient_ledger.h"
 #include "runtime/host_arena.h"
 #include "runtime/host_tasks.h"
 #include "runtime/layer_timings.h"
@@ -198,12 +199,6 @@ class Engine {
                                   int64_t pending_version,
                                   const std::function<void(std::map<int, at::Tensor>&)>& update);
 
- public:
-  // A backward job's gradients of `ids` are in the call's accumulators
-  // (host-task thread; also called when the job produced none).
-  void gradients_delivered(CallState& call, const std::vector<int>& ids);
-
- private:
   std::vector<c10::IValue> collect(const std::shared_ptr<CallState>& call,
                                    std::vector<std::shared_ptr<Slot>>& slots);
 
@@ -265,9 +260,8 @@ class Engine {
 
   std::mutex versions_mu_;
   std::condition_variable versions_cv_;
-  // Guards the structure of every call's param_grads and grad_pending.
-  std::mutex grads_mu_;
-  std::condition_variable grads_cv_;
+  // The calls' parameter gradients as their backward stages deliver them.
+  GradientLedger grads_;
   int64_t updates_ = 0;  // step() calls so far
   int64_t calls_started_ = 0;
   int64_t version_for_new_calls_ = 0;  // weights a new call reads
