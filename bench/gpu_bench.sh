@@ -22,14 +22,7 @@ tests=OFF; [ -n "${TESTS:-}" ] && tests=ON
 BUILD_TARGETS="${BUILD_TARGETS:-}" JOBS=16 scripts/build.sh build-gpu -DROUNDPIPE_BUILD_TESTS=$tests 2>&1 | tail -1 | tee -a "$out/build.log"
 echo "build: ${SECONDS}s" | tee -a "$out/build.log"
 if [ "$tests" = ON ]; then
-  # The README's example in a fresh process, where nothing has touched CUDA
-  # before the engine is made (the test binary's earlier cases would hide that).
-  ROUNDPIPE_DEVICES=cuda:0 ./build-gpu/tests/readme_example > "$out/gpu_tests.log" 2>&1 &&
-    echo "readme example on cuda:0 (fresh process): ok" || echo "readme example on cuda:0: FAILED"
-  ./build-gpu/tests/roundpipe_tests \
-    --gtest_filter='*FusedOps*:*ThroughRoundPipeMatchesTransformers*:*HostArena*:*cuda*' \
-    >> "$out/gpu_tests.log" 2>&1
-  grep -E '^\[  (PASSED|FAILED)' "$out/gpu_tests.log" | tail -8
+  bench/gpu_cases.sh build-gpu "$out/gpu_tests.log"
 fi
 steps="${STEPS:-10}"
 # bench LOG ARGS...: roundpipe-bench with ARGS appended to LOG, then its

@@ -21,12 +21,7 @@ JOBS=8 scripts/build.sh build-gpu -DROUNDPIPE_BUILD_TESTS=$tests > "$out/build_h
 echo "head build: $? after ${SECONDS}s"
 wait
 if [ "$tests" = ON ]; then
-  ROUNDPIPE_DEVICES=cuda:0 ./build-gpu/tests/readme_example > "$out/gpu_tests.log" 2>&1 &&
-    echo "readme example on cuda:0 (fresh process): ok" || echo "readme example on cuda:0: FAILED"
-  ./build-gpu/tests/roundpipe_tests \
-    --gtest_filter="${GPU_TESTS:-*FusedOps*:*ThroughRoundPipeMatchesTransformers*:*HostArena*:*cuda*}" \
-    >> "$out/gpu_tests.log" 2>&1
-  grep -E '^\[  (PASSED|FAILED)' "$out/gpu_tests.log" | tail -8
+  bench/gpu_cases.sh build-gpu "$out/gpu_tests.log"
   echo "tests done after ${SECONDS}s"
 fi
 args=(--shape "${SHAPE:-1.7B}" --batch 16 --seq 4096 --microbatches 4 --warmup "${WARMUP:-3}"
@@ -37,7 +32,8 @@ for round in $(seq 1 "${ROUNDS:-2}"); do
     echo "=== $version, round $round ===" >> "$out/bench_$version.log"
     "$bin" "${args[@]}" >> "$out/bench_$version.log" 2>&1
     echo "--- $version, round $round"
-    tail -n 40 "$out/bench_$version.log" | grep -E "tokens/s|peak|memory" | head -6
+    sed -n "/=== $version, round $round ===/,\$p" "$out/bench_$version.log" |
+      grep -E "tokens/s|peak device|host arena"
   done
 done
 echo "total: ${SECONDS}s"

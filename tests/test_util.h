@@ -64,15 +64,19 @@ inline double max_rel_error(const at::Tensor& a, const at::Tensor& b) {
   return (x - y).abs().max().item<double>() / scale;
 }
 
-#define EXPECT_TENSOR_NEAR(a, b, tol, what)                                \
-  do {                                                                     \
-    const auto& a_ = (a);                                                  \
-    const auto& b_ = (b);                                                  \
-    ASSERT_TRUE(a_.defined()) << what << ": result undefined";             \
-    ASSERT_TRUE(b_.defined()) << what << ": reference undefined";          \
-    ASSERT_EQ(a_.sizes(), b_.sizes()) << what;                             \
-    EXPECT_LE(::roundpipe::testing::max_rel_error(a_, b_), (tol)) << what; \
+// Both tensors defined, of one shape, and error(a, b) <= tol.
+#define EXPECT_TENSOR_ERROR_LE(error, a, b, tol, what)            \
+  do {                                                            \
+    const auto& a_ = (a);                                         \
+    const auto& b_ = (b);                                         \
+    ASSERT_TRUE(a_.defined()) << what << ": result undefined";    \
+    ASSERT_TRUE(b_.defined()) << what << ": reference undefined"; \
+    ASSERT_EQ(a_.sizes(), b_.sizes()) << what;                    \
+    EXPECT_LE(error(a_, b_), (tol)) << what;                      \
   } while (0)
+
+#define EXPECT_TENSOR_NEAR(a, b, tol, what) \
+  EXPECT_TENSOR_ERROR_LE(::roundpipe::testing::max_rel_error, a, b, tol, what)
 
 // max |a - b|: for values whose error bound is absolute (weights after Adam).
 inline double max_abs_error(const at::Tensor& a, const at::Tensor& b) {
@@ -81,15 +85,8 @@ inline double max_abs_error(const at::Tensor& a, const at::Tensor& b) {
   return y.numel() == 0 ? 0 : (x - y).abs().max().item<double>();
 }
 
-#define EXPECT_TENSOR_ABS_NEAR(a, b, tol, what)                            \
-  do {                                                                     \
-    const auto& a_ = (a);                                                  \
-    const auto& b_ = (b);                                                  \
-    ASSERT_TRUE(a_.defined()) << what << ": result undefined";             \
-    ASSERT_TRUE(b_.defined()) << what << ": reference undefined";          \
-    ASSERT_EQ(a_.sizes(), b_.sizes()) << what;                             \
-    EXPECT_LE(::roundpipe::testing::max_abs_error(a_, b_), (tol)) << what; \
-  } while (0)
+#define EXPECT_TENSOR_ABS_NEAR(a, b, tol, what) \
+  EXPECT_TENSOR_ERROR_LE(::roundpipe::testing::max_abs_error, a, b, tol, what)
 
 // Weights after Adam steps. Adam moves a weight by lr * m / (sqrt(v) + eps):
 // with the default eps=1e-8 an element whose gradient is near zero moves by
