@@ -26,6 +26,7 @@
 #include "roundpipe/options.h"
 #include "roundpipe/planner.h"
 #include "roundpipe/run_config.h"
+#include "runtime/call.h"
 #include "runtime/commit_ledger.h"
 #include "runtime/gradient_ledger.h"
 #include "runtime/host_arena.h"
@@ -35,28 +36,7 @@
 
 namespace roundpipe::detail {
 
-struct CallState;
-struct Job;
 class Worker;
-
-// Generator state at a point of a microbatch's random stream (rng.h).
-struct RngState {
-  bool active = false;  // false: preserve_rng_state is off, leave generators alone
-  at::Tensor state;     // generator state; undefined: start from `seed`
-  uint64_t seed = 0;
-};
-
-// A value handed from one job to another through host memory: a host-side
-// signal plus the device event that completes when the copy has landed.
-struct Slot {
-  std::mutex mu;
-  std::condition_variable cv;
-  bool ready = false;
-  c10::IValue value;                // activations: CPU IValue
-  std::vector<at::Tensor> tensors;  // gradients: flat, undefined = no gradient
-  EventPtr event;
-  RngState rng;
-};
 
 // A unique parameter (tied weights appear once).
 struct ParamEntry {
