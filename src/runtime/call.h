@@ -13,7 +13,6 @@
 #include <memory>
 #include <mutex>
 #include <optional>
-#include <sstream>
 #include <string>
 #include <vector>
 
@@ -181,22 +180,11 @@ struct CallState {
   }
 };
 
-struct Job {
+// A scheduled stage job (what, where: schedule.h; its `replica` and
+// `replicas` say which microbatches it runs: replica, replica + replicas,
+// ...) with what dispatch and its device worker add.
+struct Job : ScheduledJob {
   std::shared_ptr<CallState> call;
-  JobKind kind = JobKind::kForward;
-  LayerRange range;
-  int stage_index = 0;
-  // The microbatches it runs: first, first + stride, ... (a replicated
-  // fused tail stage shares them out; every other job runs them all).
-  int first_microbatch = 0, microbatch_stride = 1;
-  std::string describe() const {
-    std::ostringstream out;
-    out << job_kind_name(kind) << " stage " << stage_index << " (layers " << range.begin << ".."
-        << range.end - 1 << ")";
-    if (microbatch_stride > 1)
-      out << " replica " << first_microbatch << " of " << microbatch_stride;
-    return out.str();
-  }
   std::vector<int> param_ids;  // unique parameters of the stage, set at dispatch
   bool reads_released = false;
   // Filled by the worker's uploader thread (upload_done under Worker::mu_):

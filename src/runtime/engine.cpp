@@ -851,13 +851,6 @@ void Engine::drain_host_tasks() {
   if (error) std::rethrow_exception(error);
 }
 
-void Engine::fence() {
-  wait_for_jobs();
-  drain_host_tasks();
-  optimizer_.rethrow_failure();
-  report_failed_call();
-}
-
 void Engine::report_failed_call() {
   // A training call that failed in the background is reported once, here.
   std::erase_if(unconsumed_calls_, [](const auto& call) { return call->reported.load(); });
@@ -1193,12 +1186,8 @@ std::vector<ScheduledJob> Engine::schedule(const CallState& call, CallPhase phas
 
 void Engine::dispatch(const std::shared_ptr<CallState>& call, const ScheduledJob& scheduled) {
   auto job = std::make_shared<Job>();
+  static_cast<ScheduledJob&>(*job) = scheduled;
   job->call = call;
-  job->kind = scheduled.kind;
-  job->range = scheduled.range;
-  job->stage_index = scheduled.stage_index;
-  job->first_microbatch = scheduled.replica;
-  job->microbatch_stride = scheduled.replicas;
   const auto& range = scheduled.range;
   const auto kind = scheduled.kind;
   std::set<int> seen;
@@ -1542,7 +1531,7 @@ struct StageRunner {
     // and backpropagated, last first (as run_backward does across stages).
     const bool layer_grain = call.grain == RecomputeGrain::kLayer && r.end - r.begin > 1;
     const int first_with_grad = layer_grain ? r.end - 1 : r.begin;
-    for (int m = job.first_microbatch; m < call.n; m += job.microbatch_stride) {
+    for (int m = job.replica; m < call.n; m += job.replicas) {
       microbatch = m;
       Slot& in = call.wait(call.act.at(r.begin)[m]);
       auto x = load_input(in);
@@ -1648,7 +1637,7 @@ struct StageRunner {
     }
     auto [host, event] = device.download(grads, engine.host_allocator_);
     job.call->begin_work();
-    const int replica = job.microbatch_stride > 1 ? job.first_microbatch : -1;
+    const int replica = job.replicas > 1 ? job.replica : -1;
     // The event is waited for inside the task: a failure fails the call
     // (with its context) instead of leaving the optimizer waiting for
     // gradients that never come.

@@ -136,11 +136,8 @@ class Engine {
   // take, and the dispatch of one of them to its device's worker.
   std::vector<ScheduledJob> schedule(const CallState& call, CallPhase phase);
   void dispatch(const std::shared_ptr<CallState>& call, const ScheduledJob& job);
-  // Waits for every job and host task of earlier calls; rethrows an error a
-  // background backward pass left behind.
-  void fence();
   // What a new call checks first: errors earlier calls left behind
-  // (reported once, like fence()). It waits for nothing: earlier calls'
+  // (each reported once). It waits for nothing: earlier calls'
   // stages run on ahead of it in the workers' queues (weight versions
   // order the uploads, per-layer commits the buffers).
   void check_earlier_calls();

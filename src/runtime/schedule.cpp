@@ -19,10 +19,13 @@ const char* job_kind_name(JobKind kind) {
 }
 
 std::string ScheduledJob::describe() const {
-  std::string text = std::string(job_kind_name(kind)) + " [" + std::to_string(range.begin) + ", " +
-                     std::to_string(range.end) + ")";
-  if (replicas > 1) text += " replica " + std::to_string(replica) + "/" + std::to_string(replicas);
-  return text + " on device " + std::to_string(device);
+  std::string text = std::string(job_kind_name(kind)) + " stage " + std::to_string(stage_index) +
+                     " (layers " + std::to_string(range.begin) + ".." +
+                     std::to_string(range.end - 1) + ")";
+  if (replicas > 1) {
+    text += " replica " + std::to_string(replica) + " of " + std::to_string(replicas);
+  }
+  return text;
 }
 
 std::vector<ScheduledJob> schedule_call(const ExecutePlan& plan, CallPhase phase, int num_devices,

@@ -36,7 +36,8 @@ struct ScheduledJob {
   int replicas = 1;
   int device = 0;  // index in the device pool
   bool operator==(const ScheduledJob& other) const = default;
-  std::string describe() const;  // "fused tail [3, 5) replica 1/2 on device 0"
+  // "fused tail stage 0 (layers 3..4) replica 1 of 2", as errors name it.
+  std::string describe() const;
 };
 
 // The jobs of one phase of a call over `num_devices` devices whose

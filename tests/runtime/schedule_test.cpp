@@ -29,7 +29,7 @@ ScheduledJob job(JobKind kind, int begin, int end, int stage, int device, int re
 
 std::string text(const std::vector<ScheduledJob>& jobs) {
   std::string out;
-  for (const auto& j : jobs) out += j.describe() + "; ";
+  for (const auto& j : jobs) out += j.describe() + " on device " + std::to_string(j.device) + "; ";
   return out;
 }
 
