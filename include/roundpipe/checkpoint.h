@@ -25,6 +25,10 @@ void save_checkpoint(const std::string& dir, RoundPipe& pipe, optim::Adam* adam,
                      optim::GradScaler* scaler,
                      const std::map<std::string, std::string>& extra = {});
 
+// The `extra` entries of the checkpoint in `dir`, without loading it
+// (throws when `dir` holds no RoundPipe checkpoint).
+std::map<std::string, std::string> checkpoint_extra(const std::string& dir);
+
 // Restores what save_checkpoint wrote into a RoundPipe over the same model
 // architecture (and an Adam built on its optim_parameters()), a pending
 // update included (restore_pending_update()), so that training goes on as

@@ -59,7 +59,33 @@ torch::optim::AdamParamState& adam_state(optim::Adam& adam, const at::Tensor& ma
   return static_cast<torch::optim::AdamParamState&>(*it->second);
 }
 
+// checkpoint.json of the checkpoint in `dir`, its format checked.
+nlohmann::json read_meta(const std::string& dir) {
+  const fs::path source(readable_directory(dir));
+  TORCH_CHECK(fs::exists(source / "checkpoint.json"), "no RoundPipe checkpoint in ", dir);
+  auto meta = read_json(source / "checkpoint.json");
+  TORCH_CHECK(meta.is_object() && meta.value("format", "") == "roundpipe-checkpoint", dir,
+              " is not a RoundPipe checkpoint");
+  return meta;
+}
+
+std::map<std::string, std::string> extra_of(const nlohmann::json& meta, const std::string& dir) {
+  std::map<std::string, std::string> extra;
+  const auto it = meta.find("extra");
+  if (it == meta.end()) return extra;
+  TORCH_CHECK(it->is_object(), dir, "/checkpoint.json: 'extra' must be an object");
+  for (const auto& [key, value] : it->items()) {
+    TORCH_CHECK(value.is_string(), dir, "/checkpoint.json: extra '", key, "' must be a string");
+    extra[key] = value.get<std::string>();
+  }
+  return extra;
+}
+
 }  // namespace
+
+std::map<std::string, std::string> checkpoint_extra(const std::string& dir) {
+  return extra_of(read_meta(dir), dir);
+}
 
 void save_checkpoint(const std::string& dir, RoundPipe& pipe, optim::Adam* adam,
                      optim::GradScaler* scaler, const std::map<std::string, std::string>& extra) {
@@ -117,11 +143,9 @@ void save_checkpoint(const std::string& dir, RoundPipe& pipe, optim::Adam* adam,
 std::map<std::string, std::string> load_checkpoint(const std::string& dir, RoundPipe& pipe,
                                                    optim::Adam* adam, optim::GradScaler* scaler) {
   const fs::path source(readable_directory(dir));
-  TORCH_CHECK(fs::exists(source / "checkpoint.json"), "no RoundPipe checkpoint in ", dir);
+  const auto meta = read_meta(dir);
+  const auto extra = extra_of(meta, dir);
   pipe.synchronize();
-  const auto meta = read_json(source / "checkpoint.json");
-  TORCH_CHECK(meta.value("format", "") == "roundpipe-checkpoint", dir,
-              " is not a RoundPipe checkpoint");
 
   auto state = pipe.named_parameters();
   for (auto& b : pipe.named_buffers()) state.push_back(b);
@@ -164,7 +188,7 @@ std::map<std::string, std::string> load_checkpoint(const std::string& dir, Round
   TORCH_CHECK(pending == meta.end() || pending->is_boolean(), dir,
               ": checkpoint.json's update_pending must be true or false");
   if (pending != meta.end() && pending->get<bool>()) pipe.restore_pending_update();
-  return meta.value("extra", std::map<std::string, std::string>{});
+  return extra;
 }
 
 }  // namespace roundpipe

@@ -16,7 +16,6 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
-#include <nlohmann/json.hpp>
 #include <numeric>
 #include <random>
 
@@ -109,26 +108,10 @@ int64_t step_of(const std::map<std::string, std::string>& extra, const std::stri
 int64_t existing_checkpoint_step(const std::string& dir) {
   const fs::path source(readable_directory(dir));
   if (!fs::exists(source) || fs::is_empty(source)) return -1;
-  const auto meta_path = source / "checkpoint.json";
-  TORCH_CHECK(fs::exists(meta_path), dir,
+  TORCH_CHECK(fs::exists(source / "checkpoint.json"), dir,
               " exists and is not a RoundPipe training checkpoint (no checkpoint.json): choose "
               "another --checkpoint-dir, or move that directory away");
-  std::ifstream in(meta_path);
-  nlohmann::json meta;
-  try {
-    meta = nlohmann::json::parse(in);
-  } catch (const nlohmann::json::exception& e) {
-    TORCH_CHECK(false, meta_path.string(), " is not valid JSON: ", e.what());
-  }
-  TORCH_CHECK(meta.is_object() && meta.value("format", "") == "roundpipe-checkpoint",
-              meta_path.string(), " is not a RoundPipe checkpoint");
-  std::map<std::string, std::string> extra;
-  if (meta.contains("extra") && meta["extra"].is_object()) {
-    for (const auto& [key, value] : meta["extra"].items()) {
-      if (value.is_string()) extra[key] = value.get<std::string>();
-    }
-  }
-  return step_of(extra, meta_path.string());
+  return step_of(checkpoint_extra(dir), dir);
 }
 
 // A directory can be written to: made if missing, a file created and removed.
@@ -314,17 +297,22 @@ TrainSummary run_training(const TrainOptions& args) {
                 static_cast<long long>(first_step),
                 static_cast<long long>(total_steps - first_step));
   }
+  // Stops a diverged run: what went non-finite, the fix, what is kept.
+  auto diverged = [&](const std::string& what) {
+    TORCH_CHECK(false, what, ": training diverged (lower --lr",
+                dtype == c10::kFloat ? "" : ", or train in float32", "); nothing of it was saved",
+                last_good_checkpoint >= 0
+                    ? "; the last good checkpoint is " + paths.checkpoint + " (step " +
+                          std::to_string(last_good_checkpoint) + ")"
+                    : std::string());
+  };
   // A training checkpoint of the state after `steps_done` steps, never of
   // non-finite weights (the last good one stays).
   auto save_training_checkpoint = [&](int64_t steps_done) {
     pipe.wait_for_background_work();
-    TORCH_CHECK(all_finite(pipe.optim_parameters()), "the weights hold inf or NaN after step ",
-                steps_done, ": training diverged (lower --lr",
-                dtype == c10::kFloat ? "" : ", or train in float32", "); no checkpoint written",
-                last_good_checkpoint >= 0
-                    ? "; the last good one is " + paths.checkpoint + " (step " +
-                          std::to_string(last_good_checkpoint) + ")"
-                    : std::string());
+    if (!all_finite(pipe.optim_parameters())) {
+      diverged("the weights hold inf or NaN after step " + std::to_string(steps_done));
+    }
     roundpipe::save_checkpoint(paths.checkpoint, pipe, &adam, scaler.get(),
                                {{"step", std::to_string(steps_done)}});
     last_good_checkpoint = steps_done;
@@ -367,13 +355,7 @@ TrainSummary run_training(const TrainOptions& args) {
     if (!std::isfinite(last_loss)) {
       // Stop before the step: its update would be of non-finite gradients.
       pipe.wait_for_background_work();
-      TORCH_CHECK(false, "the loss is ", last_loss, " at step ", step + 1,
-                  ": training diverged (lower --lr",
-                  dtype == c10::kFloat ? "" : ", or train in float32", "); nothing was saved",
-                  last_good_checkpoint >= 0
-                      ? ", the last good checkpoint is " + paths.checkpoint + " (step " +
-                            std::to_string(last_good_checkpoint) + ")"
-                      : std::string());
+      diverged("the loss is " + std::to_string(last_loss) + " at step " + std::to_string(step + 1));
     }
     pipe.step(adam, /*is_async=*/!args.sync_step, scaler.get());
     if (scaler) scaler->update();
@@ -419,9 +401,7 @@ TrainSummary run_training(const TrainOptions& args) {
   std::printf("\nsummary: %lld steps, %lld tokens in %.1fs = %.0f tokens/s, final loss %.4f\n",
               static_cast<long long>(total_steps - first_step), static_cast<long long>(tokens),
               seconds, tokens / std::max(seconds, 1e-9), loss_avg);
-  TORCH_CHECK(all_finite(pipe.parameters()),
-              "the trained weights hold inf or NaN: training diverged in the last steps (lower "
-              "--lr); no model saved");
+  if (!all_finite(pipe.parameters())) diverged("the trained weights hold inf or NaN");
   if (!held_out.empty()) {
     summary.accuracy_after = roundpipe::train::task_accuracy(held_out, logits_of);
     std::printf("held-out accuracy: %.1f%% before, %.1f%% after training\n", 100 * accuracy_before,
