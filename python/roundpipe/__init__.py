@@ -21,7 +21,6 @@ from .wrap import AutoRoundPipe, CausalLMRoundPipe, wrap_model_to_roundpipe
 __version__ = "0.1.0"
 
 
-
 def _finish_at_exit():
     """A script may end with work in flight (backward stages, an async
     step): it finishes while the interpreter still runs, since the engine's

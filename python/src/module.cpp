@@ -415,9 +415,6 @@ PYBIND11_MODULE(_C, m) {
       .def("state_dict", &optim::GradScaler::state_dict)
       .def("load_state_dict", &optim::GradScaler::load_state_dict);
 
-  m.def(
-      "wait_for_released_engines", [] { EngineReaper::get().wait_idle(); },
-      py::call_guard<py::gil_scoped_release>());
   // See Note [Engine lifetime in Python].
   m.def(
       "shutdown",

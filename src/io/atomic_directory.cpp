@@ -52,17 +52,15 @@ int remove_abandoned(const fs::path& folder, const std::string& prefix) {
 
 std::string normalized_directory(const std::string& dir) {
   TORCH_CHECK(!dir.empty(), "an output directory must not be empty");
-  fs::path path = fs::path(dir).lexically_normal();
   // "out/" normalizes to "out/" (an empty last name): drop the separator.
-  if (!path.has_filename() && path.has_parent_path() && path != path.root_path()) {
-    path = path.parent_path();
-  }
+  auto normal = [](const fs::path& p) {
+    const auto n = p.lexically_normal();
+    return !n.has_filename() && n.has_parent_path() && n != n.root_path() ? n.parent_path() : n;
+  };
+  fs::path path = normal(dir);
   // "." and ".." have no name to put a sibling beside: resolve them.
   const auto name = path.filename();
-  if (name.empty() || name == "." || name == "..") path = fs::absolute(path).lexically_normal();
-  if (!path.has_filename() && path.has_parent_path() && path != path.root_path()) {
-    path = path.parent_path();
-  }
+  if (name.empty() || name == "." || name == "..") path = normal(fs::absolute(path));
   TORCH_CHECK(path.has_filename(), "cannot write a checkpoint to '", dir,
               "': name a directory below the file system's root");
   TORCH_CHECK(!fs::exists(path) || fs::is_directory(path), "'", dir,
