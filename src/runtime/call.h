@@ -21,6 +21,8 @@
 #include "roundpipe/options.h"
 #include "roundpipe/run_config.h"
 #include "runtime/gradient_ledger.h"
+#include "runtime/recompute_state.h"
+#include "runtime/rng.h"
 #include "runtime/schedule.h"
 #include "runtime/trace.h"
 
@@ -28,13 +30,6 @@ namespace roundpipe::detail {
 
 // Unwinds a job of a call that already failed elsewhere.
 struct CallAborted {};
-
-// Generator state at a point of a microbatch's random stream (rng.h).
-struct RngState {
-  bool active = false;  // false: preserve_rng_state is off, leave generators alone
-  at::Tensor state;     // generator state; undefined: start from `seed`
-  uint64_t seed = 0;
-};
 
 // A value handed from one job to another through host memory: a host-side
 // signal plus the device event that completes when the copy has landed.
@@ -85,13 +80,12 @@ struct CallState {
   std::mutex buffers_mu;
   std::map<int, std::vector<at::Tensor>> buffer_snapshot;  // per layer, before microbatch 0
 
-  std::mutex recompute_mu;
-  std::map<std::pair<int, int>, c10::IValue> recompute_data;
+  RecomputeStore recompute;  // save_for_recompute() data of its layers
 
   // Parameter gradients this call produced (gradient-task thread), taken
   // by a step() or synchronize() once the whole call succeeded, or by a
   // fused async step parameter by parameter as they become final
-  // (Engine::grads_, the ledger that guards it).
+  // (the engine's GradientLedger guards it).
   CallGradients grads;
   int64_t weights_version = 0;  // the optimizer version its uploads read
 
@@ -132,6 +126,18 @@ struct CallState {
     for (int m = 0; m < n; ++m) slots.push_back(new_slot());
     return slots;
   }
+
+  // Set-up (call.cpp), once config, n, plan, fused and training are set.
+  // The input split into n microbatches (config's packed_input or
+  // split_input, else the default split), detached; records which input
+  // tensors require grad and how they were split.
+  std::vector<c10::IValue> split_input(const c10::IValue& input, const std::string& name);
+  // A slot for every hand-off the plan makes (`num_layers` in the model).
+  void make_slots(int num_layers);
+  // The microbatches into the first slots, each with its random stream.
+  void put_inputs(const std::vector<c10::IValue>& microbatches);
+  // The labels split as the input was (config's split_label, else the default).
+  void split_labels(const c10::IValue& label, const std::string& name);
 
   // Note [Call cancellation]
   // A failing job calls fail() once: the error is kept, `aborted` is set,

@@ -29,9 +29,18 @@ class CommitLedger {
   bool wait_for_earlier(const std::vector<int>& layers, int64_t call_id,
                         const std::function<bool()>& cancelled, const std::string& name);
   // Wakes the waits so that they look at their cancellation again
-  // (Note [Call cancellation] in engine.cpp).
+  // (Note [Call cancellation] in call.h).
   void wake();
   bool failed() const { return failed_; }
+
+  // What commits have shown, for replicated tail stages (whose commits
+  // would race): whether some commit changed a buffer, and whether every
+  // commit of some training call has landed (before that, no forward has
+  // shown whether it writes).
+  void note_buffer_write() { written_ = true; }
+  bool buffers_written() const { return written_; }
+  void note_training_call_committed() { committed_ = true; }
+  bool training_call_committed() const { return committed_; }
 
  private:
   bool earlier_pending(const std::vector<int>& layers, int64_t call_id) const;
@@ -39,6 +48,8 @@ class CommitLedger {
   std::condition_variable cv_;
   std::map<int, std::multiset<int64_t>> pending_;  // per layer: calls whose commit is to come
   std::atomic<bool> failed_{false};
+  std::atomic<bool> written_{false};
+  std::atomic<bool> committed_{false};
 };
 
 }  // namespace roundpipe::detail

@@ -47,7 +47,7 @@ class GradientLedger {
   // Takes the call's sums (the call keeps none).
   std::map<int, at::Tensor> take(CallGradients& call);
   // Wakes the waits so that they look at their cancellation again
-  // (Note [Call cancellation] in engine.cpp).
+  // (Note [Call cancellation] in call.h).
   void wake();
 
  private:

@@ -1,0 +1,161 @@
+// The engine's automatic plan: see auto_plan.h.
+#include "runtime/auto_plan.h"
+
+#include <ATen/ops/empty.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+
+namespace roundpipe::detail {
+
+AutoPlan::AutoPlan(const std::string& name, const RoundPipeOptions& options, const DevicePool& pool,
+                   const std::vector<LayerPtr>& layers, const WeightTable& weights,
+                   const LayerTimings& timings, const CommitLedger& commits)
+    : name_(name),
+      options_(options),
+      pool_(pool),
+      weights_(weights),
+      timings_(timings),
+      commits_(commits) {
+  all_layers_meterable_ = std::all_of(layers.begin(), layers.end(),
+                                      [](const LayerPtr& layer) { return layer->meterable(); });
+  // What the smallest device has left now, before this engine's work (0:
+  // unlimited), less a tenth (the driver's context, fragmentation, the
+  // downloads in flight). Measured at plan time it would exclude what the
+  // calls in flight hold, which the plan's stages reuse.
+  for (int d = 0; d < pool_.size(); ++d) {
+    const auto stats = pool_.at(d)->memory_stats();
+    if (stats.budget_bytes <= 0) continue;
+    const int64_t left = (stats.budget_bytes - stats.in_use_bytes) / 10 * 9;
+    if (default_memory_limit_bytes_ == 0 || left < default_memory_limit_bytes_)
+      default_memory_limit_bytes_ = left;
+  }
+  // The link's rate, measured now, while nothing else runs: probed beside
+  // the first update's CPU Adam and gradient sums it measures a fraction
+  // of the link (docs/architecture.md, the automatic plan).
+  upload_bytes_per_second_ = probe_upload_rate();
+}
+
+PlanEstimate AutoPlan::estimate(bool fused, int num_microbatches, int min_stages,
+                                std::optional<double> memory_limit_gib,
+                                RecomputeGrain grain) const {
+  PlanRequest request;
+  // The default plan's question (no constraints of the caller's own): the
+  // plan in use stays unless a new one is clearly faster.
+  std::optional<ExecutePlan> incumbent;
+  if (min_stages == 0 && !memory_limit_gib) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = plans_in_use_.find(PlanKey{fused, num_microbatches, grain});
+    if (it != plans_in_use_.end()) incumbent = it->second;
+  }
+  if (incumbent) request.incumbent = &*incumbent;
+  // Replicated tails only once a call has shown that no layer writes its
+  // buffers (or there are none); ROUNDPIPE_TAIL_REPLICAS=0 turns them off.
+  static const bool replicas_enabled = [] {
+    const char* v = std::getenv("ROUNDPIPE_TAIL_REPLICAS");
+    return v == nullptr || std::strcmp(v, "0") != 0;
+  }();
+  // (Committed read first: a call's last commit sets it after any of its
+  // commits saw a write.)
+  const bool committed = commits_.training_call_committed();
+  request.allow_tail_replicas =
+      replicas_enabled && (committed || !weights_.has_buffers()) && !commits_.buffers_written();
+  request.num_devices = pool_.size();
+  request.fused = fused;
+  request.num_microbatches = num_microbatches;
+  request.min_stages = min_stages;
+  if (!memory_limit_gib) memory_limit_gib = options_.model_memory_limit_gib;
+  if (memory_limit_gib) {
+    TORCH_CHECK(*memory_limit_gib > 0, name_, ": model_memory_limit must be positive (GiB), got ",
+                *memory_limit_gib);
+    request.memory_limit_bytes = static_cast<int64_t>(*memory_limit_gib * (1 << 30));
+  } else {
+    request.memory_limit_bytes = default_memory_limit_bytes_;
+  }
+  request.layer_grain = grain == RecomputeGrain::kLayer;
+  // Measured times once every layer has them (with the measured upload
+  // rate, in the same unit), else bytes stand in. Until what layers keep
+  // for their backward is measured (or where a layer cannot be metered),
+  // half the limit is held back for it.
+  const bool measured = timings_.complete();
+  request.activations_unmeasured = !measured || !all_layers_meterable_;
+  const auto& bytes = weights_.layer_bytes();
+  const auto& grad_bytes = weights_.layer_grad_bytes();
+  if (!measured) return plan_stages(costs_from_bytes(bytes, grad_bytes), request);
+  request.upload_bytes_per_second = upload_bytes_per_second_;
+  return plan_stages(timings_.costs(bytes, grad_bytes), request);
+}
+
+ExecutePlan AutoPlan::for_call(bool fused, int n, RecomputeGrain grain) {
+  // Read before planning: timings that complete in between make this log
+  // say "bytes" once more, and the next call logs the measured plan.
+  const bool measured = timings_.complete();
+  auto plan = estimate(fused, n, 0, std::nullopt, grain);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    plans_in_use_[PlanKey{fused, n, grain}] = plan.plan;
+  }
+  if (options_.verbose) log(fused, n, measured, plan);
+  return plan.plan;
+}
+
+void AutoPlan::log(bool fused, int n, bool measured, const PlanEstimate& estimate) {
+  std::lock_guard<std::mutex> lock(mu_);
+  // Logged when the plan changes, and once when timings first replace the
+  // byte estimate even if the plan stays: the measured per-layer costs are
+  // what a user hand-tunes from.
+  const std::string key = (measured ? "measured " : "estimated ") + estimate.plan.to_string();
+  auto& logged = logged_plans_[fused ? 1 : 0];
+  if (logged == key) return;
+  logged = key;
+  std::fprintf(stderr, "%s: %s plan for %d microbatches on %d device(s), costs %s\n%s%s\n",
+               name_.c_str(), fused ? "forward_backward" : "forward", n, pool_.size(),
+               measured ? "measured (seconds):" : "from parameter bytes (no timings yet):",
+               measured ? timings_.describe().c_str() : "", estimate.describe().c_str());
+}
+
+double AutoPlan::probe_upload_rate() const {
+  // A parameter-sized upload (1-64 MiB: a layer's parameters).
+  const auto& layer_bytes = weights_.layer_bytes();
+  int64_t total = 0;
+  for (int64_t b : layer_bytes) total += b;
+  auto& device = *pool_.at(0);
+  // At most an eighth of a small device's memory (a simulated one may
+  // have a few KiB).
+  const int64_t budget = device.memory_stats().budget_bytes;
+  const int64_t bytes = std::min<int64_t>(
+      std::clamp<int64_t>(total / std::max<int64_t>(static_cast<int64_t>(layer_bytes.size()), 1),
+                          1 << 20, 64 << 20),
+      budget > 0 ? std::max<int64_t>(budget / 8, 1) : int64_t{64} << 20);
+  // Pinned as the homes are (not from the arena, which then holds the
+  // model alone).
+  const bool pinned = options_.pin_model != PinMode::kOff && device.supports_pinned_memory();
+  auto host = at::empty({bytes}, at::TensorOptions().dtype(at::kByte).pinned_memory(pinned));
+  host.zero_();
+  // The copy alone, timed on its queue, the fastest of three after one
+  // that pays for allocation. A probe that fails leaves the rate unknown
+  // (0: uploads count as free), it does not fail the engine.
+  double seconds = 0;
+  try {
+    for (int i = 0; i < 4; ++i) {
+      for (Queue q : {Queue::kCompute, Queue::kDownload, Queue::kParamUpload})
+        device.record(q)->synchronize();
+      auto start = device.record_timing_mark(Queue::kParamUpload);
+      auto [copy, done] = device.upload(Queue::kParamUpload, {host}, nullptr);
+      auto end = device.record_timing_mark(Queue::kParamUpload);
+      done->synchronize();  // (rethrows a failed copy)
+      const double s = device.seconds_between(start, end);
+      if (i > 0) seconds = seconds > 0 ? std::min(seconds, s) : s;
+    }
+  } catch (const std::exception& e) {
+    TORCH_WARN(name_, ": the host-to-device rate probe failed (", e.what(),
+               "); the automatic plan counts uploads as free");
+    seconds = 0;
+  }
+  return seconds > 0 ? bytes / seconds : 0;
+}
+
+}  // namespace roundpipe::detail

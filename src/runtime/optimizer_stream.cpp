@@ -1,0 +1,253 @@
+// The optimizer thread's steps: see optimizer_stream.h.
+#include "runtime/optimizer_stream.h"
+
+#include <algorithm>
+#include <chrono>
+#include <set>
+
+#include "runtime/trace.h"
+
+namespace roundpipe::detail {
+
+namespace {
+bool is_async(StepKind kind) {
+  return kind != StepKind::kSync && kind != StepKind::kSyncFused;
+}
+}  // namespace
+
+OptimizerStream::OptimizerStream(const void* owner, WeightTable& weights, GradientLedger& grads,
+                                 StatsRecorder& stats, std::optional<c10::ScalarType> optim_dtype)
+    : weights_(weights), grads_(grads), stats_(stats), optim_dtype_(optim_dtype), thread_(owner) {}
+
+void OptimizerStream::ensure_masters() {
+  if (!weights_.masters_missing()) return;
+  thread_.drain();  // the homes must hold the weights the masters start from
+  weights_.make_masters(optim_dtype_);
+}
+
+std::vector<std::pair<std::string, at::Tensor>> OptimizerStream::named_masters() {
+  ensure_masters();
+  return weights_.named_masters();
+}
+
+void OptimizerStream::step(std::vector<std::shared_ptr<CallState>> calls,
+                           std::function<void()> step_fn, bool is_async) {
+  queue(
+      std::move(calls),
+      [this, step_fn = std::move(step_fn)](std::map<int, at::Tensor>& grads) {
+        for (auto& [id, g] : grads) {
+          auto master = weights_.master(id);
+          if (!master.defined()) continue;
+          auto& grad = master.mutable_grad();
+          grad = grad.defined() ? grad.add_(g.to(master.scalar_type()))
+                                : g.to(master.scalar_type(), false, /*copy=*/true);
+        }
+        step_fn();
+      },
+      is_async ? StepKind::kAsync : StepKind::kSync);
+}
+
+void OptimizerStream::step_fused(std::vector<std::shared_ptr<CallState>> calls, optim::Adam& adam,
+                                 bool is_async, optim::GradScaler* scaler) {
+  // Parameter by parameter as gradients arrive, unless a scaler must first
+  // see every gradient (a sync step has nothing to overlap).
+  const StepKind kind = !is_async           ? StepKind::kSyncFused
+                        : scaler == nullptr ? StepKind::kAsyncPiecewise
+                                            : StepKind::kAsyncFused;
+  queue(
+      std::move(calls),
+      [this, &adam, is_async, scaler](std::map<int, at::Tensor>& grads) {
+        std::vector<at::Tensor> masters, lowp_grads, outs;
+        for (auto& [id, g] : grads) {
+          auto master = weights_.master(id);
+          if (!master.defined()) continue;
+          masters.push_back(master);
+          lowp_grads.push_back(g);
+          // Async: the next calls still read the current weights: write
+          // the new ones aside, publishing swaps them in. Sync: no call
+          // runs, write in place.
+          outs.push_back(is_async ? weights_.stage(id) : weights_.home(id));
+        }
+        auto update = [&] { adam.fused_step(masters, lowp_grads, outs); };
+        if (scaler == nullptr) {
+          update();
+        } else if (!scaler->step(lowp_grads, update)) {
+          for (auto& [id, g] : grads) weights_.unstage(id);  // skipped: nothing new to publish
+        }
+      },
+      kind);
+}
+
+void OptimizerStream::prepare_step() {
+  thread_.rethrow_failure();
+  ensure_masters();
+}
+
+void OptimizerStream::queue(std::vector<std::shared_ptr<CallState>> calls, Update update,
+                            StepKind kind) {
+  prepare_step();                      // (done already by the engine; cheap)
+  const int64_t version = ++updates_;  // the version this update makes
+  // Async: the next calls run on the weights of the update before this one
+  // (one step of staleness); sync: on this step's result.
+  version_for_new_calls_ = is_async(kind) ? version - 1 : version;
+  thread_.post(nullptr, [this, calls = std::move(calls), update = std::move(update), kind,
+                         version]() mutable {
+    trace_who = "optimizer";
+    if (kind == StepKind::kAsyncPiecewise) {
+      run_piecewise(std::move(calls), update, version);
+    } else {
+      run_whole(std::move(calls), update, kind, version);
+    }
+  });
+  if (!is_async(kind)) thread_.drain();
+}
+
+void OptimizerStream::run_whole(std::vector<std::shared_ptr<CallState>> calls, const Update& update,
+                                StepKind kind, int64_t version) {
+  using Clock = std::chrono::steady_clock;
+  auto start = Clock::now();
+  if (pending_publish_ >= 0) {
+    weights_.publish(pending_publish_);  // the previous update, now that its readers are known
+    ROUNDPIPE_TRACE("published v%lld (%.1f ms)", static_cast<long long>(pending_publish_),
+                    ms_since(start));
+    pending_publish_ = -1;
+    stats_.add_since(&PipelineStats::optimizer_publish_seconds, start);
+  }
+  start = Clock::now();
+  auto grads = take_gradients(std::move(calls));
+  ROUNDPIPE_TRACE("update v%lld: gradients ready after %.1f ms", static_cast<long long>(version),
+                  ms_since(start));
+  stats_.add_since(&PipelineStats::optimizer_grad_wait_seconds, start);
+  // Calls already wait for this version: publish it even when the update
+  // throws (the masters hold whatever it left), then report.
+  std::exception_ptr error;
+  start = Clock::now();
+  try {
+    update(grads);
+  } catch (...) {
+    error = std::current_exception();
+  }
+  if (kind == StepKind::kAsyncFused && !error) {
+    // The staged weights are written: calls that read this version may
+    // upload them from the staging copies before they are published.
+    weights_.staged_written(weights_.ids_with_master(), version);
+  }
+  ROUNDPIPE_TRACE("update v%lld: done in %.1f ms", static_cast<long long>(version),
+                  ms_since(start));
+  stats_.add_since(&PipelineStats::optimizer_update_seconds, start);
+  start = Clock::now();
+  if (is_async(kind)) {
+    pending_publish_ = version;
+  } else if (kind == StepKind::kSyncFused) {
+    weights_.publish_version_only(version);  // the fused pass wrote the weights
+  } else {
+    weights_.publish(version);
+  }
+  stats_.add_since(&PipelineStats::optimizer_publish_seconds, start);
+  stats_.count_update();
+  if (error) std::rethrow_exception(error);
+}
+
+void OptimizerStream::run_piecewise(std::vector<std::shared_ptr<CallState>> calls,
+                                    const Update& update, int64_t version) {
+  using Clock = std::chrono::steady_clock;
+  const auto start = Clock::now();
+  // Each batch of final gradients is applied while the calls' shallower
+  // stages still run, and its staged weights are available at once to
+  // calls that read this update's version.
+  double updating = 0;
+  std::exception_ptr error;
+  try {
+    update_as_gradients_arrive(std::move(calls), pending_publish_,
+                               [&](std::map<int, at::Tensor>& batch) {
+                                 const auto batch_start = Clock::now();
+                                 update(batch);
+                                 std::vector<int> ids;
+                                 for (auto& [id, g] : batch) ids.push_back(id);
+                                 weights_.staged_written(ids, version);
+                                 updating += ms_since(batch_start) / 1000;
+                               });
+  } catch (...) {
+    error = std::current_exception();
+    if (pending_publish_ >= 0) weights_.publish(pending_publish_);
+  }
+  pending_publish_ = version;
+  const double total = ms_since(start) / 1000;
+  ROUNDPIPE_TRACE("update v%lld: done piecewise (%.1f ms updating in %.1f ms)",
+                  static_cast<long long>(version), updating * 1000, total * 1000);
+  stats_.add(&PipelineStats::optimizer_update_seconds, updating);
+  stats_.add(&PipelineStats::optimizer_grad_wait_seconds, total - updating);
+  stats_.count_update();
+  if (error) std::rethrow_exception(error);
+}
+
+void OptimizerStream::update_as_gradients_arrive(std::vector<std::shared_ptr<CallState>> calls,
+                                                 int64_t pending_version, const Update& update) {
+  const auto with_master = weights_.ids_with_master();
+  std::set<int> left(with_master.begin(), with_master.end());
+  std::vector<CallGradients*> call_grads;
+  for (const auto& call : calls) call_grads.push_back(&call->grads);
+  auto failed = [&] {
+    return std::any_of(calls.begin(), calls.end(), [](const auto& c) { return c->aborted.load(); });
+  };
+  while (!left.empty()) {
+    // A failing call wakes the wait (Note [Call cancellation]); the failure
+    // is reported below.
+    const auto ready = grads_.wait_final(call_grads, left, failed);
+    if (ready.empty()) break;
+    std::map<int, at::Tensor> batch;
+    for (int id : ready) {
+      left.erase(id);
+      at::Tensor sum = grads_.sum(call_grads, id);
+      // The previous update's weights go live first (once the calls that
+      // read the older ones have uploaded them): the update writes over
+      // the storage they leave.
+      if (pending_version >= 0) weights_.publish_one(id, pending_version);
+      if (sum.defined()) batch[id] = sum;
+    }
+    if (!batch.empty()) update(batch);
+  }
+  if (pending_version >= 0) weights_.publish(pending_version);  // parameters without gradients
+  for (const auto& call : calls) call->wait_idle();
+  // A call that failed: the batches final before it failed were applied
+  // (their weights go live with this update); the rest were not. (Unless
+  // its error already reached the caller through autograd.)
+  for (const auto& call : calls) {
+    if (!call->reported) call->rethrow_if_failed();
+  }
+  for (auto* call : call_grads) grads_.take(*call);
+}
+
+std::map<int, at::Tensor> OptimizerStream::take_gradients(
+    std::vector<std::shared_ptr<CallState>> calls) {
+  std::map<int, at::Tensor> grads;
+  for (auto& call : calls) call->wait_idle();
+  // A failed call contributes nothing; its error is thrown here unless the
+  // caller already had it.
+  std::erase_if(calls, [](const auto& call) { return call->reported.load(); });
+  for (auto& call : calls) call->rethrow_if_failed();
+  for (auto& call : calls) {
+    for (auto& [id, g] : grads_.take(call->grads)) {
+      auto& sum = grads[id];
+      sum = sum.defined() ? sum.add_(g) : g;
+    }
+  }
+  return grads;
+}
+
+void OptimizerStream::publish_pending() {
+  if (pending_publish_ < 0) return;
+  weights_.publish(pending_publish_);
+  version_for_new_calls_ = pending_publish_;
+  pending_publish_ = -1;
+}
+
+void OptimizerStream::restore_pending_update() {
+  // After synchronize() the weights are at version updates_ and nothing is
+  // pending: the masters become one update ahead, published by the next
+  // step() or synchronize() before anything else (Note [Weight versions]).
+  ensure_masters();
+  pending_publish_ = ++updates_;
+}
+
+}  // namespace roundpipe::detail

@@ -1,0 +1,592 @@
+// Runs one stage job: see stage_runner.h.
+#include "runtime/stage_runner.h"
+
+#include <c10/core/GradMode.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/autograd/autograd.h>
+
+#include <chrono>
+#include <map>
+#include <optional>
+#include <sstream>
+#include <unordered_map>
+
+#include "roundpipe/errors.h"
+#include "runtime/allocation_meter.h"
+#include "runtime/ivalue_tree.h"
+#include "runtime/recompute_state.h"
+#include "runtime/rng.h"
+#include "runtime/trace.h"
+#include "runtime/transfer.h"
+
+namespace roundpipe::detail {
+
+namespace {
+
+void check_devices(const c10::IValue& value, const Device& device, int layer,
+                   const std::string& type_name) {
+  const auto expected = device.torch_device();
+  for (const auto& t : flatten_tensors(value)) {
+    if (!t.defined()) continue;
+    TORCH_CHECK(t.device() == expected, "layer ", layer, " (", type_name, ") returned a tensor on ",
+                t.device(), " while running on ", device.name(), " (", expected,
+                "). A layer's temporaries and outputs must take their device from its inputs or "
+                "weights, never a fixed device.");
+  }
+}
+
+// Makes the floating tensors of a stage input autograd leaves.
+c10::IValue make_leaves(const c10::IValue& value, const std::vector<bool>* only,
+                        std::vector<at::Tensor>& leaves) {
+  size_t i = 0;
+  return map_tensors(value, [&](const at::Tensor& t) {
+    const size_t index = i++;
+    at::Tensor leaf = t;
+    if (t.defined() && at::isFloatingType(t.scalar_type()) &&
+        (only == nullptr || (index < only->size() && (*only)[index]))) {
+      leaf = t.detach().requires_grad_(true);
+    }
+    leaves.push_back(leaf);
+    return leaf;
+  });
+}
+
+std::vector<at::Tensor> leaf_grads(const std::vector<at::Tensor>& leaves) {
+  std::vector<at::Tensor> grads;
+  for (const auto& l : leaves) grads.push_back(l.requires_grad() ? l.grad() : at::Tensor());
+  return grads;
+}
+
+// Back-propagates `grads` through the outputs that require grad and got one.
+void backward_through(const c10::IValue& output, const std::vector<at::Tensor>& grads) {
+  const auto outs = flatten_tensors(output);
+  TORCH_CHECK(outs.size() == grads.size(), "the stage output holds ", outs.size(), " tensors but ",
+              grads.size(), " gradients arrived for it");
+  std::vector<at::Tensor> roots, root_grads;
+  for (size_t i = 0; i < outs.size(); ++i) {
+    if (outs[i].defined() && outs[i].requires_grad() && grads[i].defined()) {
+      roots.push_back(outs[i]);
+      root_grads.push_back(grads[i]);
+    }
+  }
+  if (!roots.empty()) torch::autograd::backward(roots, root_grads);
+}
+
+// Runs one stage job on one device; keeps the progress for error messages.
+struct StageRunner {
+  const StageContext& ctx;
+  Job& job;
+  DeviceWorker& worker;
+  Device& device;
+  CallState& call;
+  int layer = -1;
+  int microbatch = -1;
+  const char* phase = "start";
+  std::map<int, std::unique_ptr<LayerInstance>> instances;
+  bool buffers_bound = false;
+  EventPtr buffers_ready;
+  // Compute intervals of this microbatch, measured on the host-task thread
+  // once the last one has completed (feeds the automatic plan).
+  struct Interval {
+    int layer;  // -1: the whole stage's backward, shared by its layers
+    LayerTimings::Kind kind;
+    EventPtr start, end;
+  };
+  std::vector<Interval> intervals;
+
+  StageRunner(const StageContext& c, Job& j, DeviceWorker& w)
+      : ctx(c), job(j), worker(w), device(w.device()), call(*j.call) {}
+
+  EventPtr mark() { return device.record_timing_mark(); }
+
+  // Hands this microbatch's intervals to the host-task thread. A stage's
+  // backward without per-layer marks is shared by its layers in proportion
+  // to their recompute (or forward) times.
+  void flush_timings() {
+    if (intervals.empty()) return;
+    auto measured = std::move(intervals);
+    intervals.clear();
+    auto* timings = &ctx.timings;
+    Device* dev = &device;
+    const LayerRange range = job.range;
+    ctx.host_tasks.post(measured.back().end, [measured, timings, dev, range] {
+      std::map<int, double> recompute;
+      double stage_backward = -1;
+      for (const auto& i : measured) {
+        const double s = dev->seconds_between(i.start, i.end);
+        if (i.layer < 0) {
+          stage_backward = s;
+          continue;
+        }
+        timings->add(i.layer, i.kind, s);
+        if (i.kind != LayerTimings::kBackward) recompute[i.layer] += s;
+      }
+      if (stage_backward < 0) return;
+      double total = 0;
+      for (int l = range.begin; l < range.end; ++l) total += recompute[l];
+      for (int l = range.begin; l < range.end; ++l) {
+        const double share = total > 0 ? recompute[l] / total : 1.0 / range.size();
+        timings->add(l, LayerTimings::kBackward, stage_backward * share);
+      }
+    });
+  }
+
+  ~StageRunner() {
+    for (auto& [l, instance] : instances) ctx.instances.release(l, std::move(instance));
+  }
+
+  void run() {
+    phase = "parameter upload";
+    worker.wait_for_upload(job);
+    const auto start = std::chrono::steady_clock::now();
+    for (int l = job.range.begin; l < job.range.end; ++l) {
+      instances[l] = ctx.instances.acquire(l, device);
+    }
+    if (ms_since(start) > 0.5)
+      ROUNDPIPE_TRACE("call %lld: layer instances took %.1f ms", static_cast<long long>(call.id),
+                      ms_since(start));
+    if (job.kind == JobKind::kForward) run_forward();
+    if (job.kind == JobKind::kBackward) run_backward();
+    if (job.kind == JobKind::kTail) run_tail();
+    layer = -1;
+    microbatch = -1;
+    // Buffer commits first: a next call's forward of these layers waits
+    // for them, not for the gradients.
+    if (job.kind != JobKind::kBackward) commit_buffers();
+    if (job.kind != JobKind::kForward) download_param_grads();
+  }
+
+  // Binds the stage's parameters and buffers (home buffers, or for a
+  // recompute the snapshot taken before the forward's first microbatch).
+  void bind_instances() {
+    if (buffers_bound) return;
+    phase = "buffer commit of an earlier call";
+    if (job.kind != JobKind::kBackward) wait_for_earlier_commits();
+    phase = "parameter upload";
+    std::unordered_map<int, at::Tensor> by_id;
+    for (size_t i = 0; i < job.param_ids.size(); ++i)
+      by_id[job.param_ids[i]] = job.device_params[i];
+    std::vector<at::Tensor> host_buffers;
+    std::vector<size_t> counts;
+    for (int l = job.range.begin; l < job.range.end; ++l) {
+      std::vector<at::Tensor> buffers = ctx.layers[l]->buffers();
+      if (job.kind == JobKind::kBackward && !buffers.empty()) {
+        std::lock_guard<std::mutex> lock(call.buffers_mu);
+        auto it = call.buffer_snapshot.find(l);
+        TORCH_CHECK(it != call.buffer_snapshot.end(), "no buffer snapshot for layer ", l);
+        buffers = it->second;
+      } else if (job.kind == JobKind::kForward && call.training && !buffers.empty()) {
+        std::vector<at::Tensor> snapshot;
+        for (const auto& b : buffers) snapshot.push_back(b.clone());
+        std::lock_guard<std::mutex> lock(call.buffers_mu);
+        call.buffer_snapshot[l] = std::move(snapshot);
+      }
+      counts.push_back(buffers.size());
+      host_buffers.insert(host_buffers.end(), buffers.begin(), buffers.end());
+    }
+    // On the activation queue: the parameter queue may already carry the
+    // next job's upload, which this job's compute must not wait for.
+    auto [device_buffers, event] = device.upload(Queue::kActUpload, host_buffers, nullptr);
+    buffers_ready = event;
+    size_t next = 0;
+    for (int l = job.range.begin; l < job.range.end; ++l) {
+      std::vector<at::Tensor> params, buffers;
+      std::vector<bool> requires_grad;
+      for (int id : ctx.weights.layer_param_ids(l)) {
+        params.push_back(by_id.at(id));
+        requires_grad.push_back(job.kind != JobKind::kForward && ctx.weights.trainable(id));
+      }
+      const size_t count = counts[l - job.range.begin];
+      buffers.assign(device_buffers.begin() + next, device_buffers.begin() + next + count);
+      next += count;
+      instances[l]->bind(params, requires_grad, buffers, ctx.layers[l]->is_training());
+    }
+    device.wait(Queue::kCompute, job.params_ready);
+    device.wait(Queue::kCompute, buffers_ready);
+    buffers_bound = true;
+  }
+
+  // Waits until earlier calls have committed the buffers this job reads.
+  void wait_for_earlier_commits() {
+    const auto start = std::chrono::steady_clock::now();
+    // A failing call wakes this wait (Note [Call cancellation]).
+    if (!ctx.commits.wait_for_earlier(
+            job.commit_layers, call.id, [&] { return call.aborted.load(); }, ctx.name)) {
+      throw CallAborted{};
+    }
+    if (ms_since(start) > 0.5)
+      ROUNDPIPE_TRACE("call %lld: waited %.1f ms for earlier calls' buffer commits",
+                      static_cast<long long>(call.id), ms_since(start));
+  }
+
+  c10::IValue run_layer(int l, const c10::IValue& x, bool recompute) {
+    layer = l;
+    phase = recompute ? "recompute" : "forward";
+    LayerCallScope scope(call.recompute, l, microbatch, recompute, device.torch_device());
+    const bool with_grad = c10::GradMode::is_enabled();
+    // The first few forwards with grad are metered: what the layer still
+    // holds after one is what it keeps for its backward (the planner's
+    // activation memory).
+    std::optional<MeterScope> metering;
+    if (with_grad && ctx.layers[l]->meterable() && ctx.timings.wants_kept_bytes(l))
+      metering.emplace();
+    auto start = mark();
+    auto y = instances[l]->forward(x);
+    const int64_t kept = metering && metering->meter() ? metering->meter()->net_bytes() : -1;
+    metering.reset();
+    intervals.push_back(
+        {l, with_grad ? LayerTimings::kRecompute : LayerTimings::kForward, start, mark()});
+    check_devices(y, device, l, ctx.layers[l]->type_name());
+    int64_t bytes = 0;
+    for (const auto& t : flatten_tensors(y)) bytes += t.defined() ? t.nbytes() : 0;
+    ctx.timings.add_output_bytes(l, bytes);
+    if (kept >= 0) ctx.timings.add_kept_bytes(l, kept, bytes);
+    return y;
+  }
+
+  // Input of the stage for microbatch m, uploaded and waited for by compute.
+  c10::IValue load_input(Slot& slot) {
+    phase = "activation upload";
+    auto [x, event] = upload_value(device, slot.value, slot.event);
+    bind_instances();
+    device.wait(Queue::kCompute, event);
+    return x;
+  }
+
+  void run_forward() {
+    const auto& r = job.range;
+    for (int m = 0; m < call.n; ++m) {
+      microbatch = m;
+      Slot& in = call.wait(call.act.at(r.begin)[m]);
+      auto x = load_input(in);
+      RngState out_rng;
+      {
+        auto lock = device.compute_lock();
+        RngScope rng(device, in.rng);
+        c10::NoGradGuard no_grad;
+        for (int l = r.begin; l < r.end; ++l) {
+          if (l > r.begin && call.act.count(l)) {
+            phase = "download";
+            auto [saved, event] = download_value(device, x, ctx.weights.host_allocator());
+            CallState::put(*call.act.at(l)[m], saved, {}, event, rng.capture());
+          }
+          x = run_layer(l, x, false);
+        }
+        out_rng = rng.capture();
+      }
+      layer = -1;
+      phase = "download";
+      auto [out, event] = download_value(device, x, ctx.weights.host_allocator());
+      CallState::put(*call.act.at(r.end)[m], out, {}, event, out_rng);
+      flush_timings();
+    }
+  }
+
+  // Gradient of the stage output for microbatch m, on this device.
+  std::vector<at::Tensor> load_grad(int boundary, int m) {
+    Slot& g = call.wait(call.grad.at(boundary)[m]);
+    phase = "activation upload";
+    auto [grads, event] = upload_flat(device, Queue::kActUpload, g.tensors, g.event);
+    device.wait(Queue::kCompute, event);
+    return grads;
+  }
+
+  // Makes the stage input's float tensors leaves; at layer 0 only the
+  // caller's tensors that require grad.
+  c10::IValue input_leaves(const c10::IValue& x, int l, int m, std::vector<at::Tensor>& leaves) {
+    if (l > 0) return make_leaves(x, nullptr, leaves);
+    const auto only = call.microbatch_input_requires_grad(m);
+    return make_leaves(x, &only, leaves);
+  }
+
+  void send_input_grads(int l, int m, const std::vector<at::Tensor>& leaves) {
+    phase = "download";
+    auto grads = leaf_grads(leaves);
+    auto [host, event] = download_flat(device, grads, ctx.weights.host_allocator());
+    if (l > 0) {
+      CallState::put(*call.grad.at(l)[m], {}, host, event, {});
+    } else if (call.training && !call.fused) {
+      event->synchronize();
+      call.input_grads[m] = host;
+    }
+  }
+
+  void run_backward() {
+    const auto& r = job.range;
+    const bool layer_grain = call.grain == RecomputeGrain::kLayer;
+    for (int m = 0; m < call.n; ++m) {
+      microbatch = m;
+      auto grads = load_grad(r.end, m);
+      std::vector<at::Tensor> leaves;
+      if (layer_grain) {
+        for (int l = r.end - 1; l >= r.begin; --l) {
+          Slot& in = call.wait(call.act.at(l)[m]);
+          auto x = load_input(in);
+          leaves.clear();
+          auto lock = device.compute_lock();
+          RngScope rng(device, in.rng);
+          c10::AutoGradMode grad_mode(true);
+          x = input_leaves(x, l, m, leaves);
+          auto y = run_layer(l, x, true);
+          phase = "backward";
+          auto start = mark();
+          backward_through(y, grads);
+          intervals.push_back({l, LayerTimings::kBackward, start, mark()});
+          grads = leaf_grads(leaves);
+        }
+      } else {
+        Slot& in = call.wait(call.act.at(r.begin)[m]);
+        auto x = load_input(in);
+        auto lock = device.compute_lock();
+        RngScope rng(device, in.rng);
+        c10::AutoGradMode grad_mode(true);
+        x = input_leaves(x, r.begin, m, leaves);
+        for (int l = r.begin; l < r.end; ++l) x = run_layer(l, x, true);
+        phase = "backward";
+        layer = -1;
+        auto start = mark();
+        backward_through(x, grads);
+        intervals.push_back({-1, LayerTimings::kBackward, start, mark()});
+      }
+      layer = -1;
+      flush_timings();
+      send_input_grads(r.begin, m, leaves);
+    }
+  }
+
+  // A layer's input kept for its recompute: on the host, with the random
+  // state the layer started from. Local to one microbatch of the tail (the
+  // call's slots would hold every microbatch's inputs until the call ends).
+  struct SavedInput {
+    c10::IValue value;
+    EventPtr event;
+    RngState rng;
+  };
+
+  void run_tail() {
+    const auto& r = job.range;
+    // Layer grain holds one layer's activations at a time here too: a pass
+    // without grad saves each layer's input to the host, then the last
+    // layer and the loss run with grad, and each earlier layer is recomputed
+    // and backpropagated, last first (as run_backward does across stages).
+    const bool layer_grain = call.grain == RecomputeGrain::kLayer && r.end - r.begin > 1;
+    const int first_with_grad = layer_grain ? r.end - 1 : r.begin;
+    for (int m = job.replica; m < call.n; m += job.replicas) {
+      microbatch = m;
+      Slot& in = call.wait(call.act.at(r.begin)[m]);
+      auto x = load_input(in);
+      phase = "activation upload";
+      auto [label, label_event] = upload_value(device, call.labels[m], nullptr);
+      device.wait(Queue::kCompute, label_event);
+      std::vector<at::Tensor> leaves;
+      at::Tensor loss;
+      {
+        auto lock = device.compute_lock();
+        RngScope rng(device, in.rng);
+        std::vector<SavedInput> saved;
+        if (layer_grain) {
+          c10::NoGradGuard no_grad;
+          for (int l = r.begin; l < first_with_grad; ++l) {
+            phase = "download";
+            auto [value, event] = download_value(device, x, ctx.weights.host_allocator());
+            saved.push_back({value, event, rng.capture()});
+            x = run_layer(l, x, false);
+          }
+        }
+        c10::AutoGradMode grad_mode(true);
+        std::vector<bool> none;
+        x = make_leaves(x, first_with_grad == 0 ? &none : nullptr, leaves);
+        for (int l = first_with_grad; l < r.end; ++l) x = run_layer(l, x, false);
+        layer = -1;
+        phase = "loss";
+        loss = call.loss_fn(x, label);
+        TORCH_CHECK(loss.defined() && loss.numel() == 1, "loss_fn must return a single-element ",
+                    "loss tensor, got ", loss.defined() ? loss.sizes() : at::IntArrayRef{});
+        TORCH_CHECK(loss.device() == device.torch_device(), "loss_fn returned a loss on ",
+                    loss.device(), " while running on ", device.name());
+        // The loss (and output) go back before the backward is enqueued:
+        // the caller has them, and may issue the next call, while this
+        // microbatch's backward still runs.
+        phase = "download";
+        auto [host_loss, loss_event] =
+            download_flat(device, {loss.detach().reshape({})}, ctx.weights.host_allocator());
+        CallState::put(*call.losses[m], {}, host_loss, loss_event, {});
+        if (call.return_outputs) {
+          auto [out, event] = download_value(
+              device,
+              map_tensors(x, [](const at::Tensor& t) { return t.defined() ? t.detach() : t; }),
+              ctx.weights.host_allocator());
+          CallState::put(*call.outputs[m], out, {}, event, {});
+        }
+        phase = "backward";
+        auto start = mark();
+        if (loss.requires_grad()) torch::autograd::backward({loss.reshape({})});
+        intervals.push_back({-1, LayerTimings::kBackward, start, mark()});
+        for (int l = first_with_grad - 1; l >= r.begin; --l) {
+          auto grads = leaf_grads(leaves);
+          const auto& s = saved[l - r.begin];
+          phase = "activation upload";
+          auto [input, event] = upload_value(device, s.value, s.event);
+          device.wait(Queue::kCompute, event);
+          apply_rng(device, s.rng);  // the scope restores the generator after
+          leaves.clear();
+          // The pass without grad made this layer's buffer writes already:
+          // the recompute's are undone (after backward, which may read them).
+          std::vector<at::Tensor> kept;
+          for (const auto& b : instances[l]->buffer_values()) kept.push_back(b.clone());
+          auto y = run_layer(l, make_leaves(input, l == 0 ? &none : nullptr, leaves), true);
+          phase = "backward";
+          start = mark();
+          backward_through(y, grads);
+          intervals.push_back({l, LayerTimings::kBackward, start, mark()});
+          c10::NoGradGuard no_grad;
+          auto now = instances[l]->buffer_values();
+          for (size_t i = 0; i < kept.size(); ++i) now[i].copy_(kept[i]);
+        }
+      }
+      flush_timings();
+      if (r.begin > 0) send_input_grads(r.begin, m, leaves);
+    }
+  }
+
+  // Sums each unique parameter's gradient over the stage's layers (a tied
+  // weight used twice in one stage counts once per use, never twice per use)
+  // and adds it to the parameter's CPU accumulator.
+  void download_param_grads() {
+    phase = "download";
+    std::unordered_map<int, at::Tensor> sums;
+    for (int l = job.range.begin; l < job.range.end; ++l) {
+      auto leaves = instances[l]->parameter_leaves();
+      const auto& ids = ctx.weights.layer_param_ids(l);
+      for (size_t j = 0; j < ids.size(); ++j) {
+        const auto& g = leaves[j].grad();
+        if (!g.defined()) continue;
+        auto& sum = sums[ids[j]];
+        sum = sum.defined() ? sum + g : g;
+      }
+    }
+    std::vector<int> ids;
+    std::vector<at::Tensor> grads;
+    for (auto& [id, g] : sums) {
+      ids.push_back(id);
+      grads.push_back(g);
+    }
+    if (grads.empty()) {
+      ctx.grads.delivered(job.call->grads, job.param_ids);
+      return;
+    }
+    auto [host, event] = device.download(grads, ctx.weights.host_allocator());
+    job.call->begin_work();
+    const int replica = job.replicas > 1 ? job.replica : -1;
+    // The event is waited for inside the task: a failure fails the call
+    // (with its context) instead of leaving the optimizer waiting for
+    // gradients that never come.
+    ctx.grad_tasks.post(nullptr, [&ledger = ctx.grads, call = job.call, ids, host, replica, event,
+                                  delivered = job.param_ids, stage = job.describe(),
+                                  where = device.name(), name = ctx.name] {
+      try {
+        event->synchronize();
+        for (size_t i = 0; i < ids.size(); ++i) ledger.add(call->grads, ids[i], replica, host[i]);
+        ledger.delivered(call->grads, delivered);
+      } catch (const std::exception& e) {
+        call->fail(StageError(
+            name + ": " + stage + " failed on " + where + ", phase gradient download: " + e.what(),
+            stage, -1, -1, "gradient download", where, false, std::current_exception()));
+      }
+      call->end_work();
+    });
+  }
+
+  // A forward commits the buffer writes of its layers once, after its last
+  // microbatch (the fused tail too: it is a forward of its layers).
+  void commit_buffers() {
+    if (!buffers_bound) return;
+    phase = "download";
+    std::vector<at::Tensor> device_buffers, homes;
+    for (int l = job.range.begin; l < job.range.end; ++l) {
+      auto values = instances[l]->buffer_values();
+      auto home = ctx.layers[l]->buffers();
+      device_buffers.insert(device_buffers.end(), values.begin(), values.end());
+      homes.insert(homes.end(), home.begin(), home.end());
+    }
+    if (device_buffers.empty()) return;
+    auto [host, event] = device.download(device_buffers, ctx.weights.host_allocator());
+    job.call->begin_work();
+    job.commit_posted = true;
+    // The event is waited for inside the task: whatever fails (the copy,
+    // the device), the commit is settled and the call's work ends, and a
+    // failure stops later calls from reading half-committed buffers.
+    ctx.host_tasks.post(nullptr, [&commits = ctx.commits, call = job.call, homes, host, event,
+                                  layers = job.commit_layers, name = ctx.name] {
+      struct Settle {
+        CommitLedger& commits;
+        CallState& call;
+        const std::vector<int>& layers;
+        bool ok = false;
+        ~Settle() {
+          commits.settle(layers, call.id, ok);
+          call.end_work();
+        }
+      } settle{commits, *call, layers};
+      try {
+        event->synchronize();
+        for (size_t i = 0; i < homes.size(); ++i) {
+          TORCH_CHECK(homes[i].sizes() == host[i].sizes(), "a buffer of shape ", homes[i].sizes(),
+                      " came back as ", host[i].sizes(),
+                      ": a layer may write its buffers' values, not replace them by tensors "
+                      "of another shape");
+          // Seen once, a buffer write rules out replicated tails (their
+          // commits would race).
+          if (!commits.buffers_written() && !homes[i].equal(host[i])) commits.note_buffer_write();
+          homes[i].copy_(host[i]);
+        }
+      } catch (const std::exception& e) {
+        std::ostringstream what;
+        what << name << ": the buffer commit of layers";
+        for (int l : layers) what << " " << l;
+        what << " (call " << call->id << ") failed: " << e.what();
+        throw std::runtime_error(what.str());
+      }
+      // Once all of a training call's commits have landed (eval mode may
+      // not write), with no write seen, replicated tails may run.
+      if (--call->commits_left == 0 && call->training) commits.note_training_call_committed();
+      settle.ok = true;
+    });
+  }
+};
+
+}  // namespace
+
+void run_stage_job(const StageContext& ctx, Job& job, DeviceWorker& worker) {
+  auto& call = *job.call;
+  if (call.aborted) return;
+  StageRunner runner(ctx, job, worker);
+  auto fail = [&](const std::string& what, bool oom) {
+    std::ostringstream msg;
+    msg << ctx.name << ": " << job.describe() << " failed on " << worker.device().name();
+    if (runner.layer >= 0) {
+      msg << " in layer " << runner.layer << " (" << ctx.layers[runner.layer]->type_name() << ")";
+    }
+    if (runner.microbatch >= 0) msg << ", microbatch " << runner.microbatch;
+    msg << ", phase " << runner.phase << ": " << what;
+    call.fail(StageError(msg.str(), job.describe(), runner.layer, runner.microbatch, runner.phase,
+                         worker.device().name(), oom, std::current_exception()));
+  };
+  try {
+    runner.run();
+  } catch (const CallAborted&) {
+  } catch (const c10::OutOfMemoryError& e) {
+    fail(e.what_without_backtrace(), true);
+  } catch (const c10::Error& e) {
+    fail(e.what_without_backtrace(), false);
+  } catch (const std::exception& e) {
+    fail(e.what(), false);
+  } catch (...) {
+    fail("unknown exception", false);
+  }
+  job.device_params.clear();
+}
+
+// ---------------------------------------------------------------- calls
+
+}  // namespace roundpipe::detail

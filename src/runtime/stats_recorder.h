@@ -1,0 +1,38 @@
+// PipelineStats (roundpipe/options.h) as the engine's threads add to them.
+// Internal header.
+#pragma once
+
+#include <chrono>
+#include <mutex>
+
+#include "roundpipe/options.h"
+
+namespace roundpipe::detail {
+
+class StatsRecorder {
+ public:
+  using Clock = std::chrono::steady_clock;
+  // Adds `seconds` to one of the fields.
+  void add(double PipelineStats::*field, double seconds) {
+    std::lock_guard<std::mutex> lock(mu_);
+    stats_.*field += seconds;
+  }
+  // Adds the seconds since `start`.
+  void add_since(double PipelineStats::*field, Clock::time_point start) {
+    add(field, std::chrono::duration<double>(Clock::now() - start).count());
+  }
+  void count_update() {
+    std::lock_guard<std::mutex> lock(mu_);
+    ++stats_.optimizer_updates;
+  }
+  PipelineStats snapshot() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return stats_;
+  }
+
+ private:
+  mutable std::mutex mu_;
+  PipelineStats stats_;
+};
+
+}  // namespace roundpipe::detail
