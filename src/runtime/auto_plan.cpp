@@ -35,7 +35,7 @@ AutoPlan::AutoPlan(const std::string& name, const RoundPipeOptions& options, con
   }
   // The link's rate, measured now, while nothing else runs: probed beside
   // the first update's CPU Adam and gradient sums it measures a fraction
-  // of the link (docs/architecture.md, the automatic plan).
+  // of the link (docs/architecture.md, where the code stands).
   upload_bytes_per_second_ = probe_upload_rate();
 }
 

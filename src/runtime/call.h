@@ -25,6 +25,7 @@
 #include "runtime/rng.h"
 #include "runtime/schedule.h"
 #include "runtime/trace.h"
+#include "runtime/work_counter.h"
 
 namespace roundpipe::detail {
 
@@ -92,21 +93,7 @@ struct CallState {
   // Buffer commits of this call's forward-side jobs still to land.
   std::atomic<int> commits_left{0};
   // Jobs and host tasks of this call still to run.
-  std::mutex work_mu;
-  std::condition_variable work_cv;
-  int outstanding = 0;
-  void begin_work() {
-    std::lock_guard<std::mutex> lock(work_mu);
-    ++outstanding;
-  }
-  void end_work() {
-    std::lock_guard<std::mutex> lock(work_mu);
-    if (--outstanding == 0) work_cv.notify_all();
-  }
-  void wait_idle() {
-    std::unique_lock<std::mutex> lock(work_mu);
-    work_cv.wait(lock, [&] { return outstanding == 0; });
-  }
+  WorkCounter work;
 
   std::atomic<bool> aborted{false};
   // Its error already reached the caller (through the autograd backward of

@@ -18,32 +18,11 @@
 #include "runtime/host_tasks.h"
 #include "runtime/stats_recorder.h"
 #include "runtime/weight_table.h"
+#include "runtime/work_counter.h"
 
 namespace roundpipe::detail {
 
 class DeviceWorker;
-
-// Stage jobs dispatched and not yet finished, on all devices.
-class JobsInFlight {
- public:
-  void begin() {
-    std::lock_guard<std::mutex> lock(mu_);
-    ++count_;
-  }
-  void end() {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (--count_ == 0) cv_.notify_all();
-  }
-  void wait_none() {
-    std::unique_lock<std::mutex> lock(mu_);
-    cv_.wait(lock, [&] { return count_ == 0; });
-  }
-
- private:
-  std::mutex mu_;
-  std::condition_variable cv_;
-  int count_ = 0;
-};
 
 // What the workers use of the engine; owned by it, outlives them.
 struct WorkerContext {
@@ -51,7 +30,7 @@ struct WorkerContext {
   WeightTable& weights;
   HostTasks& host_tasks;  // read releases once uploads have copied
   StatsRecorder& stats;
-  JobsInFlight& in_flight;
+  WorkCounter& in_flight;  // stage jobs dispatched and not yet finished, all devices
   // Runs one stage job on the worker's device (errors go to its call).
   std::function<void(Job&, DeviceWorker&)> run;
   // After the job ran and its upload is done: settles what it held.

@@ -206,7 +206,7 @@ void Engine::dispatch(const std::shared_ptr<CallState>& call, const ScheduledJob
     commits_.expect(job->commit_layers, call->id);
     if (!job->commit_layers.empty()) ++call->commits_left;
   }
-  call->begin_work();
+  call->work.begin();
   workers_[scheduled.device]->submit(std::move(job));
 }
 
@@ -216,7 +216,7 @@ void Engine::job_finished(Job& job) {
     weights_.release_reads(job.param_ids, job.call->weights_version);
   }
   if (!job.commit_posted) commits_.settle(job.commit_layers, job.call->id);
-  job.call->end_work();
+  job.call->work.end();
 }
 
 std::vector<c10::IValue> Engine::collect(const std::shared_ptr<CallState>& call,
@@ -239,7 +239,7 @@ std::vector<c10::IValue> Engine::collect(const std::shared_ptr<CallState>& call,
 void Engine::run_backward_pass(const std::shared_ptr<CallState>& call) {
   dispatch(call, CallPhase::kBackward);
   // Wait for this call's backward jobs and gradient downloads.
-  call->wait_idle();
+  call->work.wait_none();
   if (call->aborted) call->reported = true;  // thrown here, through autograd: once
   call->rethrow_if_failed();
 }

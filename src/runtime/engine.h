@@ -133,7 +133,7 @@ class Engine {
   HostTasks host_tasks_{this};
   HostTasks grad_tasks_{this};
   StageContext stage_context_;
-  JobsInFlight in_flight_;
+  WorkCounter in_flight_;  // stage jobs dispatched, not finished
   WorkerContext worker_context_;
   std::vector<std::unique_ptr<DeviceWorker>> workers_;
   int64_t calls_started_ = 0;

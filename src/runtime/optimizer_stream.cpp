@@ -208,7 +208,7 @@ void OptimizerStream::update_as_gradients_arrive(std::vector<std::shared_ptr<Cal
     if (!batch.empty()) update(batch);
   }
   if (pending_version >= 0) weights_.publish(pending_version);  // parameters without gradients
-  for (const auto& call : calls) call->wait_idle();
+  for (const auto& call : calls) call->work.wait_none();
   // A call that failed: the batches final before it failed were applied
   // (their weights go live with this update); the rest were not. (Unless
   // its error already reached the caller through autograd.)
@@ -221,7 +221,7 @@ void OptimizerStream::update_as_gradients_arrive(std::vector<std::shared_ptr<Cal
 std::map<int, at::Tensor> OptimizerStream::take_gradients(
     std::vector<std::shared_ptr<CallState>> calls) {
   std::map<int, at::Tensor> grads;
-  for (auto& call : calls) call->wait_idle();
+  for (auto& call : calls) call->work.wait_none();
   // A failed call contributes nothing; its error is thrown here unless the
   // caller already had it.
   std::erase_if(calls, [](const auto& call) { return call->reported.load(); });

@@ -476,7 +476,7 @@ struct StageRunner {
       return;
     }
     auto [host, event] = device.download(grads, ctx.weights.host_allocator());
-    job.call->begin_work();
+    job.call->work.begin();
     const int replica = job.replicas > 1 ? job.replica : -1;
     // The event is waited for inside the task: a failure fails the call
     // (with its context) instead of leaving the optimizer waiting for
@@ -493,7 +493,7 @@ struct StageRunner {
             name + ": " + stage + " failed on " + where + ", phase gradient download: " + e.what(),
             stage, -1, -1, "gradient download", where, false, std::current_exception()));
       }
-      call->end_work();
+      call->work.end();
     });
   }
 
@@ -511,7 +511,7 @@ struct StageRunner {
     }
     if (device_buffers.empty()) return;
     auto [host, event] = device.download(device_buffers, ctx.weights.host_allocator());
-    job.call->begin_work();
+    job.call->work.begin();
     job.commit_posted = true;
     // The event is waited for inside the task: whatever fails (the copy,
     // the device), the commit is settled and the call's work ends, and a
@@ -525,7 +525,7 @@ struct StageRunner {
         bool ok = false;
         ~Settle() {
           commits.settle(layers, call.id, ok);
-          call.end_work();
+          call.work.end();
         }
       } settle{commits, *call, layers};
       try {

@@ -146,7 +146,7 @@ WeightTable::WeightTable(const std::vector<LayerPtr>& layers, PinMode pin, bool 
   for (const auto& group : homes) model_state_bytes_ += group.end - group.begin;
   // Chunks for downloads and staging copies: 1/64 of the weights, within
   // [2 MiB, 256 MiB], keeps the arena's waste (about one chunk) near 2% of
-  // the weights (docs/architecture.md, host memory). A larger request gets
+  // the weights (docs/architecture.md, where the code stands). A larger request gets
   // a chunk of its own size.
   arena_ = std::make_unique<HostArena>(
       HostArenaOptions()
