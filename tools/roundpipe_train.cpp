@@ -22,8 +22,12 @@ int main(int argc, char** argv) {
   app.add_option("--train-examples", a.train_examples, "examples generated for the task");
   app.add_option("--eval-examples", a.eval_examples, "held-out examples for the task");
   app.add_option("--output", a.output, "where to save the trained HuggingFace checkpoint");
-  app.add_option("--batch-size", a.batch_size, "sequences per step");
-  app.add_option("--seq-len", a.seq_len, "maximum tokens per sequence");
+  app.add_option("--batch-size", a.batch_size, "examples per step");
+  app.add_option("--seq-len", a.seq_len, "maximum tokens per example and per packed row");
+  bool no_packing = false;
+  app.add_flag("--no-packing", no_packing,
+               "one example per row, right padded with an attention mask (default: short "
+               "examples packed into rows, positions restarting per example)");
   app.add_option("--microbatches", a.microbatches, "microbatches per step (default: devices + 1)");
   app.add_option("--lr", a.lr, "learning rate (AdamW)");
   app.add_option("--weight-decay", a.weight_decay, "decoupled weight decay");
@@ -49,6 +53,7 @@ int main(int argc, char** argv) {
   app.add_option("--log-every", a.log_every, "steps between progress lines");
   app.add_option("--seed", a.seed, "random seed");
   CLI11_PARSE(app, argc, argv);
+  a.packing = !no_packing;
   try {
     roundpipe::train::run_training(a);
     return 0;

@@ -141,7 +141,7 @@ class RoundPipe(PassThroughToModel, nn.Module):
         """Runs the model on CPU inputs and returns the merged outputs (on
         output_device). With grad enabled the outputs are connected to
         autograd: ``loss.backward()`` runs the backward stages."""
-        config, value = self._engine_call(roundpipe_run_config, args, kwargs)
+        config, value = self._engine_call(roundpipe_run_config, args, kwargs, fused=False)
         out = self._engine.forward(value, config)
         return self._user_output(out, config)
 
@@ -162,7 +162,7 @@ class RoundPipe(PassThroughToModel, nn.Module):
             input_args = (input_args,)
         input_kwargs = {} if input_kwargs is None else dict(input_kwargs)
         user_loss = _default_loss_fn if loss_fn is None else loss_fn
-        config, value = self._engine_call(run_config, input_args, input_kwargs)
+        config, value = self._engine_call(run_config, input_args, input_kwargs, fused=True)
         to_user = self._user_microbatch_output
         loss, out = self._engine.forward_backward(
             value, label,
@@ -280,6 +280,13 @@ class RoundPipe(PassThroughToModel, nn.Module):
     def _user_microbatch_output(output):
         return output
 
+    def _call_extras(self, args: tuple, kwargs: dict, view, fused: bool) -> dict:
+        """Keyword arguments added to every microbatch of a call, computed
+        from the whole batch (view: the resolved run config; fused: a
+        forward_backward call, whose losses the engine sums, rather than
+        forward, whose 0-dim outputs it averages)."""
+        return {}
+
     def _user_output(self, out, config):
         if config.pack_output:
             return PackedMicrobatches([self._user_microbatch_output(o) for o in out])
@@ -293,7 +300,7 @@ class RoundPipe(PassThroughToModel, nn.Module):
             by_id.setdefault(id(p), n)
         return {n: by_id.get(id(p), n) for n, p in self._engine.named_parameters()}
 
-    def _engine_call(self, call_config, args, kwargs):
+    def _engine_call(self, call_config, args, kwargs, fused):
         """The engine's input value and the call's run config resolved
         against the model's, with split and merge functions adapted to the
         engine's one value per call."""
@@ -312,15 +319,16 @@ class RoundPipe(PassThroughToModel, nn.Module):
                 raise ValueError("a PackedMicrobatches input cannot be combined with keyword arguments")
             view.num_microbatch = len(packed)
             value = tuple(self._engine_input((mb,), {}) for mb in packed)
-        else:
-            value = self._engine_input(args, kwargs)
-        if packed is None and split_input is not None:
-            def split(value, n, f=split_input):
-                parts = f(args, kwargs, n)
-                return [self._engine_input(tuple(a), dict(k)) for a, k in parts]
-            view.split_input = split
-        view.split_label = _resolve(call_config, model, "split_label")
         merge = _resolve(call_config, model, "merge_output")
         view.pack_output = merge is False
         view.merge_output = None if merge is False else merge
+        view.split_label = _resolve(call_config, model, "split_label")
+        if packed is None:
+            extras = self._call_extras(args, kwargs, view, fused)
+            value = self._engine_input(args, {**kwargs, **extras})
+            if split_input is not None:
+                def split(value, n, f=split_input):
+                    parts = f(args, kwargs, n)
+                    return [self._engine_input(tuple(a), {**dict(k), **extras}) for a, k in parts]
+                view.split_input = split
         return view, value

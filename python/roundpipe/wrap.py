@@ -20,18 +20,33 @@ PRESETS = {"Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama"}
 
 class CausalLMRoundPipe(RoundPipe):
     """A HuggingFace Qwen3/Llama causal LM run by RoundPipe's native layers:
-    an input adapter (embedding, rotary cos/sin and the attention mask, built
-    once per microbatch and handed along), one layer per decoder block, and
+    an input adapter (embedding, rotary cos/sin and the attention layout,
+    made once per microbatch and handed along), one layer per decoder block, and
     an output adapter (final norm, lm_head, loss). The layers compute on the
     HuggingFace model's own parameter tensors, so ``save_pretrained`` and
     ``state_dict`` of the original see the trained weights (after
     ``synchronize()``).
 
     Call it like the HuggingFace model: ``model(input_ids, attention_mask=None,
-    labels=None, return_logits=None)`` returns a ``CausalLMOutputWithPast``
-    (``loss``: the mean of the microbatch losses). Without ``return_logits``
-    (default: the wrap's ``return_logits``, False) a call with labels computes
-    the loss chunk by chunk without materialising the [tokens, vocab] logits.
+    labels=None, position_ids=None, return_logits=None,
+    num_items_in_batch=None)`` returns a ``CausalLMOutputWithPast``. Without
+    ``return_logits`` (default: the wrap's ``return_logits``, False) a call
+    with labels computes the loss chunk by chunk without materialising the
+    [tokens, vocab] logits.
+
+    - Padding (``attention_mask``, left or right) and packed documents
+      (``position_ids`` restarting at 0 for each, no mask: what
+      ``DataCollatorWithFlattening`` gives) run as variable-length sequences
+      without a [T, T] mask; an all-ones mask is the same as none. Padding
+      positions get a zero attention output, as with transformers'
+      ``flash_attention_2`` (its ``sdpa`` path differs there, in the logits
+      at padding positions only).
+    - The loss is the whole batch's token-weighted mean (the sum over
+      labelled tokens divided by their number in the whole batch, or by
+      ``num_items_in_batch`` when given, as in transformers), whatever
+      ``num_microbatch`` is; so are its gradients. In ``forward_backward``
+      each microbatch's ``output.loss`` is its share, and the shares add up
+      to the batch's loss.
     """
 
     def __init__(self, model: nn.Module, return_logits: bool = False, loss_chunk_tokens: int = 2048, **kwargs):
@@ -46,7 +61,35 @@ class CausalLMRoundPipe(RoundPipe):
                                   bool(return_logits), int(loss_chunk_tokens))
         super().__init__(model, _layers=layers, **kwargs)
 
-    _UNSUPPORTED = ("position_ids", "past_key_values", "inputs_embeds", "cache_position", "token_type_ids")
+    def forward_backward(self, *args, **kwargs):
+        result = super().forward_backward(*args, **kwargs)
+        if isinstance(result, tuple):
+            # The merged outputs average the microbatch shares: give them
+            # the batch's loss, the shares' sum.
+            loss, out = result
+            if getattr(out, "loss", None) is not None:
+                out.loss = loss.to(out.loss.device)
+        return result
+
+    def _call_extras(self, args, kwargs, view, fused):
+        """num_items_in_batch for every microbatch, so that the microbatch
+        losses combine into the whole batch's token-weighted mean: the
+        engine sums them in forward_backward (and in a packed output) and
+        averages them in forward."""
+        labels = kwargs.get("labels")
+        if not isinstance(labels, torch.Tensor):
+            return {}
+        items = kwargs.get("num_items_in_batch")
+        if items is None:
+            if labels.dim() != 2:
+                raise ValueError(f"labels must be [batch, sequence], got shape {tuple(labels.shape)}")
+            items = int((labels[:, 1:] != -100).sum())
+            if items == 0:
+                return {}  # no labelled token: every microbatch's loss is 0
+        items = float(items)
+        if not fused and not view.pack_output:
+            items /= view.num_microbatch or len(self.devices) + 1
+        return {"num_items_in_batch": items}
 
     @staticmethod
     def _engine_input(args, kwargs):
@@ -63,15 +106,24 @@ class CausalLMRoundPipe(RoundPipe):
             raise TypeError("the preset model needs input_ids (a [batch, sequence] tensor of token ids)")
         attention_mask = kwargs.pop("attention_mask", None)
         labels = kwargs.pop("labels", None)
+        position_ids = kwargs.pop("position_ids", None)
         return_logits = kwargs.pop("return_logits", None)
+        items = kwargs.pop("num_items_in_batch", None)
         if kwargs.pop("use_cache", None):
             raise ValueError("use_cache=True is not supported in training; load the model with use_cache=False")
         kwargs.pop("return_dict", None)  # the output is always a CausalLMOutputWithPast
         unknown = [k for k, v in kwargs.items() if not (v is None or v is False or (type(v) is int and v == 0))]
         if unknown:
-            raise TypeError(f"the causal LM preset does not take {unknown}; it takes "
-                            "input_ids, attention_mask, labels and return_logits")
-        return (input_ids, attention_mask, labels) + (() if return_logits is None else (bool(return_logits),))
+            raise TypeError(f"the causal LM preset does not take {unknown}; it takes input_ids, attention_mask, "
+                            "labels, position_ids, return_logits and num_items_in_batch")
+        # An all-ones mask masks nothing: leave it out here, on the CPU, so the
+        # devices never look at it (with position_ids it stays: transformers
+        # then does not split packed documents, and neither do we).
+        if isinstance(attention_mask, torch.Tensor) and position_ids is None and bool(attention_mask.all()):
+            attention_mask = None
+        return (input_ids, attention_mask, labels,
+                None if return_logits is None else bool(return_logits),
+                position_ids, None if items is None else float(items))
 
     @staticmethod
     def _user_microbatch_output(output):

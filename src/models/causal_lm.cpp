@@ -19,6 +19,7 @@
 #include <set>
 
 #include "io/atomic_directory.h"
+#include "models/attention.h"
 #include "roundpipe/layer.h"
 #include "roundpipe/models/fused_ops.h"
 #include "roundpipe/safetensors.h"
@@ -99,9 +100,67 @@ at::Tensor inverse_frequencies(const CausalLMConfig& c) {
   return at::where(medium, smoothed, scaled);
 }
 
-// Embedding, rotary tables and the attention mask, computed once per
-// microbatch and handed to every decoder layer in the tuple
-// (hidden, cos, sin, mask or None, labels or None, return_logits or None).
+// The model's input, read from the tuple (input_ids, attention_mask,
+// labels, return_logits, position_ids, num_items_in_batch), every element
+// after input_ids optional (None or left out), or from input_ids alone.
+CausalLMInput parse_input(const c10::IValue& input) {
+  CausalLMInput in;
+  if (input.isTensor()) {
+    in.input_ids = input.toTensor();
+    return in;
+  }
+  TORCH_CHECK(input.isTuple(),
+              "the model takes input_ids or a tuple (input_ids, attention_mask, labels, "
+              "return_logits, position_ids, num_items_in_batch), None for what is not given "
+              "(CausalLMInput::to_ivalue() builds it)");
+  const auto& e = input.toTupleRef().elements();
+  TORCH_CHECK(!e.empty() && e[0].isTensor(), "the first input must be the input_ids tensor");
+  TORCH_CHECK(e.size() <= 6,
+              "the model's input tuple has at most 6 elements (input_ids, "
+              "attention_mask, labels, return_logits, position_ids, num_items_in_batch), got ",
+              e.size());
+  auto tensor_at = [&](size_t i, const char* name) {
+    if (e.size() <= i || e[i].isNone()) return at::Tensor();
+    TORCH_CHECK(e[i].isTensor(), "input element ", i, " (", name,
+                ") must be a tensor or None, got ", e[i].tagKind());
+    return e[i].toTensor();
+  };
+  in.input_ids = e[0].toTensor();
+  in.attention_mask = tensor_at(1, "attention_mask");
+  in.labels = tensor_at(2, "labels");
+  if (e.size() > 3 && !e[3].isNone()) {
+    TORCH_CHECK(e[3].isBool(), "input element 3 (return_logits) must be a bool or None, got ",
+                e[3].tagKind());
+    in.return_logits = e[3].toBool();
+  }
+  in.position_ids = tensor_at(4, "position_ids");
+  if (e.size() > 5 && !e[5].isNone()) {
+    TORCH_CHECK(e[5].isDouble() || e[5].isInt(),
+                "input element 5 (num_items_in_batch) must be a number or None, got ",
+                e[5].tagKind(), "; pass count_loss_tokens(labels) of the whole batch as a number");
+    in.num_items_in_batch = e[5].isInt() ? static_cast<double>(e[5].toInt()) : e[5].toDouble();
+    TORCH_CHECK(*in.num_items_in_batch > 0, "num_items_in_batch must be positive, got ",
+                *in.num_items_in_batch, " (leave it out for a batch without labelled tokens)");
+  }
+  return in;
+}
+
+// The token positions as [rows, T] float (rows 1 or batch): position_ids,
+// else 0..T-1 for every row (transformers' default, left padding included).
+at::Tensor token_positions(const CausalLMInput& in, const c10::TensorOptions& float_options) {
+  const int64_t B = in.input_ids.size(0), T = in.input_ids.size(1);
+  if (!in.position_ids.defined()) return at::arange(T, float_options).unsqueeze(0);
+  const auto& p = in.position_ids;
+  TORCH_CHECK(p.dim() == 2 && (p.size(0) == B || p.size(0) == 1) && p.size(1) == T,
+              "position_ids must be [batch, sequence] (or [1, sequence]) like input_ids ([", B,
+              ", ", T, "]), got ", p.sizes());
+  return p.to(float_options);
+}
+
+// Embedding, rotary tables and the attention layout, computed once per
+// microbatch and handed to every decoder layer in the tuple (hidden, cos,
+// sin, layout or None, labels or None, return_logits or None,
+// num_items_in_batch or None).
 struct InputAdapterImpl : torch::nn::Cloneable<InputAdapterImpl> {
   CausalLMConfig config;
   Embedding embed_tokens{nullptr};
@@ -117,38 +176,27 @@ struct InputAdapterImpl : torch::nn::Cloneable<InputAdapterImpl> {
     return copy_module(*this, [&] { return std::make_shared<InputAdapterImpl>(config); });
   }
   c10::IValue forward(c10::IValue input) {
-    at::Tensor ids, attention_mask, labels;
-    c10::IValue return_logits;  // None: the model's option
-    if (input.isTensor()) {
-      ids = input.toTensor();
-    } else {
-      TORCH_CHECK(input.isTuple(),
-                  "the model takes input_ids or a tuple (input_ids, "
-                  "attention_mask or None, labels or None)");
-      const auto& e = input.toTupleRef().elements();
-      TORCH_CHECK(!e.empty() && e[0].isTensor(), "the first input must be the input_ids tensor");
-      ids = e[0].toTensor();
-      if (e.size() > 1 && e[1].isTensor()) attention_mask = e[1].toTensor();
-      if (e.size() > 2 && e[2].isTensor()) labels = e[2].toTensor();
-      if (e.size() > 3 && e[3].isBool()) return_logits = e[3].toBool();
-    }
+    const auto in = parse_input(input);
+    const auto& ids = in.input_ids;
     TORCH_CHECK(ids.dim() == 2, "input_ids must be [batch, sequence], got ", ids.sizes());
     auto hidden = embed_tokens(ids);
-    const int64_t T = ids.size(1);
-    auto positions = at::arange(T, inv_freq.options());
-    auto freqs = positions.unsqueeze(1) * inv_freq.unsqueeze(0);  // [T, head_dim / 2]
-    auto emb = at::cat({freqs, freqs}, -1).unsqueeze(0);          // [1, T, head_dim]
+    const auto positions = token_positions(in, inv_freq.options());
+    auto freqs = positions.unsqueeze(-1) * inv_freq;  // [rows, T, head_dim / 2]
+    auto emb = at::cat({freqs, freqs}, -1);           // [rows, T, head_dim]
     auto cos = emb.cos().to(hidden.scalar_type());
     auto sin = emb.sin().to(hidden.scalar_type());
-    c10::IValue mask;  // None: plain causal attention
-    if (attention_mask.defined()) {
-      auto causal = at::ones({T, T}, ids.options().dtype(at::kBool)).tril();
-      auto keys = attention_mask.to(at::kBool).view({ids.size(0), 1, 1, T});
-      mask = causal.view({1, 1, T, T}).logical_and(keys);  // [batch, 1, T, T], true = attend
+    // Padding and packing become variable-length sequences (no [T, T]
+    // mask); read on the host, then the offsets travel with the activations.
+    c10::IValue layout;
+    if (auto l = sequence_layout(in.attention_mask, in.position_ids, ids.size(0), ids.size(1))) {
+      l->token_index = l->token_index.to(ids.device());
+      l->cu_seqlens = l->cu_seqlens.to(ids.device());
+      layout = l->to_ivalue();
     }
-    return c10::ivalue::Tuple::create({hidden, cos, sin, mask,
-                                       labels.defined() ? c10::IValue(labels) : c10::IValue(),
-                                       return_logits});
+    auto optional = [](const auto& v) { return v ? c10::IValue(*v) : c10::IValue(); };
+    return c10::ivalue::Tuple::create(
+        {hidden, cos, sin, layout, in.labels.defined() ? c10::IValue(in.labels) : c10::IValue(),
+         optional(in.return_logits), optional(in.num_items_in_batch)});
   }
 };
 TORCH_MODULE(InputAdapter);
@@ -180,24 +228,21 @@ struct AttentionImpl : torch::nn::Cloneable<AttentionImpl> {
     }
   }
   at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
-                     const std::optional<at::Tensor>& mask) {
+                     const std::optional<SequenceLayout>& layout) {
     const int64_t B = x.size(0), T = x.size(1), hd = config.head_dim;
     auto q = q_proj(x).view({B, T, -1, hd});
     auto k = k_proj(x).view({B, T, -1, hd});
-    auto v = v_proj(x).view({B, T, -1, hd}).transpose(1, 2);
+    auto v = v_proj(x).view({B, T, -1, hd});
     if (config.qk_norm) {
       q = q_norm(q);
       k = k_norm(k);
     }
-    // Rotary in the projections' [B, T, heads, hd] layout (no copy), then
-    // the [B, heads, T, hd] views attention takes.
-    q = ops::rotary(q, cos, sin).transpose(1, 2);
-    k = ops::rotary(k, cos, sin).transpose(1, 2);
-    auto attn =
-        at::scaled_dot_product_attention(q, k, v, mask, 0.0, /*is_causal=*/!mask.has_value(),
-                                         1.0 / std::sqrt(static_cast<double>(hd)),
-                                         /*enable_gqa=*/true);
-    return o_proj(attn.transpose(1, 2).reshape({B, T, -1}));
+    // Rotary in the projections' [B, T, heads, hd] layout (no copy);
+    // attention takes that layout too.
+    q = ops::rotary(q, cos, sin);
+    k = ops::rotary(k, cos, sin);
+    auto attn = causal_attention(q, k, v, layout, 1.0 / std::sqrt(static_cast<double>(hd)));
+    return o_proj(attn.reshape({B, T, -1}));
   }
 };
 TORCH_MODULE(Attention);
@@ -323,9 +368,8 @@ struct DecoderLayerImpl : torch::nn::Cloneable<DecoderLayerImpl> {
   c10::IValue forward(c10::IValue input) {
     const auto& e = input.toTupleRef().elements();
     auto h = e[0].toTensor();
-    std::optional<at::Tensor> mask;
-    if (e[3].isTensor()) mask = e[3].toTensor();
-    h = h + self_attn(input_layernorm(h), e[1].toTensor(), e[2].toTensor(), mask);
+    h = h + self_attn(input_layernorm(h), e[1].toTensor(), e[2].toTensor(),
+                      SequenceLayout::from_ivalue(e[3]));
     h = h + mlp(post_attention_layernorm(h));
     std::vector<c10::IValue> out(e.begin(), e.end());  // everything but the hidden state passes on
     out[0] = h;
@@ -376,19 +420,28 @@ struct OutputAdapterImpl : torch::nn::Cloneable<OutputAdapterImpl> {
     const auto& e = input.toTupleRef().elements();
     auto h = norm(e[0].toTensor());
     if (!e[4].isTensor()) return at::linear(h, weight);
-    // HuggingFace's loss: labels shifted left, -100 ignored, mean over tokens.
+    // HuggingFace's loss: labels shifted left, -100 ignored, summed and
+    // divided by num_items_in_batch when given (the whole batch's count, so
+    // that microbatch losses add up to the batch's mean), else by this
+    // microbatch's own count.
     auto labels = e[4].toTensor();
     auto shifted = at::constant_pad_nd(labels, {0, 1}, -100).narrow(1, 1, labels.size(1));
     const int64_t D = h.size(-1);
     const bool return_logits =
         e.size() > 5 && e[5].isBool() ? e[5].toBool() : options.return_logits;
+    const std::optional<double> divisor =
+        e.size() > 6 && e[6].isDouble() ? std::optional<double>(e[6].toDouble()) : std::nullopt;
     if (!return_logits) {
       return chunked_linear_cross_entropy(h.reshape({-1, D}), weight, shifted.reshape({-1}),
-                                          options.loss_chunk_tokens);
+                                          options.loss_chunk_tokens, divisor);
     }
     auto logits = at::linear(h, weight);
-    auto loss = at::cross_entropy_loss(logits.to(at::kFloat).reshape({-1, logits.size(-1)}),
-                                       shifted.reshape({-1}), {}, at::Reduction::Mean, -100);
+    const auto flat = logits.to(at::kFloat).reshape({-1, logits.size(-1)});
+    auto loss =
+        divisor
+            ? at::cross_entropy_loss(flat, shifted.reshape({-1}), {}, at::Reduction::Sum, -100)
+                  .div(*divisor)
+            : at::cross_entropy_loss(flat, shifted.reshape({-1}), {}, at::Reduction::Mean, -100);
     return c10::ivalue::Tuple::create({loss, logits});
   }
 };
@@ -429,6 +482,19 @@ std::map<std::string, std::string> weight_files(const fs::path& dir) {
 }
 
 }  // namespace
+
+c10::IValue CausalLMInput::to_ivalue() const {
+  auto tensor = [](const at::Tensor& t) { return t.defined() ? c10::IValue(t) : c10::IValue(); };
+  auto optional = [](const auto& v) { return v ? c10::IValue(*v) : c10::IValue(); };
+  return c10::ivalue::Tuple::create({tensor(input_ids), tensor(attention_mask), tensor(labels),
+                                     optional(return_logits), tensor(position_ids),
+                                     optional(num_items_in_batch)});
+}
+
+int64_t count_loss_tokens(const at::Tensor& labels) {
+  TORCH_CHECK(labels.dim() == 2, "labels must be [batch, sequence], got ", labels.sizes());
+  return labels.narrow(1, 1, labels.size(1) - 1).ne(-100).sum().item<int64_t>();
+}
 
 CausalLM::CausalLM(CausalLMConfig config, CausalLMOptions options)
     : config_(std::move(config)), options_(options) {

@@ -21,11 +21,14 @@ namespace roundpipe::models {
 namespace {
 
 struct ChunkedLinearCrossEntropy : torch::autograd::Function<ChunkedLinearCrossEntropy> {
+  // divisor > 0: the sum over tokens divided by it; else the mean over
+  // this call's labelled tokens.
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& hidden,
-                            const at::Tensor& weight, const at::Tensor& labels, int64_t chunk) {
+                            const at::Tensor& weight, const at::Tensor& labels, int64_t chunk,
+                            double divisor) {
     const int64_t n = hidden.size(0);
-    const auto valid = labels.ne(-100);
-    const double count = std::max<int64_t>(valid.sum().item<int64_t>(), 1);
+    const double count =
+        divisor > 0 ? divisor : std::max<int64_t>(labels.ne(-100).sum().item<int64_t>(), 1);
     at::Tensor total = at::zeros({}, hidden.options().dtype(at::kFloat));
     for (int64_t start = 0; start < n; start += chunk) {
       const int64_t len = std::min(chunk, n - start);
@@ -65,19 +68,22 @@ struct ChunkedLinearCrossEntropy : torch::autograd::Function<ChunkedLinearCrossE
       grad_hidden.narrow(0, start, len).copy_(at::matmul(d, weight));
       grad_weight.add_(at::matmul(d.t(), h).to(at::kFloat));
     }
-    return {grad_hidden, grad_weight.to(weight.scalar_type()), at::Tensor(), at::Tensor()};
+    return {grad_hidden, grad_weight.to(weight.scalar_type()), at::Tensor(), at::Tensor(),
+            at::Tensor()};
   }
 };
 
 #ifdef ROUNDPIPE_WITH_CUDA
 struct FusedLinearCrossEntropy : torch::autograd::Function<FusedLinearCrossEntropy> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& hidden,
-                            const at::Tensor& weight, const at::Tensor& labels, int64_t chunk) {
+                            const at::Tensor& weight, const at::Tensor& labels, int64_t chunk,
+                            double divisor) {
     // Only the gradients autograd will ask for (a frozen lm_head needs none).
     const bool want_hidden = hidden.requires_grad(), want_weight = weight.requires_grad();
     const bool want_grad = want_hidden || want_weight;
     const int64_t n = hidden.size(0), vocab = weight.size(0);
-    const auto scale = labels.ne(-100).sum().clamp_min(1).to(at::kFloat).reciprocal();
+    const auto scale = divisor > 0 ? at::full({}, 1.0 / divisor, hidden.options().dtype(at::kFloat))
+                                   : labels.ne(-100).sum().clamp_min(1).to(at::kFloat).reciprocal();
     auto loss_sum = at::zeros({}, hidden.options().dtype(at::kFloat));
     at::Tensor grad_hidden, grad_weight;
     if (want_hidden) grad_hidden = at::empty_like(hidden);
@@ -110,7 +116,7 @@ struct FusedLinearCrossEntropy : torch::autograd::Function<FusedLinearCrossEntro
     const auto weight_dtype = static_cast<at::ScalarType>(ctx->saved_data["weight_dtype"].toInt());
     return {saved[0].defined() ? saved[0] * g.to(saved[0].scalar_type()) : at::Tensor(),
             saved[1].defined() ? (saved[1] * g).to(weight_dtype) : at::Tensor(), at::Tensor(),
-            at::Tensor()};
+            at::Tensor(), at::Tensor()};
   }
 };
 
@@ -126,14 +132,18 @@ bool fused_loss_takes(const at::Tensor& hidden, const at::Tensor& weight,
 }  // namespace
 
 at::Tensor chunked_linear_cross_entropy(const at::Tensor& hidden, const at::Tensor& weight,
-                                        const at::Tensor& labels, int64_t chunk_tokens) {
+                                        const at::Tensor& labels, int64_t chunk_tokens,
+                                        std::optional<double> divisor) {
   TORCH_CHECK(chunk_tokens > 0, "loss_chunk_tokens must be positive");
+  TORCH_CHECK(!divisor || *divisor > 0,
+              "the loss divisor (num_items_in_batch) must be positive, got ", *divisor);
+  const double d = divisor.value_or(0);  // 0: this call's own token count
 #ifdef ROUNDPIPE_WITH_CUDA
   if (fused_loss_takes(hidden, weight, labels))
     return FusedLinearCrossEntropy::apply(hidden.contiguous(), weight.contiguous(),
-                                          labels.contiguous(), chunk_tokens);
+                                          labels.contiguous(), chunk_tokens, d);
 #endif
-  return ChunkedLinearCrossEntropy::apply(hidden, weight, labels, chunk_tokens);
+  return ChunkedLinearCrossEntropy::apply(hidden, weight, labels, chunk_tokens, d);
 }
 
 }  // namespace roundpipe::models

@@ -28,9 +28,11 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 }
 
 at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
-  // cos/sin [seq, dim] broadcast over batch and heads of [batch, seq, heads, dim].
-  const auto c = cos.reshape({1, x.size(1), 1, x.size(3)});
-  const auto s = sin.reshape({1, x.size(1), 1, x.size(3)});
+  // cos/sin [seq, dim] (or one table per row, [batch, seq, dim]) broadcast
+  // over the heads (and rows) of [batch, seq, heads, dim].
+  const int64_t rows = cos.numel() == x.size(1) * x.size(3) ? 1 : x.size(0);
+  const auto c = cos.reshape({rows, x.size(1), 1, x.size(3)});
+  const auto s = sin.reshape({rows, x.size(1), 1, x.size(3)});
   auto halves = x.chunk(2, -1);
   return x * c + at::cat({-halves[1], halves[0]}, -1) * s;
 }
@@ -143,6 +145,12 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 }
 
 at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  // One table per row (position_ids): the kernel indexes its table by
+  // position within the sequence, so fold the rows into one long sequence.
+  if (x.dim() == 4 && x.size(0) > 1 && cos.numel() == x.numel() / x.size(2)) {
+    const auto sizes = x.sizes();
+    return rotary(x.reshape({1, sizes[0] * sizes[1], sizes[2], sizes[3]}), cos, sin).view(sizes);
+  }
   if (fused_available(x) && x.dim() == 4 && cos.scalar_type() == x.scalar_type() &&
       sin.scalar_type() == x.scalar_type() && cos.numel() == x.size(1) * x.size(3) &&
       sin.numel() == cos.numel() && x.size(3) % 2 == 0) {

@@ -5,9 +5,12 @@
 #include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
 
+#include <roundpipe/models/causal_lm.h>
+
 #include <algorithm>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <numeric>
 #include <random>
 
 namespace roundpipe::train {
@@ -174,6 +177,88 @@ Batch collate(const std::vector<Example>& examples, const std::vector<int64_t>& 
     }
     batch.tokens += static_cast<int64_t>(ex.input_ids.size());
   }
+  batch.loss_tokens = models::count_loss_tokens(batch.labels);
+  return batch;
+}
+
+namespace {
+
+// Documents into rows: longest first, each into the row with the fewest
+// tokens that it fits in (a new row when none has room).
+std::vector<std::vector<const Example*>> balanced_rows(const std::vector<const Example*>& docs,
+                                                       int64_t max_length, int64_t min_rows) {
+  int64_t total = 0;
+  for (const auto* doc : docs) total += static_cast<int64_t>(doc->input_ids.size());
+  const int64_t start_rows = std::max(min_rows, (total + max_length - 1) / max_length);
+  std::vector<std::vector<const Example*>> rows(start_rows);
+  std::vector<int64_t> used(start_rows, 0);
+  std::vector<size_t> longest_first(docs.size());
+  std::iota(longest_first.begin(), longest_first.end(), 0);
+  std::stable_sort(longest_first.begin(), longest_first.end(), [&](size_t a, size_t b) {
+    return docs[a]->input_ids.size() > docs[b]->input_ids.size();
+  });
+  for (size_t i : longest_first) {
+    const int64_t length = static_cast<int64_t>(docs[i]->input_ids.size());
+    int64_t best = -1;
+    for (int64_t r = 0; r < static_cast<int64_t>(rows.size()); ++r) {
+      if (used[r] + length <= max_length && (best < 0 || used[r] < used[best])) best = r;
+    }
+    if (best < 0) {
+      rows.emplace_back();
+      used.push_back(0);
+      best = static_cast<int64_t>(rows.size()) - 1;
+    }
+    rows[best].push_back(docs[i]);
+    used[best] += length;
+  }
+  return rows;
+}
+
+}  // namespace
+
+Batch pack(const std::vector<Example>& examples, const std::vector<int64_t>& order, int64_t begin,
+           int64_t count, int64_t max_length, int64_t min_rows) {
+  TORCH_CHECK(min_rows >= 1 && min_rows <= count, "packing ", count, " examples into at least ",
+              min_rows,
+              " rows (one per microbatch) is not possible: raise --batch-size to at least the "
+              "number of microbatches, or lower --microbatches");
+  std::vector<const Example*> docs;
+  for (int64_t i = 0; i < count; ++i) {
+    const Example& ex = examples[order[(begin + i) % order.size()]];
+    TORCH_CHECK(static_cast<int64_t>(ex.input_ids.size()) <= max_length, "an example of ",
+                ex.input_ids.size(), " tokens does not fit a packed row of ", max_length,
+                " (load_jsonl cuts examples to --seq-len)");
+    docs.push_back(&ex);
+  }
+  const auto rows = balanced_rows(docs, max_length, min_rows);
+  int64_t length = 0;
+  for (const auto& row : rows) {
+    int64_t used = 0;
+    for (const auto* doc : row) used += static_cast<int64_t>(doc->input_ids.size());
+    length = std::max(length, used);
+  }
+  const int64_t n = static_cast<int64_t>(rows.size());
+  Batch batch;
+  batch.input_ids = at::full({n, length}, ByteTokenizer::kPad, at::kLong);
+  batch.labels = at::full({n, length}, -100, at::kLong);
+  batch.position_ids = at::zeros({n, length}, at::kLong);
+  auto ids = batch.input_ids.accessor<int64_t, 2>();
+  auto labels = batch.labels.accessor<int64_t, 2>();
+  auto positions = batch.position_ids.accessor<int64_t, 2>();
+  for (int64_t r = 0; r < n; ++r) {
+    int64_t t = 0;
+    for (const auto* doc : rows[r]) {
+      for (size_t j = 0; j < doc->input_ids.size(); ++j, ++t) {
+        ids[r][t] = doc->input_ids[j];
+        labels[r][t] = j == 0 ? -100 : doc->labels[j];  // nothing predicts across documents
+        positions[r][t] = static_cast<int64_t>(j);
+      }
+      batch.tokens += static_cast<int64_t>(doc->input_ids.size());
+    }
+    // The padding: a document of its own, attending only to itself.
+    for (int64_t p = 0; t < length; ++t, ++p) positions[r][t] = p;
+  }
+  batch.loss_tokens = models::count_loss_tokens(batch.labels);
   return batch;
 }
 

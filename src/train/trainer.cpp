@@ -323,6 +323,8 @@ TrainSummary run_training(const TrainOptions& args) {
 
   std::vector<int64_t> order(train.size());
   std::iota(order.begin(), order.end(), 0);
+  const int microbatches =
+      args.microbatches > 0 ? args.microbatches : static_cast<int>(pipe.devices().size()) + 1;
   const bool tty = ::isatty(STDOUT_FILENO);
   const auto start = Clock::now();
   auto window_start = start;
@@ -336,22 +338,27 @@ TrainSummary run_training(const TrainOptions& args) {
       std::iota(order.begin(), order.end(), 0);
       std::shuffle(order.begin(), order.end(), std::mt19937_64(args.seed + epoch));
     }
-    auto batch = roundpipe::train::collate(train, order, (step % steps_per_epoch) * args.batch_size,
-                                           args.batch_size);
-    // Without padding the mask is all ones: leave it out, so attention
-    // stays causal-only (flash attention on GPUs).
-    const bool padded = batch.tokens < batch.input_ids.numel();
-    auto input = c10::ivalue::Tuple::create(
-        {batch.input_ids, padded ? c10::IValue(batch.attention_mask) : c10::IValue(),
-         batch.labels});
-    auto result = pipe.forward_backward(input, c10::IValue(),
+    const int64_t first = (step % steps_per_epoch) * args.batch_size;
+    auto batch = args.packing ? roundpipe::train::pack(train, order, first, args.batch_size,
+                                                       args.seq_len, microbatches)
+                              : roundpipe::train::collate(train, order, first, args.batch_size);
+    // Without padding the mask is all ones: leave it out. The whole step's
+    // labelled-token count makes each microbatch's loss its share of the
+    // step's token mean, which forward_backward sums.
+    roundpipe::models::CausalLMInput input;
+    input.input_ids = batch.input_ids;
+    input.labels = batch.labels;
+    input.position_ids = batch.position_ids;
+    if (batch.attention_mask.defined() && batch.tokens < batch.input_ids.numel())
+      input.attention_mask = batch.attention_mask;
+    if (batch.loss_tokens > 0) input.num_items_in_batch = static_cast<double>(batch.loss_tokens);
+    auto result = pipe.forward_backward(input.to_ivalue(), c10::IValue(),
                                         [&](const c10::IValue& out, const c10::IValue&) {
                                           auto loss = out.toTensor();
                                           return scaler ? scaler->scale(loss) : loss;
                                         });
-    const int n = args.microbatches > 0 ? args.microbatches : pipe.devices().size() + 1;
     const double scale = scaler ? scaler->get_scale() : 1.0;
-    last_loss = result.loss.item<double>() / n / scale;
+    last_loss = result.loss.item<double>() / scale;
     if (!std::isfinite(last_loss)) {
       // Stop before the step: its update would be of non-finite gradients.
       pipe.wait_for_background_work();

@@ -1,8 +1,9 @@
 // The native Qwen3 / Llama presets against HuggingFace transformers 5.17:
 // logits, loss and parameter gradients (fp32, relative error <= 1e-4), plain
-// and through RoundPipe, with and without padding, tied and untied
-// embeddings, Llama 3.1 rope scaling; save_pretrained read back by
-// transformers; config errors.
+// and through RoundPipe, without padding, with right and left padding and
+// with packed documents, tied and untied embeddings, Llama 3.1 rope scaling;
+// the loss token-weighted over any number of microbatches; save_pretrained
+// read back by transformers; config errors.
 #include <gtest/gtest.h>
 #include <roundpipe/models/causal_lm.h>
 #include <roundpipe/safetensors.h>
@@ -11,12 +12,17 @@
 #include <filesystem>
 #include <fstream>
 
+#include "models/attention.h"
 #include "test_util.h"
 
 namespace roundpipe::testing {
 namespace {
 
 namespace fs = std::filesystem;
+// fp32 against transformers: the same products summed in another order
+// (matmul blocking, attention over a sequence's own keys instead of a
+// masked row of the whole batch's), a few ulps of each tensor's largest
+// element; 1e-4 leaves room for the 3-layer model's growth of them.
 constexpr double kTol = 1e-4;
 
 // Made once per test process by transformers (tests/models/hf_reference.py).
@@ -39,17 +45,37 @@ const fs::path& reference_root() {
   return root;
 }
 
-struct Case {
-  std::string name;
-  bool padded;
-};
-const std::vector<Case> kCases = {
-    {"qwen3", false}, {"qwen3_tied_padded", true}, {"llama_padded", true}, {"llama31_tied", false}};
+// The reference cases of hf_reference.py, by their inputs.
+const std::vector<std::string> kCases = {"qwen3",        "qwen3_tied_padded", "llama_padded",
+                                         "llama31_tied", "qwen3_left_padded", "llama31_left_padded",
+                                         "qwen3_packed", "llama_packed"};
 
-c10::IValue model_input(const safetensors::File& ref, bool padded) {
-  return c10::ivalue::Tuple::create(
-      {ref.get("input_ids"), padded ? c10::IValue(ref.get("attention_mask")) : c10::IValue(),
-       ref.get("labels")});
+at::Tensor maybe(const safetensors::File& ref, const std::string& name) {
+  for (const auto& [n, t] : ref.tensors) {
+    if (n == name) return t;
+  }
+  return {};
+}
+
+models::CausalLMInput reference_input(const safetensors::File& ref) {
+  models::CausalLMInput in;
+  in.input_ids = ref.get("input_ids");
+  in.attention_mask = maybe(ref, "attention_mask");
+  in.position_ids = maybe(ref, "position_ids");
+  in.labels = ref.get("labels");
+  return in;
+}
+
+c10::IValue model_input(const safetensors::File& ref) {
+  return reference_input(ref).to_ivalue();
+}
+
+// Logits where there is a token: at padding positions attention is zero
+// here, as in transformers' flash_attention_2, but not in its sdpa path
+// (models/attention.h).
+at::Tensor token_logits(const at::Tensor& logits, const safetensors::File& ref) {
+  const auto mask = maybe(ref, "attention_mask");
+  return mask.defined() ? logits.index({mask.to(at::kBool)}) : logits;
 }
 
 void expect_grads(const models::CausalLM& model, const safetensors::File& ref) {
@@ -58,10 +84,10 @@ void expect_grads(const models::CausalLM& model, const safetensors::File& ref) {
   }
 }
 
-class CausalLMTest : public ::testing::TestWithParam<Case> {};
+class CausalLMTest : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(CausalLMTest, PlainModelMatchesTransformers) {
-  const auto dir = reference_root() / GetParam().name;
+  const auto dir = reference_root() / GetParam();
   const auto ref = safetensors::load_file((dir / "reference.safetensors").string());
   for (bool return_logits : {true, false}) {
     SCOPED_TRACE(return_logits ? "logits + loss"
@@ -71,13 +97,13 @@ TEST_P(CausalLMTest, PlainModelMatchesTransformers) {
                           .set_return_logits(return_logits)
                           .set_loss_chunk_tokens(5)
                           .set_mlp_chunk_tokens(return_logits ? 0 : 5));
-    auto out = model.sequential()->forward<c10::IValue>(model_input(ref, GetParam().padded));
+    auto out = model.sequential()->forward<c10::IValue>(model_input(ref));
     at::Tensor loss;
     if (return_logits) {
       const auto& e = out.toTupleRef().elements();
       loss = e[0].toTensor();
-      const auto logits = e[1].toTensor();
-      EXPECT_TENSOR_NEAR(logits, ref.get("logits"), kTol, "logits");
+      EXPECT_TENSOR_NEAR(token_logits(e[1].toTensor(), ref), token_logits(ref.get("logits"), ref),
+                         kTol, "logits");
     } else {
       loss = out.toTensor();
     }
@@ -88,7 +114,7 @@ TEST_P(CausalLMTest, PlainModelMatchesTransformers) {
 }
 
 TEST_P(CausalLMTest, ThroughRoundPipeMatchesTransformers) {
-  const auto dir = reference_root() / GetParam().name;
+  const auto dir = reference_root() / GetParam();
   const auto ref = safetensors::load_file((dir / "reference.safetensors").string());
   std::vector<std::string> backends = {"sim:2,jitter_us=100", "sim:1"};
   if (cuda_device_count() > 0) backends.push_back("cuda");
@@ -99,7 +125,7 @@ TEST_P(CausalLMTest, ThroughRoundPipeMatchesTransformers) {
     RoundPipe pipe(model.sequential(), RoundPipeOptions().set_devices(backend));
     // One microbatch: the loss is a mean over the batch's labelled tokens.
     auto result = pipe.forward_backward(
-        model_input(ref, GetParam().padded), c10::IValue(),
+        model_input(ref), c10::IValue(),
         [](const c10::IValue& out, const c10::IValue&) {
           return out.toTupleRef().elements()[0].toTensor();
         },
@@ -108,22 +134,23 @@ TEST_P(CausalLMTest, ThroughRoundPipeMatchesTransformers) {
             ExecutePlan::one_layer_per_stage(pipe.num_layers(), true)));
     pipe.synchronize();
     EXPECT_TENSOR_NEAR(result.loss, ref.get("loss"), kTol, "loss");
-    EXPECT_TENSOR_NEAR(result.output.toTupleRef().elements()[1].toTensor(), ref.get("logits"), kTol,
-                       "logits");
+    EXPECT_TENSOR_NEAR(token_logits(result.output.toTupleRef().elements()[1].toTensor(), ref),
+                       token_logits(ref.get("logits"), ref), kTol, "logits");
     expect_grads(model, ref);
-    // Three microbatches: the logits do not depend on the split.
+    // As many microbatches as rows: the logits do not depend on the split.
     torch::NoGradGuard no_grad;
-    auto out = pipe.forward(model_input(ref, GetParam().padded), RunConfig().set_num_microbatch(3));
-    EXPECT_TENSOR_NEAR(out.toTupleRef().elements()[1].toTensor(), ref.get("logits"), kTol,
-                       "logits over 3 microbatches");
+    const int rows = static_cast<int>(ref.get("input_ids").size(0));
+    auto out = pipe.forward(model_input(ref), RunConfig().set_num_microbatch(rows));
+    EXPECT_TENSOR_NEAR(token_logits(out.toTupleRef().elements()[1].toTensor(), ref),
+                       token_logits(ref.get("logits"), ref), kTol, "logits over microbatches");
   }
 }
 
 TEST_P(CausalLMTest, SavePretrainedLoadsInTransformers) {
-  const auto dir = reference_root() / GetParam().name;
+  const auto dir = reference_root() / GetParam();
   auto model = models::CausalLM::from_pretrained(dir.string());
   for (int64_t shard : {int64_t{5} << 30, int64_t{20000}}) {  // single file and sharded
-    const auto out = reference_root() / (GetParam().name + "_ours_" + std::to_string(shard));
+    const auto out = reference_root() / (GetParam() + "_ours_" + std::to_string(shard));
     model.save_pretrained(out.string(), shard);
     EXPECT_EQ(fs::exists(out / "model.safetensors.index.json"), shard == 20000);
     const std::string cmd = std::string(ROUNDPIPE_PYTHON) + " " + ROUNDPIPE_SOURCE_DIR +
@@ -140,7 +167,117 @@ TEST_P(CausalLMTest, SavePretrainedLoadsInTransformers) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Presets, CausalLMTest, ::testing::ValuesIn(kCases),
-                         [](const auto& info) { return info.param.name; });
+                         [](const auto& info) { return info.param; });
+
+// A padded batch split into microbatches: with the whole batch's token
+// count as num_items_in_batch, the microbatch losses (which forward_backward
+// sums) add up to transformers' loss on the whole batch, and so do the
+// gradients, for any num_microbatch; forward() averages its microbatch
+// outputs, so there the count is divided by num_microbatch.
+TEST(CausalLMMasks, LossIsTokenWeightedOverAnyMicrobatchCount) {
+  for (const std::string name : {"qwen3_left_padded", "llama_padded"}) {
+    const auto dir = reference_root() / name;
+    const auto ref = safetensors::load_file((dir / "reference.safetensors").string());
+    const auto whole = reference_input(ref);
+    const int rows = static_cast<int>(whole.input_ids.size(0));
+    const double items = static_cast<double>(models::count_loss_tokens(whole.labels));
+    const LossFn loss_of = [](const c10::IValue& out, const c10::IValue&) {
+      return out.toTensor();
+    };
+    for (int n : {1, 2, 4}) {
+      if (n > rows) continue;
+      SCOPED_TRACE(name + ", " + std::to_string(n) + " microbatches");
+      auto model = models::CausalLM::from_pretrained(dir.string());
+      RoundPipe pipe(model.sequential(), RoundPipeOptions().set_devices("sim:2"));
+      auto in = whole;
+      in.num_items_in_batch = items;
+      auto result = pipe.forward_backward(in.to_ivalue(), c10::IValue(), loss_of, false,
+                                          RunConfig().set_num_microbatch(n));
+      pipe.synchronize();
+      EXPECT_TENSOR_NEAR(result.loss, ref.get("loss"), kTol, "forward_backward loss");
+      expect_grads(model, ref);
+    }
+    // forward() with autograd, 2 microbatches.
+    auto model = models::CausalLM::from_pretrained(dir.string());
+    RoundPipe pipe(model.sequential(), RoundPipeOptions().set_devices("sim:2"));
+    auto in = whole;
+    in.num_items_in_batch = items / 2;
+    auto loss = pipe.forward(in.to_ivalue(), RunConfig().set_num_microbatch(2)).toTensor();
+    EXPECT_TENSOR_NEAR(loss, ref.get("loss"), kTol, "forward loss");
+    loss.backward();
+    pipe.synchronize();
+    expect_grads(model, ref);
+    // Without the count each microbatch is its own mean: the rows hold
+    // different numbers of tokens, so their sum is not the batch's loss
+    // (what the cases are chosen to show).
+    auto own = pipe.forward_backward(whole.to_ivalue(), c10::IValue(), loss_of, false,
+                                     RunConfig().set_num_microbatch(2));
+    pipe.synchronize();
+    EXPECT_GT(std::abs(own.loss.item<double>() / 2 - ref.get("loss").item<double>()), 1e-3)
+        << "the case does not tell token weighting from averaging microbatch means";
+  }
+}
+
+// An all-ones mask, and position_ids 0..T-1, are the same as none: the same
+// path, the same numbers to the bit.
+TEST(CausalLMMasks, AllOnesMaskAndPlainPositionsTakeTheUnmaskedPath) {
+  const auto dir = reference_root() / "qwen3";
+  const auto ref = safetensors::load_file((dir / "reference.safetensors").string());
+  auto model = models::CausalLM::from_pretrained(dir.string(),
+                                                 models::CausalLMOptions().set_return_logits(true));
+  torch::NoGradGuard no_grad;
+  auto run = [&](const models::CausalLMInput& in) {
+    return model.sequential()->forward<c10::IValue>(in.to_ivalue()).toTupleRef().elements();
+  };
+  const auto plain = reference_input(ref);
+  auto ones = plain;
+  ones.attention_mask = at::ones_like(plain.input_ids);
+  auto positions = plain;
+  positions.position_ids = at::arange(plain.input_ids.size(1)).unsqueeze(0);
+  const auto expected = run(plain);
+  for (const auto& [what, in] : {std::pair{"all-ones mask", ones}, {"positions", positions}}) {
+    const auto got = run(in);
+    EXPECT_TRUE(at::equal(got[0].toTensor(), expected[0].toTensor())) << what << ": loss";
+    EXPECT_TRUE(at::equal(got[1].toTensor(), expected[1].toTensor())) << what << ": logits";
+  }
+}
+
+std::vector<int64_t> as_vector(const at::Tensor& t) {
+  const auto c = t.to(at::kLong).contiguous();
+  return {c.data_ptr<int64_t>(), c.data_ptr<int64_t>() + c.numel()};
+}
+
+TEST(CausalLMMasks, SequenceLayoutFollowsTransformersRules) {
+  using V = std::vector<int64_t>;
+  // Right, left and inner padding: one sequence per row of its tokens.
+  const auto mask = at::tensor({1, 1, 1, 0, 0, 1, 1, 1, 1, 0, 1, 1}, at::kLong).view({3, 4});
+  auto layout = models::sequence_layout(mask, {}, 3, 4);
+  ASSERT_TRUE(layout.has_value());
+  EXPECT_EQ(as_vector(layout->token_index), (V{0, 1, 2, 5, 6, 7, 8, 10, 11}));
+  EXPECT_EQ(as_vector(layout->cu_seqlens), (V{0, 3, 6, 9}));
+  EXPECT_EQ(layout->max_seqlen, 3);
+  EXPECT_EQ(layout->cu_seqlens.scalar_type(), at::kInt);
+  // Packed documents: a row splits where positions do not follow on; one
+  // [1, T] row of positions serves every row.
+  const auto packed = at::tensor({0, 1, 2, 0, 1, 0}, at::kLong).view({1, 6});
+  layout = models::sequence_layout({}, packed, 2, 6);
+  ASSERT_TRUE(layout.has_value());
+  EXPECT_EQ(as_vector(layout->cu_seqlens), (V{0, 3, 5, 6, 9, 11, 12}));
+  EXPECT_EQ(layout->token_index.numel(), 12);
+  EXPECT_EQ(layout->max_seqlen, 3);
+  // No layout: no inputs, an all-ones mask (position_ids are then not
+  // looked at, as in transformers), positions that run on in every row.
+  EXPECT_FALSE(models::sequence_layout({}, {}, 2, 6).has_value());
+  EXPECT_FALSE(models::sequence_layout(at::ones({2, 6}), packed, 2, 6).has_value());
+  EXPECT_FALSE(models::sequence_layout({}, at::arange(3, 9).view({1, 6}), 2, 6).has_value());
+  // A mask of the wrong shape names the fix.
+  try {
+    models::sequence_layout(at::ones({2, 1, 6, 6}), {}, 2, 6);
+    ADD_FAILURE() << "a 4D mask was accepted";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("pass the 2D one"), std::string::npos) << e.what();
+  }
+}
 
 std::string config_error(const std::string& json) {
   try {
@@ -308,7 +445,7 @@ TEST(WrapModel, PresetFromACheckpointKeepsTheOriginalModelsAttributes) {
   const auto ref = safetensors::load_file((dir / "reference.safetensors").string());
   optim::Adam adam(wrapped->pipe().optim_parameters(), optim::AdamConfig().set_lr(1e-2));
   wrapped->pipe().forward_backward(
-      model_input(ref, true), c10::IValue(),
+      model_input(ref), c10::IValue(),
       [](const c10::IValue& out, const c10::IValue&) { return out.toTensor(); });
   wrapped->pipe().step(adam);
   const auto out = reference_root() / "wrapped_saved";

@@ -1,7 +1,8 @@
 """Reference data from HuggingFace transformers for the native presets.
 
   hf_reference.py make OUT     tiny random Qwen3/Llama checkpoints saved by
-                               transformers, with inputs, logits, loss and
+                               transformers, with inputs (plain, right or left
+                               padded, packed documents), logits, loss and
                                parameter gradients (OUT/<case>/reference.safetensors)
   hf_reference.py check DIR REF
                                loads DIR (written by our save_pretrained) with
@@ -20,29 +21,50 @@ COMMON = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_la
 LLAMA31_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
                 "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                 "original_max_position_embeddings": 256}  # 3 bands: kept, smoothed, scaled
+# name: (config, model, config extras, input kind)
 CASES = {
-    "qwen3": (Qwen3Config, Qwen3ForCausalLM, dict(tie_word_embeddings=False), False),
-    "qwen3_tied_padded": (Qwen3Config, Qwen3ForCausalLM, dict(tie_word_embeddings=True), True),
-    "llama_padded": (LlamaConfig, LlamaForCausalLM, dict(tie_word_embeddings=False), True),
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM, dict(tie_word_embeddings=False), "plain"),
+    "qwen3_tied_padded": (Qwen3Config, Qwen3ForCausalLM, dict(tie_word_embeddings=True), "right"),
+    "llama_padded": (LlamaConfig, LlamaForCausalLM, dict(tie_word_embeddings=False), "right"),
     "llama31_tied": (LlamaConfig, LlamaForCausalLM,
-                     dict(tie_word_embeddings=True, rope_parameters=LLAMA31_ROPE), False),
+                     dict(tie_word_embeddings=True, rope_parameters=LLAMA31_ROPE), "plain"),
+    "qwen3_left_padded": (Qwen3Config, Qwen3ForCausalLM, dict(tie_word_embeddings=False), "left"),
+    "llama31_left_padded": (LlamaConfig, LlamaForCausalLM,
+                            dict(tie_word_embeddings=True, rope_parameters=LLAMA31_ROPE), "left"),
+    "qwen3_packed": (Qwen3Config, Qwen3ForCausalLM, dict(tie_word_embeddings=True), "packed"),
+    "llama_packed": (LlamaConfig, LlamaForCausalLM, dict(tie_word_embeddings=False), "packed"),
 }
+PACKED_DOCUMENTS = (5, 7, 1, 4)  # one row of 17 tokens, a one-token document among them
 
 
-def inputs(padded):
+def inputs(kind):
+    """input_ids, attention_mask (None: not passed), position_ids (None: not
+    passed) and labels (-100 on padding, and on each packed document's first
+    token, as DataCollatorWithFlattening sets them)."""
     gen = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, COMMON["vocab_size"], (3, 9), generator=gen)
-    mask = torch.ones(3, 9, dtype=torch.long)
-    if padded:  # right padding
+    if kind == "packed":
+        ids = torch.randint(0, COMMON["vocab_size"], (1, sum(PACKED_DOCUMENTS)), generator=gen)
+        positions = torch.cat([torch.arange(n) for n in PACKED_DOCUMENTS]).unsqueeze(0)
+        labels = ids.clone()
+        labels[positions == 0] = -100
+        return ids, None, positions, labels
+    rows = 4 if kind == "left" else 3
+    ids = torch.randint(0, COMMON["vocab_size"], (rows, 9), generator=gen)
+    mask = torch.ones(rows, 9, dtype=torch.long)
+    if kind == "right":
         mask[1, 6:] = 0
         mask[2, 4:] = 0
+    elif kind == "left":  # rows of 9, 6, 2 and 8 tokens
+        mask[1, :3] = 0
+        mask[2, :7] = 0
+        mask[3, :1] = 0
     labels = ids.clone()
     labels[mask == 0] = -100
-    return ids, mask, labels
+    return ids, (None if kind == "plain" else mask), None, labels
 
 
 def make(out):
-    for name, (config_class, model_class, extra, padded) in CASES.items():
+    for name, (config_class, model_class, extra, kind) in CASES.items():
         torch.manual_seed(0)
         config = config_class(**COMMON, **extra)
         model = model_class(config).float()
@@ -53,25 +75,31 @@ def make(out):
                     p.uniform_(0.5, 1.5)
         model.config._attn_implementation = "sdpa"
         model.save_pretrained(f"{out}/{name}", safe_serialization=True)
-        ids, mask, labels = inputs(padded)
-        res = model(input_ids=ids, attention_mask=mask if padded else None, labels=labels)
+        ids, mask, positions, labels = inputs(kind)
+        # Without a cache, as in training: only then does transformers keep
+        # packed documents apart.
+        res = model(input_ids=ids, attention_mask=mask, position_ids=positions, labels=labels,
+                    use_cache=False)
         res.loss.backward()
-        tensors = {"input_ids": ids, "attention_mask": mask, "labels": labels,
+        tensors = {"input_ids": ids, "labels": labels,
                    "logits": res.logits.detach().contiguous(), "loss": res.loss.detach().reshape(())}
+        if mask is not None:
+            tensors["attention_mask"] = mask
+        if positions is not None:
+            tensors["position_ids"] = positions
         for n, p in model.named_parameters():
             tensors["grad." + n] = p.grad.contiguous()
         save_file(tensors, f"{out}/{name}/reference.safetensors")
         with open(f"{out}/{name}/case.json", "w") as f:
-            json.dump({"padded": padded, "tied": extra.get("tie_word_embeddings", False)}, f)
+            json.dump({"kind": kind, "tied": extra.get("tie_word_embeddings", False)}, f)
 
 
 def check(directory, reference):
     ref = load_file(f"{reference}/reference.safetensors")
-    padded = json.load(open(f"{reference}/case.json"))["padded"]
     model = AutoModelForCausalLM.from_pretrained(directory, attn_implementation="sdpa").float()
     with torch.no_grad():
-        logits = model(input_ids=ref["input_ids"],
-                       attention_mask=ref["attention_mask"] if padded else None).logits
+        logits = model(input_ids=ref["input_ids"], attention_mask=ref.get("attention_mask"),
+                       position_ids=ref.get("position_ids"), use_cache=False).logits
     err = ((logits - ref["logits"]).abs().max() / ref["logits"].abs().max()).item()
     print(f"max relative logits error {err:.3e}")
     sys.exit(0 if err <= 1e-5 else 1)

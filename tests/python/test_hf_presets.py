@@ -1,6 +1,14 @@
 """HuggingFace Qwen3/Llama wrapped with the presets match transformers +
-PyTorch: losses, logits, gradients, and training (sync: step for step;
-async: against a one-step-delay oracle)."""
+PyTorch: losses, logits, gradients (with right and left padding and packed
+documents, the loss token-weighted over any number of microbatches), and
+training (sync: step for step; async: against a one-step-delay oracle).
+
+Tolerances: fp32 on both sides, the same products summed in another order
+(matmul blocking; attention over each sequence's own keys rather than a
+masked row of the batch; microbatch sums): a few ulps of each tensor's
+largest element, grown through 3 layers and the loss; TOL for the loss,
+1e-4 (scaled by the tensor's largest element, see assert_close) for
+gradients and logits."""
 import copy
 
 import pytest
@@ -27,12 +35,34 @@ def batch(seed=0, b=4, t=12, pad=False):
     return ids, mask, labels
 
 
-def hf_microbatch_loss(model, ids, mask, labels, n):
-    """The oracle for forward_backward: the sum of the microbatch mean losses."""
-    total = 0
-    for i, m, l in zip(ids.chunk(n), mask.chunk(n), labels.chunk(n)):
-        total = total + model(input_ids=i, attention_mask=m, labels=l).loss
-    return total
+def hf_loss(model, ids, mask, labels):
+    """The oracle for forward_backward: transformers on the whole batch (the
+    mean over all its labelled tokens), whatever the microbatch count."""
+    return model(input_ids=ids, attention_mask=mask, labels=labels).loss
+
+
+def masked_batch(kind, seed=0):
+    """Keyword inputs of a batch: rows of 12, 7, 3 and 10 tokens padded on the
+    right or on the left, or two rows of packed documents (position_ids
+    restarting at 0, no mask, the first label of each document -100, as
+    DataCollatorWithFlattening makes them)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 96, (4, 12), generator=g)
+    if kind == "packed":
+        documents = [[5, 3, 4], [2, 1, 6, 3]]
+        positions = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in documents])
+        labels = ids[:2].clone()
+        labels[positions == 0] = -100
+        return dict(input_ids=ids[:2], position_ids=positions, labels=labels)
+    mask = torch.ones(4, 12, dtype=torch.long)
+    for row, length in enumerate([12, 7, 3, 10]):
+        if kind == "right":
+            mask[row, length:] = 0
+        else:
+            mask[row, :12 - length] = 0
+    labels = ids.clone()
+    labels[mask == 0] = -100
+    return dict(input_ids=ids, attention_mask=mask, labels=labels)
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
@@ -47,7 +77,7 @@ def test_loss_and_gradients_match_transformers(devices, name, pad):
     ids, mask, labels = batch(pad=pad)
     loss = pipe.forward_backward(input_kwargs=dict(input_ids=ids, attention_mask=mask, labels=labels))
     pipe.synchronize()
-    expected = hf_microbatch_loss(oracle, ids, mask, labels, 2)
+    expected = hf_loss(oracle, ids, mask, labels)
     expected.backward()
     assert_close(loss, expected.detach(), TOL)
     ours = dict(hf.named_parameters())
@@ -98,7 +128,7 @@ def test_sync_training_matches_transformers_step_for_step(devices, name):
     expected = []
     for ids, mask, labels in data:
         opt.zero_grad()
-        loss = hf_microbatch_loss(oracle, ids, mask, labels, 2)
+        loss = hf_loss(oracle, ids, mask, labels)
         loss.backward()
         opt.step()
         expected.append(loss.item())
@@ -118,7 +148,7 @@ def test_async_training_is_one_step_stale(devices):
     for ids, mask, labels in data:
         reader = copy.deepcopy(oracle)
         reader.load_state_dict(previous)
-        loss = hf_microbatch_loss(reader, ids, mask, labels, 2)
+        loss = hf_loss(reader, ids, mask, labels)
         loss.backward()
         expected.append(loss.item())
         previous = copy.deepcopy(oracle.state_dict())
@@ -150,10 +180,92 @@ def test_preset_errors():
         wrap_model_to_roundpipe(torch.nn.Sequential(torch.nn.Linear(2, 2)), use_sequential_preset=True)
     pipe = wrap_model_to_roundpipe(hf)
     with pytest.raises(TypeError, match="does not take"):
-        pipe(torch.zeros(2, 4, dtype=torch.long), position_ids=torch.zeros(2, 4, dtype=torch.long))
+        pipe(torch.zeros(2, 4, dtype=torch.long), inputs_embeds=torch.zeros(2, 4, 32))
     with pytest.raises(TypeError, match="input_ids"):
         pipe(attention_mask=torch.ones(2, 4))
     mixed = tiny_qwen3()
     mixed.lm_head.to(torch.float64)
     with pytest.raises(ValueError, match="one parameter dtype"):
         wrap_model_to_roundpipe(mixed)
+
+
+def grads_close(hf, oracle):
+    ours = dict(hf.named_parameters())
+    for n, q in oracle.named_parameters():
+        assert ours[n].grad is not None, n
+        assert_close(ours[n].grad, q.grad, 1e-4)
+
+
+@pytest.mark.parametrize("name", ["qwen3", "llama-tied-rope-scaling"])
+@pytest.mark.parametrize("kind", ["right", "left", "packed"])
+@pytest.mark.parametrize("microbatches", [1, 2, 4])
+def test_padding_and_packing_match_transformers_for_any_microbatch_count(devices, name, kind, microbatches):
+    inputs = masked_batch(kind)
+    if microbatches > inputs["input_ids"].shape[0]:
+        pytest.skip("fewer rows than microbatches")
+    hf = MODELS[name]()
+    oracle = copy.deepcopy(hf)
+    pipe = wrap_model_to_roundpipe(hf, devices=devices,
+                                   model_run_config=RoundPipeRunConfig(num_microbatch=microbatches))
+    loss, out = pipe.forward_backward(input_kwargs=dict(inputs, return_logits=True), return_outputs=True)
+    pipe.synchronize()
+    expected = oracle(**inputs)
+    expected.loss.backward()
+    assert_close(loss, expected.loss.detach(), TOL)
+    assert_close(out.loss, loss, 0)  # the merged output carries the batch's loss, not a share's mean
+    keep = inputs["attention_mask"].bool() if "attention_mask" in inputs else slice(None)
+    assert_close(out.logits[keep], expected.logits.detach()[keep], 1e-4)
+    grads_close(hf, oracle)
+
+
+@pytest.mark.parametrize("kind", ["left", "packed"])
+def test_forward_with_autograd_is_token_weighted_too(kind):
+    inputs = masked_batch(kind)
+    hf = tiny_qwen3()
+    oracle = copy.deepcopy(hf)
+    pipe = wrap_model_to_roundpipe(hf, devices="sim:2", model_run_config=RoundPipeRunConfig(num_microbatch=2))
+    loss = pipe(**inputs).loss
+    loss.backward()
+    pipe.synchronize()
+    expected = oracle(**inputs).loss
+    expected.backward()
+    assert_close(loss.detach(), expected.detach(), TOL)
+    grads_close(hf, oracle)
+
+
+def test_microbatch_means_would_differ():
+    """The padded batch tells a token-weighted loss from a mean of
+    microbatch means (so the tests above can fail)."""
+    inputs = masked_batch("left")
+    hf = tiny_qwen3()
+    with torch.no_grad():
+        means = [hf(**{k: v[i:i + 2] for k, v in inputs.items()}).loss for i in (0, 2)]
+        whole = hf(**inputs).loss
+    assert abs(float(sum(means) / 2 - whole)) > 1e-3
+
+
+def test_an_all_ones_mask_is_no_mask():
+    hf = tiny_qwen3()
+    pipe = wrap_model_to_roundpipe(hf, devices="sim:1", return_logits=True)
+    ids, _, labels = batch()
+    with torch.no_grad():
+        plain = pipe(ids, labels=labels)
+        ones = pipe(ids, attention_mask=torch.ones_like(ids), labels=labels)
+        # position_ids 0..T-1 are the default: the same numbers too
+        positions = pipe(ids, labels=labels, position_ids=torch.arange(ids.shape[1]).unsqueeze(0))
+    for other in (ones, positions):
+        assert torch.equal(other.loss, plain.loss)
+        assert torch.equal(other.logits, plain.logits)
+
+
+def test_num_items_in_batch_is_taken_as_given():
+    """transformers' gradient-accumulation contract: the loss is the sum over
+    labelled tokens divided by num_items_in_batch."""
+    inputs = masked_batch("right")
+    hf = tiny_qwen3()
+    oracle = copy.deepcopy(hf)
+    pipe = wrap_model_to_roundpipe(hf, devices="sim:2", model_run_config=RoundPipeRunConfig(num_microbatch=2))
+    loss = pipe.forward_backward(input_kwargs=dict(inputs, num_items_in_batch=100))
+    with torch.no_grad():
+        expected = oracle(**inputs, num_items_in_batch=100).loss
+    assert_close(loss, expected, TOL)

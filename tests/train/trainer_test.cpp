@@ -1,7 +1,9 @@
 // roundpipe-train's loop end to end on simulated devices: the built-in task
-// is really learnt; resuming from a checkpoint continues exactly; datasets.
+// is really learnt; resuming from a checkpoint continues exactly; datasets;
+// packed rows keep documents apart and give the padded batch's loss.
 #include <gtest/gtest.h>
 #include <roundpipe/models/causal_lm.h>
+#include <roundpipe/roundpipe.h>
 #include <roundpipe/safetensors.h>
 #include <roundpipe/train/data.h>
 #include <roundpipe/train/trainer.h>
@@ -12,6 +14,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <numeric>
 #include <regex>
 #include <sstream>
 
@@ -311,6 +314,135 @@ TEST(TrainData, JsonlFormatsAndErrors) {
             std::string::npos);
   EXPECT_NE(error_of(R"({"text": 5})", 300).find("text must be a string"), std::string::npos);
   EXPECT_NE(error_of(R"([1, 2])", 300).find("must be a JSON object"), std::string::npos);
+}
+
+// Examples of 2..9 tokens with some labels ignored, distinct token ids.
+std::vector<train::Example> ragged_examples(int count) {
+  std::vector<train::Example> out;
+  int64_t id = 3;
+  for (int i = 0; i < count; ++i) {
+    train::Example ex;
+    for (int t = 0; t < 2 + (i * 5) % 8; ++t, ++id) {
+      ex.input_ids.push_back(id % 250 + 3);
+      ex.labels.push_back(t == 1 ? -100 : id % 250 + 3);  // a prompt token
+    }
+    out.push_back(ex);
+  }
+  return out;
+}
+
+TEST(TrainData, PackingKeepsDocumentsApart) {
+  const auto examples = ragged_examples(11);
+  std::vector<int64_t> order(examples.size());
+  std::iota(order.begin(), order.end(), 0);
+  const int64_t max_length = 12, min_rows = 3;
+  const auto batch = train::pack(examples, order, 0, 11, max_length, min_rows);
+  EXPECT_FALSE(batch.attention_mask.defined());
+  const int64_t rows = batch.input_ids.size(0), length = batch.input_ids.size(1);
+  EXPECT_GE(rows, min_rows);
+  EXPECT_LE(length, max_length);
+  const auto ids = batch.input_ids.accessor<int64_t, 2>();
+  const auto labels = batch.labels.accessor<int64_t, 2>();
+  const auto positions = batch.position_ids.accessor<int64_t, 2>();
+  // Walk each row's documents (a position 0 starts one): every example is
+  // found exactly once, whole, with its own labels except the first, which
+  // is -100 so that nothing is predicted across a document boundary.
+  std::vector<int> found(examples.size(), 0);
+  int64_t tokens = 0, loss_tokens = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t t = 0; t < length;) {
+      ASSERT_EQ(positions[r][t], 0) << "row " << r << " column " << t;
+      int64_t end = t + 1;
+      while (end < length && positions[r][end] == positions[r][end - 1] + 1) ++end;
+      EXPECT_EQ(labels[r][t], -100) << "the first label of a document";
+      if (ids[r][t] == train::ByteTokenizer::kPad) {  // the tail: padding only
+        EXPECT_EQ(end, length);
+        for (int64_t u = t; u < end; ++u) {
+          EXPECT_EQ(ids[r][u], train::ByteTokenizer::kPad);
+          EXPECT_EQ(labels[r][u], -100);
+        }
+      } else {
+        size_t match = 0;
+        while (match < examples.size() && examples[match].input_ids[0] != ids[r][t]) ++match;
+        ASSERT_LT(match, examples.size()) << "row " << r << " column " << t;
+        const auto& ex = examples[match];
+        ASSERT_EQ(static_cast<int64_t>(ex.input_ids.size()), end - t);
+        for (int64_t u = t + 1; u < end; ++u) {
+          EXPECT_EQ(ids[r][u], ex.input_ids[u - t]);
+          EXPECT_EQ(labels[r][u], ex.labels[u - t]);
+          loss_tokens += ex.labels[u - t] != -100;
+        }
+        ++found[match];
+        tokens += end - t;
+      }
+      t = end;
+    }
+  }
+  EXPECT_EQ(found, std::vector<int>(examples.size(), 1));
+  EXPECT_EQ(batch.tokens, tokens);
+  EXPECT_EQ(batch.loss_tokens, loss_tokens);
+  // The padded batch of the same examples counts the same labels.
+  EXPECT_EQ(train::collate(examples, order, 0, 11).loss_tokens, loss_tokens);
+  // Fewer examples than microbatches cannot fill a row each.
+  try {
+    train::pack(examples, order, 0, 2, max_length, 3);
+    ADD_FAILURE() << "packed 2 examples into 3 rows";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("--batch-size"), std::string::npos) << e.what();
+  }
+}
+
+// The model computes each packed document as it would alone: the packed
+// batch's loss and gradients are the padded batch's, through RoundPipe's
+// microbatches, both token-weighted over the whole batch.
+TEST(TrainData, PackedRowsGiveThePaddedBatchsLossAndGradients) {
+  const auto config = models::CausalLMConfig::from_json_file(std::string(ROUNDPIPE_SOURCE_DIR) +
+                                                             "/configs/qwen3-tiny/config.json");
+  const auto examples = ragged_examples(9);
+  std::vector<int64_t> order(examples.size());
+  std::iota(order.begin(), order.end(), 0);
+  auto run = [&](const train::Batch& batch) {
+    torch::manual_seed(5);
+    models::CausalLM model(config);
+    RoundPipe pipe(model.sequential(), RoundPipeOptions().set_devices("sim:2"));
+    models::CausalLMInput in;
+    in.input_ids = batch.input_ids;
+    in.attention_mask = batch.attention_mask;
+    in.position_ids = batch.position_ids;
+    in.labels = batch.labels;
+    in.num_items_in_batch = static_cast<double>(batch.loss_tokens);
+    auto result = pipe.forward_backward(
+        in.to_ivalue(), c10::IValue(),
+        [](const c10::IValue& out, const c10::IValue&) { return out.toTensor(); }, false,
+        RunConfig().set_num_microbatch(3));
+    pipe.synchronize();
+    std::vector<at::Tensor> grads;
+    for (const auto& p : model.sequential()->parameters()) grads.push_back(p.grad().clone());
+    return std::make_pair(result.loss, grads);
+  };
+  const auto [padded_loss, padded] = run(train::collate(examples, order, 0, 9));
+  const auto [packed_loss, packed] = run(train::pack(examples, order, 0, 9, 16, 3));
+  // fp32, the same sums in another order (rows and microbatches differ).
+  EXPECT_TENSOR_NEAR(packed_loss, padded_loss, 1e-5, "loss");
+  ASSERT_EQ(packed.size(), padded.size());
+  for (size_t i = 0; i < packed.size(); ++i)
+    EXPECT_TENSOR_NEAR(packed[i], padded[i], 1e-4, "gradient " << i);
+}
+
+// roundpipe-train with and without packing: the same examples per step and
+// a token-weighted loss over the microbatches, so the same first loss.
+TEST(Trainer, PackingDoesNotChangeTheLoss) {
+  auto run = [&](bool packing) {
+    auto o = tiny(packing ? "packed" : "padded");
+    o.steps = 1;
+    o.batch_size = 16;
+    o.log_every = 1;
+    o.eval_examples = 0;
+    o.packing = packing;
+    return train::run_training(o).first_loss;
+  };
+  const double packed = run(true), padded = run(false);
+  EXPECT_NEAR(packed, padded, 1e-5 * std::abs(padded));
 }
 
 TEST(TrainData, TasksAreDeterministicAndCorrect) {

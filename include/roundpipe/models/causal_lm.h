@@ -1,19 +1,40 @@
 // Native Qwen3 and Llama (3.x) causal LMs, organised the way RoundPipe
-// schedules best: an input adapter (embedding, rotary cos/sin, masks), one
-// layer per decoder block, and an output adapter (final norm, lm_head, loss).
+// schedules best: an input adapter (embedding, rotary cos/sin, the
+// attention layout), one layer per decoder block, and an output adapter
+// (final norm, lm_head, loss).
 //
-// The model's input is a tensor of token ids [batch, seq] or a tuple
-// (input_ids, attention_mask or None, labels or None[, return_logits]), the
-// optional bool overriding CausalLMOptions::return_logits for that call;
-// labels use -100 for
-// ignored positions and are shifted inside, as in HuggingFace. The output is
-// the mean loss over the labelled tokens when labels are given (computed
-// without materialising the [tokens, vocab] logits unless return_logits),
-// else the logits; with labels and return_logits, a tuple (loss, logits).
+// The model's input is a tensor of token ids [batch, seq] or the tuple
+// (input_ids, attention_mask, labels, return_logits, position_ids,
+// num_items_in_batch), each element after input_ids None or left out when
+// not given (CausalLMInput::to_ivalue() builds it; the older 3- and
+// 4-element tuples are this tuple's prefixes):
+// - attention_mask [batch, seq]: 1 = token, 0 = padding (left, right or
+//   anywhere). An all-ones mask is the same as none.
+// - labels: -100 for ignored positions, shifted inside, as in HuggingFace.
+// - return_logits (bool): overrides CausalLMOptions::return_logits.
+// - position_ids [batch or 1, seq]: the rotary positions (default 0..seq-1
+//   in every row, left padding included, as transformers). Without a mask,
+//   positions that do not follow on (restarting at 0) separate packed
+//   documents, which do not attend to each other (transformers'
+//   DataCollatorWithFlattening convention; transformers itself keeps them
+//   apart only without a cache, use_cache=False, as in training).
+// - num_items_in_batch (number): the loss is the sum over the labelled
+//   tokens divided by it; default: this input's own labelled-token count
+//   (a mean). See count_loss_tokens for token-weighted microbatches.
+// Padded and packed inputs never build a [seq, seq] mask: attention runs
+// over variable-length sequences (flash attention on CUDA), and padding
+// positions get a zero attention output (transformers' flash_attention_2
+// does the same; its sdpa path differs there, in the logits at padding
+// positions only).
+// The output is the loss when labels are given (computed without
+// materialising the [tokens, vocab] logits unless return_logits), else the
+// logits; with labels and return_logits, a tuple (loss, logits).
 #pragma once
 
+#include <ATen/core/ivalue.h>
 #include <torch/nn/modules/container/sequential.h>
 
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -60,6 +81,29 @@ struct CausalLMOptions {
   }
 };
 
+// The model's input (see the top of this file).
+struct CausalLMInput {
+  at::Tensor input_ids;
+  at::Tensor attention_mask;  // undefined: none
+  at::Tensor labels;          // undefined: none (the output is the logits)
+  at::Tensor position_ids;    // undefined: 0..seq-1
+  std::optional<bool> return_logits;
+  std::optional<double> num_items_in_batch;
+  c10::IValue to_ivalue() const;
+};
+
+// The number of labels the loss counts: labels[:, 1:] != -100 (labels
+// shift left by one inside the model).
+//
+// Token-weighted microbatches: RoundPipe splits a batch into microbatches
+// and forward_backward SUMS their losses, so give num_items_in_batch =
+// count_loss_tokens(the whole batch's labels): each microbatch's loss is
+// then its share and the sum is the whole batch's mean, with its gradients,
+// for any num_microbatch. forward() AVERAGES 0-dim outputs over the
+// microbatches instead: there give count_loss_tokens(labels) /
+// num_microbatch.
+int64_t count_loss_tokens(const at::Tensor& labels);
+
 class CausalLM {
  public:
   // A randomly initialised model of this config.
@@ -92,10 +136,12 @@ class CausalLM {
 // (model.safetensors, model-00001-of-00002.safetensors, the index).
 bool is_weight_file(const std::string& name);
 
-// Mean cross-entropy of (hidden @ weight^T) against labels (ignore -100),
-// chunked over tokens so the [tokens, vocab] logits never exist whole, in
-// forward or backward. hidden [N, D], weight [V, D], labels [N].
+// Cross-entropy of (hidden @ weight^T) against labels (ignore -100), summed
+// and divided by `divisor` (default: the number of labelled tokens, a
+// mean), chunked over tokens so the [tokens, vocab] logits never exist
+// whole, in forward or backward. hidden [N, D], weight [V, D], labels [N].
 at::Tensor chunked_linear_cross_entropy(const at::Tensor& hidden, const at::Tensor& weight,
-                                        const at::Tensor& labels, int64_t chunk_tokens);
+                                        const at::Tensor& labels, int64_t chunk_tokens,
+                                        std::optional<double> divisor = std::nullopt);
 
 }  // namespace roundpipe::models

@@ -36,12 +36,26 @@ std::vector<Example> addition_task(int64_t count, int digits, uint64_t seed);
 // "abcde|edcba": reverse a random word of `length` letters from a..j.
 std::vector<Example> reversal_task(int64_t count, int length, uint64_t seed);
 
+// Rows of examples, [rows, length]: either one example a row, right padded
+// (attention_mask set), or packed (position_ids set, no mask).
 struct Batch {
-  at::Tensor input_ids, attention_mask, labels;  // [batch, length], right padded
-  int64_t tokens = 0;                            // non-pad tokens
+  at::Tensor input_ids, attention_mask, labels, position_ids;
+  int64_t tokens = 0;       // non-pad tokens
+  int64_t loss_tokens = 0;  // labels the loss counts (models::count_loss_tokens)
 };
+// Examples order[begin .. begin + count) (wrapping around), one a row.
 Batch collate(const std::vector<Example>& examples, const std::vector<int64_t>& order,
               int64_t begin, int64_t count);
+// The same examples packed into rows of at most max_length tokens and at
+// least min_rows rows (so that every microbatch gets a row): longest
+// first, each into the row holding the fewest tokens it fits in, so rows
+// come out about equally long. In a row, each document's position_ids
+// restart at 0 and its first label is -100 (no label crosses from one
+// document into the next); the tail padding is one more document of pad
+// tokens, labels -100. The model then computes each document as it would
+// alone, without a mask (transformers' DataCollatorWithFlattening form).
+Batch pack(const std::vector<Example>& examples, const std::vector<int64_t>& order, int64_t begin,
+           int64_t count, int64_t max_length, int64_t min_rows);
 
 // Exact-match accuracy of greedy answers on a task of fixed-length prompts
 // and answers (addition, reversal); `logits` maps input_ids [batch, length]

@@ -20,6 +20,10 @@ struct TrainOptions {
   int microbatches = 0, digits = 2, length = 4;
   double lr = 3e-4, weight_decay = 0.01;
   bool resume = false, sync_step = false;
+  // Pack a step's examples into rows (train::pack) instead of one padded
+  // example a row (train::collate); either way the loss is the mean over
+  // the step's labelled tokens.
+  bool packing = true;
   // Replace a model already in `output` and a training checkpoint of an
   // earlier run (without it, either is an error before training starts).
   bool overwrite = false;
