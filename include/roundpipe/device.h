@@ -42,7 +42,8 @@ using EventPtr = std::shared_ptr<Event>;
 using HostAllocator = std::function<at::Tensor(at::IntArrayRef sizes, at::ScalarType dtype)>;
 
 struct DeviceMemoryStats {
-  int64_t budget_bytes = 0;  // what the device may hold (0: unlimited)
+  int64_t budget_bytes = 0;  // what this process may hold there (0: unlimited; CUDA: capped by
+                             // the per-process memory fraction, less what others hold)
   int64_t in_use_bytes = 0;  // tracked device tensors alive now
   int64_t peak_bytes = 0;
 };

@@ -28,7 +28,10 @@ struct RunConfig {
   std::optional<bool> requires_grad;              // default: autograd grad mode
   std::optional<c10::Device> output_device;       // default: CPU
   std::optional<bool> preserve_rng_state;         // default: true
-  std::optional<RecomputeGrain> recompute_grain;  // default: stage
+  // Unset: the automatic plan chooses (layer grain until the layers' kept
+  // activations are measured, then stage grain where it fits); with an
+  // execute_plan of the caller's, stage.
+  std::optional<RecomputeGrain> recompute_grain;
   std::optional<int> num_microbatch;              // default: number of devices + 1
   std::optional<SplitFn> split_input;             // default: split_microbatches()
   std::optional<SplitFn> split_label;             // default: split_microbatches()

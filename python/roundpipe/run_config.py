@@ -15,7 +15,9 @@ class RoundPipeRunConfig:
     - requires_grad: connect outputs to autograd (default: torch grad mode)
     - output_device: where merged outputs go (default: CPU)
     - preserve_rng_state: replay dropout exactly in recompute (default: True)
-    - recompute_grain: "stage" (default) or "layer" (less device memory)
+    - recompute_grain: "stage" or "layer" (less device memory); None: the
+      automatic plan chooses (layer until activations are measured, then
+      stage where it fits)
     - num_microbatch: microbatches per call (default: number of devices + 1)
     - split_input: f(args, kwargs, n) -> list of n (args, kwargs) pairs
     - split_label: f(label, n) -> list of n labels

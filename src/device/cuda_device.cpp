@@ -7,6 +7,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
+#include <algorithm>
 #include <array>
 #include <condition_variable>
 #include <deque>
@@ -179,7 +180,20 @@ class CudaDevice final : public Device {
     }
     const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(index_);
     const auto& all = stats.allocated_bytes[0];
-    return {static_cast<int64_t>(total_bytes), all.current, all.peak};
+    // What this process may hold: the device's memory, capped by the
+    // caching allocator's per-process fraction if one is set
+    // (torch.cuda.set_per_process_memory_fraction), less what other
+    // processes and the driver hold (everything in use that our allocator
+    // has not reserved). A 24 GiB card and a big card capped to 24 GiB
+    // give the same budget.
+    const int64_t total = static_cast<int64_t>(total_bytes);
+    const int64_t reserved = stats.reserved_bytes[0].current;
+    const double fraction = c10::cuda::CUDACachingAllocator::getMemoryFraction(index_);
+    const int64_t cap = fraction > 0 && fraction < 1
+                            ? static_cast<int64_t>(fraction * static_cast<double>(total))
+                            : total;
+    const int64_t budget = std::min(cap, static_cast<int64_t>(free_bytes) + reserved);
+    return {budget, all.current, all.peak};
   }
   bool supports_pinned_memory() const override { return true; }
 

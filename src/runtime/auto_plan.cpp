@@ -89,17 +89,37 @@ PlanEstimate AutoPlan::estimate(bool fused, int num_microbatches, int min_stages
   return plan_stages(timings_.costs(bytes, grad_bytes), request);
 }
 
-ExecutePlan AutoPlan::for_call(bool fused, int n, RecomputeGrain grain) {
+// Note [Automatic grain]
+// Where the caller sets no recompute_grain, the plan chooses it. Until
+// every layer's kept activations are measured, the planner cannot tell
+// what a stage-grain backward stage (or fused tail) holds: it may be many
+// times its parameters (a 29-layer tail of a 1.7B model over 16K tokens
+// keeps ~37 GB), so calls run in layer grain, which holds one layer's
+// activations at a time. Once measured, stage grain is taken where its plan
+// fits the limit and is predicted no slower; else layer grain.
+AutoPlan::CallPlan AutoPlan::for_call(bool fused, int n, std::optional<RecomputeGrain> grain) {
   // Read before planning: timings that complete in between make this log
   // say "bytes" once more, and the next call logs the measured plan.
   const bool measured = timings_.complete();
-  auto plan = estimate(fused, n, 0, std::nullopt, grain);
+  RecomputeGrain chosen = grain.value_or(RecomputeGrain::kLayer);
+  auto plan = estimate(fused, n, 0, std::nullopt, chosen);
+  if (!grain && measured && all_layers_meterable_) {
+    try {
+      auto stage = estimate(fused, n, 0, std::nullopt, RecomputeGrain::kStage);
+      if (stage.iteration <= plan.iteration) {
+        plan = std::move(stage);
+        chosen = RecomputeGrain::kStage;
+      }
+    } catch (const c10::Error&) {
+      // No stage-grain plan fits the limit: layer grain.
+    }
+  }
   {
     std::lock_guard<std::mutex> lock(mu_);
-    plans_in_use_[PlanKey{fused, n, grain}] = plan.plan;
+    plans_in_use_[PlanKey{fused, n, chosen}] = plan.plan;
   }
   if (options_.verbose) log(fused, n, measured, plan);
-  return plan.plan;
+  return {plan.plan, chosen};
 }
 
 void AutoPlan::log(bool fused, int n, bool measured, const PlanEstimate& estimate) {

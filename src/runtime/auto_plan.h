@@ -38,9 +38,15 @@ class AutoPlan {
   // `num_microbatches` in `grain`.
   PlanEstimate estimate(bool fused, int num_microbatches, int min_stages,
                         std::optional<double> memory_limit_gib, RecomputeGrain grain) const;
-  // The plan of a call that brings none: the plan in use for (fused,
-  // microbatches, grain) unless a new one is clearly faster.
-  ExecutePlan for_call(bool fused, int num_microbatches, RecomputeGrain grain);
+  // The plan of a call that brings none, and the grain it runs in: `grain`
+  // if the caller chose one, else the plan's choice (Note [Automatic
+  // grain]). The plan in use for (fused, microbatches, grain) stays unless
+  // a new one is clearly faster.
+  struct CallPlan {
+    ExecutePlan plan;
+    RecomputeGrain grain;
+  };
+  CallPlan for_call(bool fused, int num_microbatches, std::optional<RecomputeGrain> grain);
   // Host-to-device bytes per second (0: the probe failed; uploads count as free).
   double upload_bytes_per_second() const { return upload_bytes_per_second_; }
 

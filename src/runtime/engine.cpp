@@ -108,8 +108,10 @@ PlanEstimate Engine::auto_plan(bool fused, int num_microbatches, int min_stages,
 }
 
 ExecutePlan Engine::default_plan(bool fused) {
-  return auto_plan_.for_call(
-      fused, options_.model_run_config.num_microbatch.value_or(pool_.size() + 1), default_grain());
+  return auto_plan_
+      .for_call(fused, options_.model_run_config.num_microbatch.value_or(pool_.size() + 1),
+                options_.model_run_config.recompute_grain)
+      .plan;
 }
 
 // ---------------------------------------------------------------- calls
@@ -148,6 +150,8 @@ std::shared_ptr<CallState> Engine::start_call(const c10::IValue& input, const Ru
   call->wakers.push_back([this] { commits_.wake(); });
   call->wakers.push_back([this] { grads_.wake(); });
   call->wakers.push_back([this] { weights_.wake(); });
+  // The caller's grain, if any: else the automatic plan chooses it.
+  const auto asked_grain = config.overriding(options_.model_run_config).recompute_grain;
   call->config = resolve(config);
   call->fused = kind == CallKind::kForwardBackward;
   call->training = kind != CallKind::kForward;
@@ -160,8 +164,14 @@ std::shared_ptr<CallState> Engine::start_call(const c10::IValue& input, const Ru
                   static_cast<long long>(call->id), ms_since(start),
                   static_cast<long long>(call->weights_version));
   TORCH_CHECK(call->n >= 1, name_, ": num_microbatch must be at least 1, got ", call->n);
-  call->plan = call->config.execute_plan ? *call->config.execute_plan
-                                         : auto_plan_.for_call(call->fused, call->n, call->grain);
+  if (call->config.execute_plan) {
+    call->plan = *call->config.execute_plan;
+  } else {
+    auto chosen = auto_plan_.for_call(call->fused, call->n, asked_grain);
+    call->plan = std::move(chosen.plan);
+    call->grain = chosen.grain;
+    call->config.recompute_grain = chosen.grain;
+  }
   call->plan.validate(num_layers(), call->fused);
   const auto microbatches = call->split_input(input, name_);
   if (call->preserve_rng) call->call_seed = draw_call_seed(*pool_.at(0));

@@ -483,3 +483,51 @@ INSTANTIATE_TEST_SUITE_P(Backends, ReplicatedTailTest, ::testing::ValuesIn(backe
 
 }  // namespace
 }  // namespace roundpipe::testing
+
+namespace roundpipe::testing {
+namespace {
+
+// Counts the forwards that run with grad outside a recompute: in the fused
+// tail, every layer's in stage grain, only the last one's in layer grain
+// (the others run without grad, then are recomputed).
+std::atomic<int> grad_forwards{0};
+struct GradProbeImpl : torch::nn::Cloneable<GradProbeImpl> {
+  torch::nn::Linear inner{nullptr};
+  GradProbeImpl() { reset(); }
+  void reset() override { inner = register_module("inner", torch::nn::Linear(4, 4)); }
+  at::Tensor forward(const at::Tensor& x) {
+    if (c10::GradMode::is_enabled() && !doing_recompute()) ++grad_forwards;
+    return inner(x);
+  }
+};
+TORCH_MODULE(GradProbe);
+
+// Note [Automatic grain]: without a grain of the caller's, calls run in
+// layer grain until the layers' activations are measured, then in stage
+// grain where it fits (a simulated device without a budget: always).
+TEST(AutomaticGrain, LayerGrainUntilActivationsAreMeasuredThenStageGrainWhereItFits) {
+  torch::manual_seed(0);
+  torch::nn::Sequential m{GradProbe(), GradProbe(), GradProbe()};
+  RoundPipe pipe(m, RoundPipeOptions().set_devices("sim:1"));
+  const int n = 2;
+  const auto x = at::randn({4, 4}), y = at::randn({4, 4});
+  auto grad_forwards_of_one_call = [&](const RunConfig& config) {
+    grad_forwards = 0;
+    pipe.forward_backward(x, y, mse_loss, false, config);
+    pipe.synchronize();
+    return grad_forwards.load();
+  };
+  const auto config = RunConfig().set_num_microbatch(n);
+  EXPECT_EQ(grad_forwards_of_one_call(config), n) << "the first call runs in layer grain";
+  int last = 0;
+  for (int call = 0; call < 4; ++call) last = grad_forwards_of_one_call(config);
+  const auto plan = pipe.default_plan(true);
+  ASSERT_GE(plan.backward.at(0).size(), 2) << plan.to_string();
+  EXPECT_EQ(last, plan.backward.at(0).size() * n) << "measured: stage grain, " << plan.to_string();
+  // A grain the caller sets is kept.
+  const auto layer = RunConfig().set_num_microbatch(n).set_recompute_grain(RecomputeGrain::kLayer);
+  EXPECT_EQ(grad_forwards_of_one_call(layer), n);
+}
+
+}  // namespace
+}  // namespace roundpipe::testing
