@@ -97,15 +97,14 @@ PlanEstimate AutoPlan::estimate(bool fused, int num_microbatches, int min_stages
 // keeps ~37 GB), so calls run in layer grain, which holds one layer's
 // activations at a time. Once measured, stage grain is taken where its plan
 // fits the limit and is predicted no slower; else layer grain.
-AutoPlan::CallPlan AutoPlan::for_call(bool fused, int n, std::optional<RecomputeGrain> grain) {
-  // Read before planning: timings that complete in between make this log
-  // say "bytes" once more, and the next call logs the measured plan.
-  const bool measured = timings_.complete();
+AutoPlan::Choice AutoPlan::choose(bool fused, int n, int min_stages,
+                                  std::optional<double> memory_limit_gib,
+                                  std::optional<RecomputeGrain> grain) const {
   RecomputeGrain chosen = grain.value_or(RecomputeGrain::kLayer);
-  auto plan = estimate(fused, n, 0, std::nullopt, chosen);
-  if (!grain && measured && all_layers_meterable_) {
+  auto plan = estimate(fused, n, min_stages, memory_limit_gib, chosen);
+  if (!grain && timings_.complete() && all_layers_meterable_) {
     try {
-      auto stage = estimate(fused, n, 0, std::nullopt, RecomputeGrain::kStage);
+      auto stage = estimate(fused, n, min_stages, memory_limit_gib, RecomputeGrain::kStage);
       if (stage.iteration <= plan.iteration) {
         plan = std::move(stage);
         chosen = RecomputeGrain::kStage;
@@ -114,6 +113,14 @@ AutoPlan::CallPlan AutoPlan::for_call(bool fused, int n, std::optional<Recompute
       // No stage-grain plan fits the limit: layer grain.
     }
   }
+  return {std::move(plan), chosen};
+}
+
+AutoPlan::CallPlan AutoPlan::for_call(bool fused, int n, std::optional<RecomputeGrain> grain) {
+  // Read before planning: timings that complete in between make this log
+  // say "bytes" once more, and the next call logs the measured plan.
+  const bool measured = timings_.complete();
+  auto [plan, chosen] = choose(fused, n, 0, std::nullopt, grain);
   {
     std::lock_guard<std::mutex> lock(mu_);
     plans_in_use_[PlanKey{fused, n, chosen}] = plan.plan;

@@ -47,6 +47,14 @@ class AutoPlan {
     RecomputeGrain grain;
   };
   CallPlan for_call(bool fused, int num_microbatches, std::optional<RecomputeGrain> grain);
+  // The estimate for_call's choice rests on (without the plan cache's
+  // bias to the plan in use unless unconstrained), and the grain chosen.
+  struct Choice {
+    PlanEstimate estimate;
+    RecomputeGrain grain;
+  };
+  Choice choose(bool fused, int num_microbatches, int min_stages,
+                std::optional<double> memory_limit_gib, std::optional<RecomputeGrain> grain) const;
   // Host-to-device bytes per second (0: the probe failed; uploads count as free).
   double upload_bytes_per_second() const { return upload_bytes_per_second_; }
 

@@ -103,8 +103,10 @@ std::vector<std::pair<std::string, at::Tensor>> Engine::optim_named_parameters()
 PlanEstimate Engine::auto_plan(bool fused, int num_microbatches, int min_stages,
                                std::optional<double> memory_limit_gib,
                                std::optional<RecomputeGrain> grain) const {
-  return auto_plan_.estimate(fused, num_microbatches, min_stages, memory_limit_gib,
-                             grain.value_or(default_grain()));
+  return auto_plan_
+      .choose(fused, num_microbatches, min_stages, memory_limit_gib,
+              grain ? grain : options_.model_run_config.recompute_grain)
+      .estimate;
 }
 
 ExecutePlan Engine::default_plan(bool fused) {

@@ -67,7 +67,8 @@ class Engine {
   ExecutePlan default_plan(bool fused);
   // The automatic plan with its predicted stage times and memory, under
   // model_memory_limit (default: what the smallest device had left when the
-  // engine was made), for calls in `grain` (default: the model's).
+  // engine was made), for calls in `grain` (default: the model's, else the
+  // automatic choice of its calls).
   PlanEstimate auto_plan(bool fused, int num_microbatches, int min_stages,
                          std::optional<double> memory_limit_gib,
                          std::optional<RecomputeGrain> grain = std::nullopt) const;
@@ -76,9 +77,6 @@ class Engine {
   PipelineStats pipeline_stats() const { return stats_.snapshot(); }
 
  private:
-  RecomputeGrain default_grain() const {
-    return options_.model_run_config.recompute_grain.value_or(RecomputeGrain::kStage);
-  }
   RunConfig resolve(const RunConfig& config) const;
   // Refuses a blocking call (`what`) made from one of this engine's own
   // threads, which it would wait for forever (Note [Calls from engine threads]).

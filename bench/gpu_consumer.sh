@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# On the GPU machine, in one call: pip-install the Python package from source
+# (as gpu_python.sh does), check padded and packed batches against
+# transformers on CUDA (gpu_masks.py), then run bench/consumer_bench.py on
+# the configurations of issue 16, each in its own process with its own
+# memory cap, and the GPU-resident transformers run of the same 1.7B shape
+# (no cap). RUNS overrides the list ("SHAPE CAP BATCH SEQ MASK;..."). Logs go
+# to $OUT (or ./bench-out).
+set -uo pipefail
+out="${OUT:-$PWD/bench-out}"; mkdir -p "$out"
+py=python3
+$py -m pip install -q --no-index --find-links .deps/wheels "scikit-build-core>=0.10" 2>&1 | tail -2
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$out/machine.txt"
+SECONDS=0
+JOBS=16 PYTHON=$py scripts/install_python.sh > "$out/pip_install.log" 2>&1 || { tail -20 "$out/pip_install.log"; exit 1; }
+echo "installed after ${SECONDS}s"
+[ -z "${SKIP_MASKS:-}" ] && timeout 200 $py bench/gpu_masks.py "${TOKENS:-32768}" 2>&1 | tee "$out/gpu_masks.log"
+runs="${RUNS:-1.7B 24 16 4096 ones;1.7B 12 16 4096 ones;4B 24 16 4096 ones;llama3-3B 24 16 4096 ones;1.7B 0 16 4096 ones;1.7B 24 1 65536 ones}"
+IFS=';' read -ra list <<< "$runs"
+for run in "${list[@]}"; do
+  timeout "${RUN_TIMEOUT:-120}" $py bench/consumer_bench.py $run "${STEPS:-6}" 2>&1 | tee -a "$out/consumer.log" | grep -v "^  " | tail -3
+  echo "  (exit ${PIPESTATUS[0]}, ${SECONDS}s)"
+done
+[ -n "${HF:-}" ] && timeout 150 $py bench/hf_resident_train.py 1.7B 16 4096 4 5 float16 2>&1 | tail -2 | tee "$out/hf_resident.log"
+echo "total ${SECONDS}s"
