@@ -66,7 +66,14 @@ PlanEstimate AutoPlan::estimate(bool fused, int num_microbatches, int min_stages
   request.num_devices = pool_.size();
   request.fused = fused;
   request.num_microbatches = num_microbatches;
-  request.min_stages = min_stages;
+  // After an out-of-memory redo (Note [Out-of-memory redo]) the plans of
+  // calls are smaller; an estimate the caller constrains is not.
+  Shrink shrink;
+  if (!memory_limit_gib && min_stages == 0) {
+    std::lock_guard<std::mutex> lock(mu_);
+    shrink = shrink_;
+  }
+  request.min_stages = std::max(min_stages, shrink.min_stages);
   if (!memory_limit_gib) memory_limit_gib = options_.model_memory_limit_gib;
   if (memory_limit_gib) {
     TORCH_CHECK(*memory_limit_gib > 0, name_, ": model_memory_limit must be positive (GiB), got ",
@@ -75,6 +82,8 @@ PlanEstimate AutoPlan::estimate(bool fused, int num_microbatches, int min_stages
   } else {
     request.memory_limit_bytes = default_memory_limit_bytes_;
   }
+  request.memory_limit_bytes =
+      static_cast<int64_t>(static_cast<double>(request.memory_limit_bytes) * shrink.limit_scale);
   request.layer_grain = grain == RecomputeGrain::kLayer;
   // Measured times once every layer has them (with the measured upload
   // rate, in the same unit), else bytes stand in. Until what layers keep
@@ -102,7 +111,12 @@ AutoPlan::Choice AutoPlan::choose(bool fused, int n, int min_stages,
                                   std::optional<RecomputeGrain> grain) const {
   RecomputeGrain chosen = grain.value_or(RecomputeGrain::kLayer);
   auto plan = estimate(fused, n, min_stages, memory_limit_gib, chosen);
-  if (!grain && timings_.complete() && all_layers_meterable_) {
+  bool layer_grain_only = false;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    layer_grain_only = shrink_.layer_grain_only;
+  }
+  if (!grain && !layer_grain_only && timings_.complete() && all_layers_meterable_) {
     try {
       auto stage = estimate(fused, n, min_stages, memory_limit_gib, RecomputeGrain::kStage);
       if (stage.iteration <= plan.iteration) {
@@ -127,6 +141,32 @@ AutoPlan::CallPlan AutoPlan::for_call(bool fused, int n, std::optional<Recompute
   }
   if (options_.verbose) log(fused, n, measured, plan);
   return {plan.plan, chosen};
+}
+
+// Note [Out-of-memory redo]
+// A device that runs out of memory during a call fails the call with an
+// out-of-memory StageError. Where the engine chose the plan, it undoes what
+// the failed call did (its gradients are dropped, the buffers its forward
+// stages committed are restored from the snapshot taken before its first
+// microbatch), makes later plans smaller, and runs the call again with the
+// failed call's seed and weight version: the random streams, loss,
+// gradients and buffer updates are those of a call that never failed, and
+// nothing is applied twice (no optimizer step runs in between). Smaller
+// means, in turn: layer grain where the plan chose stage grain; then a
+// memory limit three quarters of the last (or, without a limit, one stage
+// more), until plan_stages() finds no plan and names the smallest limit
+// that would fit. The shrink stays for later calls.
+void AutoPlan::shrink_after_out_of_memory(const ExecutePlan& failed, RecomputeGrain grain,
+                                          bool grain_chosen) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (grain_chosen && grain == RecomputeGrain::kStage && !shrink_.layer_grain_only) {
+    shrink_.layer_grain_only = true;
+  } else if (default_memory_limit_bytes_ > 0 || options_.model_memory_limit_gib) {
+    shrink_.limit_scale *= 0.75;
+  } else {
+    shrink_.min_stages = static_cast<int>(failed.forward.size() + failed.backward.size()) + 1;
+  }
+  plans_in_use_.clear();  // the plans in use are what ran out of memory
 }
 
 void AutoPlan::log(bool fused, int n, bool measured, const PlanEstimate& estimate) {

@@ -55,6 +55,10 @@ class AutoPlan {
   };
   Choice choose(bool fused, int num_microbatches, int min_stages,
                 std::optional<double> memory_limit_gib, std::optional<RecomputeGrain> grain) const;
+  // A call on `failed` in `grain` (chosen by this plan or not) ran out of
+  // memory: later plans are smaller (Note [Out-of-memory redo]).
+  void shrink_after_out_of_memory(const ExecutePlan& failed, RecomputeGrain grain,
+                                  bool grain_chosen);
   // Host-to-device bytes per second (0: the probe failed; uploads count as free).
   double upload_bytes_per_second() const { return upload_bytes_per_second_; }
 
@@ -76,6 +80,13 @@ class AutoPlan {
   using PlanKey = std::tuple<bool, int, RecomputeGrain>;  // fused, microbatches, grain
   std::map<PlanKey, ExecutePlan> plans_in_use_;
   std::string logged_plans_[2];  // verbose: the last plan logged (forward, fused)
+  // How much smaller plans are after calls ran out of memory.
+  struct Shrink {
+    bool layer_grain_only = false;
+    double limit_scale = 1.0;
+    int min_stages = 0;
+  };
+  Shrink shrink_;
 };
 
 }  // namespace roundpipe::detail

@@ -53,6 +53,7 @@ struct CallState {
   bool fused = false;
   bool training = false;
   RecomputeGrain grain = RecomputeGrain::kStage;
+  bool grain_chosen = false;  // by the automatic plan, not the caller
   bool preserve_rng = true;
   uint64_t call_seed = 0;
 

@@ -143,7 +143,7 @@ RunConfig Engine::resolve(const RunConfig& config) const {
 }
 
 std::shared_ptr<CallState> Engine::start_call(const c10::IValue& input, const RunConfig& config,
-                                              CallKind kind) {
+                                              CallKind kind, const CallState* redo_of) {
   const auto start = std::chrono::steady_clock::now();
   check_earlier_calls();
   stats_.add_since(&PipelineStats::call_start_wait_seconds, start);
@@ -160,7 +160,7 @@ std::shared_ptr<CallState> Engine::start_call(const c10::IValue& input, const Ru
   call->n = *call->config.num_microbatch;
   call->grain = *call->config.recompute_grain;
   call->preserve_rng = *call->config.preserve_rng_state;
-  call->weights_version = optimizer_.version_for_new_calls();
+  call->weights_version = redo_of ? redo_of->weights_version : optimizer_.version_for_new_calls();
   call->id = calls_started_++;
   ROUNDPIPE_TRACE("call %lld: starts after %.1f ms waiting for earlier calls, reads weights v%lld",
                   static_cast<long long>(call->id), ms_since(start),
@@ -172,11 +172,13 @@ std::shared_ptr<CallState> Engine::start_call(const c10::IValue& input, const Ru
     auto chosen = auto_plan_.for_call(call->fused, call->n, asked_grain);
     call->plan = std::move(chosen.plan);
     call->grain = chosen.grain;
+    call->grain_chosen = !asked_grain;
     call->config.recompute_grain = chosen.grain;
   }
   call->plan.validate(num_layers(), call->fused);
   const auto microbatches = call->split_input(input, name_);
-  if (call->preserve_rng) call->call_seed = draw_call_seed(*pool_.at(0));
+  if (call->preserve_rng)
+    call->call_seed = redo_of ? redo_of->call_seed : draw_call_seed(*pool_.at(0));
   call->make_slots(num_layers());
   call->put_inputs(microbatches);
   return call;
@@ -290,12 +292,22 @@ ForwardBackwardResult Engine::forward_backward(const c10::IValue& input, const c
                                                const RunConfig& config) {
   check_caller_thread("forward_backward()");
   TORCH_CHECK(loss_fn, name_, ": forward_backward needs a loss_fn");
-  auto call = start_call(input, config, CallKind::kForwardBackward);
-  call->loss_fn = loss_fn;
-  call->return_outputs = return_outputs;
-  call->split_labels(label, name_);
-  dispatch(call, CallPhase::kFused);
-  auto losses = collect(call, call->losses);
+  std::shared_ptr<CallState> call;
+  std::vector<c10::IValue> losses;
+  for (int attempt = 0;; ++attempt) {
+    auto failed = std::move(call);
+    call = start_call(input, config, CallKind::kForwardBackward, failed.get());
+    call->loss_fn = loss_fn;
+    call->return_outputs = return_outputs;
+    call->split_labels(label, name_);
+    dispatch(call, CallPhase::kFused);
+    try {
+      losses = collect(call, call->losses);
+      break;
+    } catch (const StageError& e) {
+      if (!undo_for_redo(*call, e, attempt)) throw;
+    }
+  }
   ROUNDPIPE_TRACE("call %lld: losses collected", static_cast<long long>(call->id));
   // From here the call's backward stages (the last microbatch's included:
   // the losses come before it) run on in the background; the next call,
@@ -323,6 +335,31 @@ ForwardBackwardResult Engine::forward_backward(const c10::IValue& input, const c
     result.output = to_device(result.output, *call->config.output_device);
   }
   return result;
+}
+
+bool Engine::undo_for_redo(CallState& call, const StageError& error, int attempt) {
+  // (A plan of the caller's is theirs to change; a few redos bound the
+  // loop where something else than the plan runs out of memory.)
+  constexpr int kMaxRedos = 6;
+  if (!error.out_of_memory || call.config.execute_plan.has_value() || attempt >= kMaxRedos)
+    return false;
+  // Its jobs have stopped (collect waited); its gradients and buffer
+  // commits still in the host tasks land, then its forward stages' buffer
+  // writes are undone from the snapshot taken before its first microbatch.
+  call.work.wait_none();
+  drain_host_tasks();
+  {
+    c10::NoGradGuard no_grad;
+    std::lock_guard<std::mutex> lock(call.buffers_mu);
+    for (const auto& [layer, snapshot] : call.buffer_snapshot) {
+      auto homes = layers_[layer]->buffers();
+      for (size_t i = 0; i < homes.size(); ++i) homes[i].copy_(snapshot[i]);
+    }
+  }
+  auto_plan_.shrink_after_out_of_memory(call.plan, call.grain, call.grain_chosen);
+  TORCH_WARN(name_, ": ", error.stage, " ran out of memory on ", error.device,
+             "; the call is redone on a smaller plan (Note [Out-of-memory redo])");
+  return true;
 }
 
 // ---------------------------------------------------------------- steps and waits

@@ -82,8 +82,14 @@ class Engine {
   // threads, which it would wait for forever (Note [Calls from engine threads]).
   void check_caller_thread(const char* what) const;
   enum class CallKind { kForward, kTrainingForward, kForwardBackward };
+  // `redo_of`: a call that ran out of memory, whose seed and weight
+  // version this one takes (Note [Out-of-memory redo]).
   std::shared_ptr<CallState> start_call(const c10::IValue& input, const RunConfig& config,
-                                        CallKind kind);
+                                        CallKind kind, const CallState* redo_of = nullptr);
+  // Whether `call`, which failed with `error`, is redone: an out-of-memory
+  // error on a plan the engine chose. Then its effects are undone and later
+  // plans are smaller.
+  bool undo_for_redo(CallState& call, const StageError& error, int attempt);
   // Dispatches the call's jobs of `phase` (schedule.h) to the devices whose
   // round-robin turns they take.
   void dispatch(const std::shared_ptr<CallState>& call, CallPhase phase);

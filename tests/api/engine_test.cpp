@@ -487,6 +487,86 @@ INSTANTIATE_TEST_SUITE_P(Backends, ReplicatedTailTest, ::testing::ValuesIn(backe
 namespace roundpipe::testing {
 namespace {
 
+// Throws an out-of-memory error (as a card would) the next `injected_ooms`
+// times it runs, then computes as a Linear.
+std::atomic<int> injected_ooms{0};
+struct OomInjectorImpl : torch::nn::Cloneable<OomInjectorImpl> {
+  torch::nn::Linear inner{nullptr};
+  OomInjectorImpl() { reset(); }
+  void reset() override { inner = register_module("inner", torch::nn::Linear(12, 12)); }
+  at::Tensor forward(const at::Tensor& x) {
+    if (injected_ooms.fetch_sub(1) > 0) {
+      TORCH_CHECK_WITH(OutOfMemoryError, false, "injected: the device ran out of memory");
+    }
+    injected_ooms = 0;
+    return inner(x);
+  }
+};
+TORCH_MODULE(OomInjector);
+
+torch::nn::Sequential oom_model() {
+  torch::manual_seed(3);
+  namespace nn = torch::nn;
+  return nn::Sequential(nn::Linear(nn::LinearOptions(6, 12).bias(false)),
+                        nn::BatchNorm1d(nn::BatchNormOptions(12).eps(0.1)), nn::Dropout(0.3),
+                        OomInjector(), nn::Tanh(), nn::Linear(12, 4));
+}
+
+class OutOfMemoryRedoTest : public ::testing::TestWithParam<std::string> {};
+
+// Note [Out-of-memory redo]: a call that runs out of memory (once, or
+// twice in a row) is redone on a smaller plan, and its loss, gradients,
+// random streams (dropout) and buffer updates (BatchNorm) are those of a
+// call that never failed: plain LibTorch's.
+TEST_P(OutOfMemoryRedoTest, TheRedoneCallMatchesACallThatNeverFailed) {
+  const auto& backend = GetParam();
+  const c10::Device dev = oracle_device(backend);
+  for (int ooms : {1, 2}) {
+    SCOPED_TRACE(::testing::Message() << backend << ", " << ooms << " out-of-memory errors");
+    auto model = oom_model();
+    auto oracle = oom_model();
+    oracle->to(dev);
+    RoundPipe pipe(model, RoundPipeOptions().set_devices(backend));
+    const int n = 2;
+    const auto x = at::randn({8, 6}, at::detail::createCPUGenerator(11));
+    const auto y = at::randn({8, 4}, at::detail::createCPUGenerator(12));
+    torch::manual_seed(5);
+    injected_ooms = ooms;
+    auto result = pipe.forward_backward(x, y, mse_loss, false, RunConfig().set_num_microbatch(n));
+    pipe.synchronize();
+    EXPECT_EQ(injected_ooms.load(), 0) << "the injected errors were not all raised";
+
+    torch::manual_seed(5);
+    const auto outs = oracle_microbatches(oracle, x, n, draw_call_seed(), dev);
+    const auto ys = microbatches_of(y, n);
+    at::Tensor loss = at::zeros({}, at::TensorOptions().device(dev));
+    for (int m = 0; m < n; ++m) loss = loss + mse_loss(outs[m], ys[m].to(dev));
+    loss.backward();
+    EXPECT_TENSOR_NEAR(result.loss, loss, kTol, "loss");
+    expect_same_state(model, oracle, /*grads=*/true);
+  }
+}
+
+TEST(OutOfMemoryRedo, APlanOfTheCallersIsNotChangedAndTheErrorSaysOutOfMemory) {
+  auto model = oom_model();
+  RoundPipe pipe(model, RoundPipeOptions().set_devices("sim:1"));
+  injected_ooms = 1;
+  const auto config = RunConfig().set_num_microbatch(2).set_execute_plan(
+      ExecutePlan::single_stage(pipe.num_layers(), /*fused=*/true));
+  try {
+    pipe.forward_backward(at::randn({4, 6}), at::randn({4, 4}), mse_loss, false, config);
+    ADD_FAILURE() << "no error";
+  } catch (const StageError& e) {
+    EXPECT_TRUE(e.out_of_memory) << e.what();
+    EXPECT_EQ(e.layer, 3) << e.what();
+  }
+  injected_ooms = 0;
+  // The engine still works, and the failed call left nothing behind.
+  EXPECT_NO_THROW(
+      pipe.forward_backward(at::randn({4, 6}), at::randn({4, 4}), mse_loss, false, config));
+  EXPECT_NO_THROW(pipe.synchronize());
+}
+
 // Counts the forwards that run with grad outside a recompute: in the fused
 // tail, every layer's in stage grain, only the last one's in layer grain
 // (the others run without grad, then are recomputed).
@@ -528,6 +608,9 @@ TEST(AutomaticGrain, LayerGrainUntilActivationsAreMeasuredThenStageGrainWhereItF
   const auto layer = RunConfig().set_num_microbatch(n).set_recompute_grain(RecomputeGrain::kLayer);
   EXPECT_EQ(grad_forwards_of_one_call(layer), n);
 }
+
+INSTANTIATE_TEST_SUITE_P(AllBackends, OutOfMemoryRedoTest, ::testing::ValuesIn(backends()),
+                         [](const auto& info) { return backend_test_name(info.param); });
 
 }  // namespace
 }  // namespace roundpipe::testing
