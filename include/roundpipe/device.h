@@ -158,8 +158,21 @@ class Device {
 };
 using DevicePtr = std::shared_ptr<Device>;
 
+// Allocations a thread bound to a simulated device makes for the host
+// inside this scope are not charged to the device's budget (Note
+// [Simulated device memory] in sim_device.cpp). Nothing on other backends.
+class HostAllocationScope {
+ public:
+  HostAllocationScope();
+  ~HostAllocationScope();
+  HostAllocationScope(const HostAllocationScope&) = delete;
+  HostAllocationScope& operator=(const HostAllocationScope&) = delete;
+};
+
 struct SimDeviceOptions {
-  int64_t memory_budget_bytes = 0;  // 0 = unlimited
+  // 0 = unlimited; else uploads and the compute of its threads are charged
+  // to it and fail past it (Note [Simulated device memory]).
+  int64_t memory_budget_bytes = 0;
   // Upper bound of a random delay before each sim copy, to shake out missing
   // waits in tests (0 = none).
   int64_t copy_jitter_us = 0;

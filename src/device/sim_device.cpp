@@ -2,6 +2,7 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
+#include <c10/core/CPUAllocator.h>
 #include <c10/core/impl/alloc_cpu.h>
 #include <c10/util/Exception.h>
 
@@ -10,6 +11,8 @@
 #include <chrono>
 #include <condition_variable>
 #include <deque>
+#include <memory>
+#include <mutex>
 #include <random>
 #include <thread>
 
@@ -147,11 +150,88 @@ class SimQueue {
   std::thread thread_;
 };
 
+// Note [Simulated device memory]
+// A simulated device's memory is host memory charged to its budget: the
+// tensors it uploads into, and, while a thread works for it (its worker and
+// uploader, bound by bind_compute_thread()), every CPU allocation that
+// thread makes: compute's activations, gradients and workspaces, through a
+// CPU allocator that wraps LibTorch's, installed when the first budgeted
+// device is made. A charge past the budget throws c10::OutOfMemoryError, as
+// a card's caching allocator does; a free, on whatever thread, credits the
+// device it was charged to. What such a thread allocates for the host (a
+// download's destination, a buffer snapshot) is made inside a
+// HostAllocationScope and charged to nothing.
 struct SimMemory {
+  std::string name;
   std::atomic<int64_t> in_use{0};
   std::atomic<int64_t> peak{0};
   int64_t budget = 0;
+
+  // Charges `bytes`, or throws OutOfMemoryError past the budget.
+  void charge(int64_t bytes) {
+    const int64_t now = in_use.fetch_add(bytes) + bytes;
+    if (budget > 0 && now > budget) {
+      in_use.fetch_sub(bytes);
+      TORCH_CHECK_WITH(OutOfMemoryError, false, name, " out of memory: tried to allocate ", bytes,
+                       " bytes with ", now - bytes, " of ", budget,
+                       " bytes in use. Use smaller stages (execute_plan), more microbatches or "
+                       "recompute_grain=layer, or give the simulated device a larger budget.");
+    }
+    int64_t seen = peak.load();
+    while (now > seen && !peak.compare_exchange_weak(seen, now)) {
+    }
+  }
 };
+
+thread_local std::shared_ptr<SimMemory> charged_memory;  // the device this thread works for
+thread_local int host_allocation_depth = 0;
+
+// LibTorch's CPU allocator, with the allocations of threads bound to a
+// budgeted simulated device charged to it.
+class ChargingCpuAllocator final : public c10::Allocator {
+ public:
+  explicit ChargingCpuAllocator(c10::Allocator* inner) : inner_(inner) {}
+  c10::DataPtr allocate(size_t n) override {
+    const auto& memory = charged_memory;
+    if (!memory || host_allocation_depth > 0) return inner_->allocate(n);
+    const auto bytes = static_cast<int64_t>(n);
+    memory->charge(bytes);
+    c10::DataPtr inner;
+    try {
+      inner = inner_->allocate(n);
+    } catch (...) {
+      memory->in_use.fetch_sub(bytes);
+      throw;
+    }
+    void* data = inner.get();
+    const auto device = inner.device();
+    return {data, new Charge{std::move(inner), memory, bytes}, &release, device};
+  }
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    default_copy_data(dest, src, count);
+  }
+
+ private:
+  struct Charge {
+    c10::DataPtr inner;
+    std::shared_ptr<SimMemory> memory;
+    int64_t bytes;
+  };
+  static void release(void* context) {
+    auto* charge = static_cast<Charge*>(context);
+    charge->memory->in_use.fetch_sub(charge->bytes);
+    delete charge;  // frees the inner allocation
+  }
+  c10::Allocator* inner_;
+};
+
+void install_charging_allocator() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    static ChargingCpuAllocator charging(c10::GetCPUAllocator());
+    c10::SetCPUAllocator(&charging, /*priority=*/100);
+  });
+}
 
 std::mutex& sim_compute_mutex() {
   static std::mutex mu;
@@ -162,7 +242,9 @@ class SimDevice final : public Device {
  public:
   SimDevice(int index, const SimDeviceOptions& options)
       : index_(index), options_(options), memory_(std::make_shared<SimMemory>()) {
+    memory_->name = name();
     memory_->budget = options.memory_budget_bytes;
+    if (memory_->budget > 0) install_charging_allocator();
     for (Queue q : {Queue::kParamUpload, Queue::kActUpload, Queue::kDownload}) {
       queues_[static_cast<int>(q)] =
           std::make_unique<SimQueue>(name() + "/" + queue_name(q), options.copy_jitter_us);
@@ -173,7 +255,9 @@ class SimDevice final : public Device {
   c10::Device torch_device() const override { return c10::Device(c10::kCPU); }
   bool is_simulated() const override { return true; }
 
-  void bind_compute_thread() override {}
+  void bind_compute_thread() override {
+    if (memory_->budget > 0) charged_memory = memory_;
+  }
 
   void enqueue(Queue queue, std::function<void()> work) override {
     if (queue == Queue::kCompute) {
@@ -244,6 +328,7 @@ class SimDevice final : public Device {
 
   std::pair<std::vector<at::Tensor>, EventPtr> download(
       const std::vector<at::Tensor>& device_tensors, const HostAllocator& allocate) override {
+    HostAllocationScope host;  // the destinations are host memory
     std::vector<at::Tensor> dst;
     dst.reserve(device_tensors.size());
     for (const auto& t : device_tensors) {
@@ -274,17 +359,7 @@ class SimDevice final : public Device {
     int64_t numel = 1;
     for (auto s : sizes) numel *= s;
     const int64_t bytes = numel * static_cast<int64_t>(c10::elementSize(dtype));
-    const int64_t now = memory_->in_use.fetch_add(bytes) + bytes;
-    if (memory_->budget > 0 && now > memory_->budget) {
-      memory_->in_use.fetch_sub(bytes);
-      TORCH_CHECK_WITH(OutOfMemoryError, false, name(), " out of memory: tried to allocate ", bytes,
-                       " bytes with ", now - bytes, " of ", memory_->budget,
-                       " bytes in use. Use smaller stages (execute_plan), more microbatches or "
-                       "recompute_grain=layer, or give the simulated device a larger budget.");
-    }
-    int64_t peak = memory_->peak.load();
-    while (now > peak && !memory_->peak.compare_exchange_weak(peak, now)) {
-    }
+    memory_->charge(bytes);
     void* data = c10::alloc_cpu(std::max<int64_t>(bytes, 1));
     auto memory = memory_;
     return at::from_blob(
@@ -317,6 +392,13 @@ class SimDevice final : public Device {
 };
 
 }  // namespace
+
+HostAllocationScope::HostAllocationScope() {
+  ++host_allocation_depth;
+}
+HostAllocationScope::~HostAllocationScope() {
+  --host_allocation_depth;
+}
 
 const char* queue_name(Queue q) {
   switch (q) {

@@ -33,6 +33,9 @@ std::unique_ptr<LayerInstance> LayerInstances::acquire(int layer, Device& device
     std::lock_guard<std::mutex> g(gen.mutex());
     saved = gen.get_state();
   }
+  // The clone's own tensors are host memory, whichever thread makes it
+  // (Note [Simulated device memory]).
+  HostAllocationScope host;
   auto instance = layers_[layer]->make_instance();
   {
     std::lock_guard<std::mutex> g(gen.mutex());

@@ -11,6 +11,7 @@ RngState capture_rng(Device& device, bool active) {
   if (!active) return rng;
   auto gen = device.generator();
   std::lock_guard<std::mutex> lock(gen.mutex());
+  HostAllocationScope host;  // a generator state is a host tensor
   rng.state = gen.get_state();
   return rng;
 }

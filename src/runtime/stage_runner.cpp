@@ -176,6 +176,7 @@ struct StageRunner {
         TORCH_CHECK(it != call.buffer_snapshot.end(), "no buffer snapshot for layer ", l);
         buffers = it->second;
       } else if (job.kind == JobKind::kForward && call.training && !buffers.empty()) {
+        HostAllocationScope host;  // the snapshot is host memory
         std::vector<at::Tensor> snapshot;
         for (const auto& b : buffers) snapshot.push_back(b.clone());
         std::lock_guard<std::mutex> lock(call.buffers_mu);
