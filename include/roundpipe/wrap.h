@@ -42,6 +42,12 @@ class WrappedCausalLM {
   models::CausalLM& model() { return model_; }
   const models::CausalLMConfig& config() const { return model_.config(); }
   int64_t vocab_size() const { return model_.vocab_size(); }
+  // One training call on `input` (labels required): the loss and its
+  // gradients are the whole batch's token-weighted mean for any
+  // num_microbatch, as transformers' num_items_in_batch makes them
+  // (num_items_in_batch = count_loss_tokens(labels) unless given). Returns
+  // that loss.
+  at::Tensor forward_backward(models::CausalLMInput input, const RunConfig& config = {});
   // Synchronizes (publishing the latest weights), then writes the
   // HuggingFace checkpoint.
   void save_pretrained(const std::string& dir);

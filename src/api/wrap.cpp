@@ -20,6 +20,22 @@ WrappedCausalLM::WrappedCausalLM(models::CausalLM model, RoundPipeOptions option
   pipe_ = std::make_unique<RoundPipe>(model_.sequential(), std::move(options));
 }
 
+at::Tensor WrappedCausalLM::forward_backward(models::CausalLMInput input, const RunConfig& config) {
+  TORCH_CHECK(input.labels.defined(), pipe_->name(),
+              ": forward_backward needs labels (input_ids shifted inside the model, -100 "
+              "ignored); for logits call the RoundPipe's forward()");
+  if (!input.num_items_in_batch) {
+    const int64_t items = models::count_loss_tokens(input.labels);
+    if (items > 0) input.num_items_in_batch = static_cast<double>(items);
+  }
+  // The output adapter returns each microbatch's share of the loss.
+  return pipe_
+      ->forward_backward(
+          input.to_ivalue(), c10::IValue(),
+          [](const c10::IValue& out, const c10::IValue&) { return out.toTensor(); }, false, config)
+      .loss;
+}
+
 void WrappedCausalLM::save_pretrained(const std::string& dir) {
   pipe_->synchronize();
   model_.save_pretrained(dir);

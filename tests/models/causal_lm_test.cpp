@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 #include <roundpipe/models/causal_lm.h>
 #include <roundpipe/safetensors.h>
+#include <roundpipe/wrap.h>
 #include <unistd.h>
 
 #include <filesystem>
@@ -218,6 +219,29 @@ TEST(CausalLMMasks, LossIsTokenWeightedOverAnyMicrobatchCount) {
   }
 }
 
+// WrappedCausalLM::forward_backward counts the batch's labelled tokens
+// itself: the loss and gradients are the whole batch's for any microbatch
+// count.
+TEST(CausalLMMasks, TheWrappersForwardBackwardIsTokenWeighted) {
+  const auto dir = reference_root() / "qwen3_left_padded";
+  const auto ref = safetensors::load_file((dir / "reference.safetensors").string());
+  for (int n : {1, 2}) {
+    SCOPED_TRACE(std::to_string(n) + " microbatches");
+    auto wrapped = wrap_model_to_roundpipe(
+        dir.string(), WrapOptions().set_roundpipe(RoundPipeOptions().set_devices("sim:2")));
+    const auto loss =
+        wrapped->forward_backward(reference_input(ref), RunConfig().set_num_microbatch(n));
+    wrapped->pipe().synchronize();
+    EXPECT_TENSOR_NEAR(loss, ref.get("loss"), kTol, "loss");
+    expect_grads(wrapped->model(), ref);
+  }
+  auto wrapped = wrap_model_to_roundpipe(
+      dir.string(), WrapOptions().set_roundpipe(RoundPipeOptions().set_devices("sim:1")));
+  auto no_labels = reference_input(ref);
+  no_labels.labels = at::Tensor();
+  EXPECT_THROW(wrapped->forward_backward(no_labels), c10::Error);
+}
+
 // An all-ones mask, and position_ids 0..T-1, are the same as none: the same
 // path, the same numbers to the bit.
 TEST(CausalLMMasks, AllOnesMaskAndPlainPositionsTakeTheUnmaskedPath) {
@@ -427,8 +451,6 @@ TEST(CausalLMCheckpoint, SavingKeepsOtherFilesAndDropsStaleShards) {
 
 }  // namespace
 }  // namespace roundpipe::testing
-
-#include <roundpipe/wrap.h>
 
 namespace roundpipe::testing {
 namespace {
