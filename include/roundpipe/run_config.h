@@ -25,17 +25,17 @@ using MergeFn = std::function<c10::IValue(const std::vector<c10::IValue>& output
 // Every field is optional: a value given to a call overrides the model's
 // (RoundPipeOptions::model_run_config), which overrides the default.
 struct RunConfig {
-  std::optional<bool> requires_grad;              // default: autograd grad mode
-  std::optional<c10::Device> output_device;       // default: CPU
-  std::optional<bool> preserve_rng_state;         // default: true
+  std::optional<bool> requires_grad;         // default: autograd grad mode
+  std::optional<c10::Device> output_device;  // default: CPU
+  std::optional<bool> preserve_rng_state;    // default: true
   // Unset: the automatic plan chooses (layer grain until the layers' kept
   // activations are measured, then stage grain where it fits); with an
   // execute_plan of the caller's, stage.
   std::optional<RecomputeGrain> recompute_grain;
-  std::optional<int> num_microbatch;              // default: number of devices + 1
-  std::optional<SplitFn> split_input;             // default: split_microbatches()
-  std::optional<SplitFn> split_label;             // default: split_microbatches()
-  std::optional<MergeFn> merge_output;            // default: merge_microbatches()
+  std::optional<int> num_microbatch;    // default: number of devices + 1
+  std::optional<SplitFn> split_input;   // default: split_microbatches()
+  std::optional<SplitFn> split_label;   // default: split_microbatches()
+  std::optional<MergeFn> merge_output;  // default: merge_microbatches()
   // true: no merge; the output is a tuple of the microbatch outputs (a
   // "packed" output, connected to autograd microbatch by microbatch), which
   // a next call can take as its microbatches through split_input.
