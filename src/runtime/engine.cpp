@@ -358,7 +358,8 @@ bool Engine::undo_for_redo(CallState& call, const StageError& error, int attempt
   }
   auto_plan_.shrink_after_out_of_memory(call.plan, call.grain, call.grain_chosen);
   TORCH_WARN(name_, ": ", error.stage, " ran out of memory on ", error.device,
-             "; the call is redone on a smaller plan (Note [Out-of-memory redo])");
+             "; the call is redone on a smaller plan (layer grain, or a lower memory limit), which "
+             "later calls keep");
   return true;
 }
 

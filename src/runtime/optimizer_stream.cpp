@@ -85,7 +85,6 @@ void OptimizerStream::prepare_step() {
 
 void OptimizerStream::queue(std::vector<std::shared_ptr<CallState>> calls, Update update,
                             StepKind kind) {
-  prepare_step();                      // (done already by the engine; cheap)
   const int64_t version = ++updates_;  // the version this update makes
   // Async: the next calls run on the weights of the update before this one
   // (one step of staleness); sync: on this step's result.

@@ -45,7 +45,7 @@ class OptimizerStream {
   // with an async step pending the one before.
   int64_t version_for_new_calls() const { return version_for_new_calls_; }
   // Rethrows an earlier step's failure and makes the masters if missing:
-  // call before taking the calls a step consumes.
+  // call before taking the calls a step consumes, and before step().
   void prepare_step();
   // Queues one update with the gradients of `calls`: the user's step
   // function on the masters' .grad, or the fused Adam pass.
