@@ -83,7 +83,7 @@ class CausalLMRoundPipe(RoundPipe):
         if items is None:
             if labels.dim() != 2:
                 raise ValueError(f"labels must be [batch, sequence], got shape {tuple(labels.shape)}")
-            items = int((labels[:, 1:] != -100).sum())
+            items = _C.count_loss_tokens(labels)
             if items == 0:
                 return {}  # no labelled token: every microbatch's loss is 0
         items = float(items)

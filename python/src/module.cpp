@@ -363,6 +363,9 @@ PYBIND11_MODULE(_C, m) {
         plan_from(plan).validate(num_layers, fused);
       });
 
+  m.def("count_loss_tokens", &models::count_loss_tokens, py::arg("labels"),
+        "labels[:, 1:] != -100: the tokens the preset's loss counts");
+
   m.def("adam_update",
         [](std::vector<at::Tensor> params, std::vector<at::Tensor> grads,
            std::vector<at::Tensor> exp_avgs, std::vector<at::Tensor> exp_avg_sqs,

@@ -486,7 +486,14 @@ std::map<std::string, std::string> weight_files(const fs::path& dir) {
 c10::IValue CausalLMInput::to_ivalue() const {
   auto tensor = [](const at::Tensor& t) { return t.defined() ? c10::IValue(t) : c10::IValue(); };
   auto optional = [](const auto& v) { return v ? c10::IValue(*v) : c10::IValue(); };
-  return c10::ivalue::Tuple::create({tensor(input_ids), tensor(attention_mask), tensor(labels),
+  // An all-ones mask masks nothing: left out here, on the host, the devices
+  // never read it back (with position_ids it stays: transformers then does
+  // not split packed documents, and neither does sequence_layout).
+  const bool mask_masks_nothing = attention_mask.defined() && attention_mask.is_cpu() &&
+                                  !position_ids.defined() &&
+                                  attention_mask.ne(0).all().item<bool>();
+  const at::Tensor mask = mask_masks_nothing ? at::Tensor() : attention_mask;
+  return c10::ivalue::Tuple::create({tensor(input_ids), tensor(mask), tensor(labels),
                                      optional(return_logits), tensor(position_ids),
                                      optional(num_items_in_batch)});
 }

@@ -342,15 +342,14 @@ TrainSummary run_training(const TrainOptions& args) {
     auto batch = args.packing ? roundpipe::train::pack(train, order, first, args.batch_size,
                                                        args.seq_len, microbatches)
                               : roundpipe::train::collate(train, order, first, args.batch_size);
-    // Without padding the mask is all ones: leave it out. The whole step's
-    // labelled-token count makes each microbatch's loss its share of the
-    // step's token mean, which forward_backward sums.
+    // (Without padding the mask is all ones: to_ivalue() leaves it out.)
+    // The whole step's labelled-token count makes each microbatch's loss its
+    // share of the step's token mean, which forward_backward sums.
     roundpipe::models::CausalLMInput input;
     input.input_ids = batch.input_ids;
     input.labels = batch.labels;
     input.position_ids = batch.position_ids;
-    if (batch.attention_mask.defined() && batch.tokens < batch.input_ids.numel())
-      input.attention_mask = batch.attention_mask;
+    input.attention_mask = batch.attention_mask;
     if (batch.loss_tokens > 0) input.num_items_in_batch = static_cast<double>(batch.loss_tokens);
     auto result = pipe.forward_backward(input.to_ivalue(), c10::IValue(),
                                         [&](const c10::IValue& out, const c10::IValue&) {
