@@ -3,9 +3,11 @@
 # (as gpu_python.sh does), check padded and packed batches against
 # transformers on CUDA (gpu_masks.py), then run bench/consumer_bench.py on
 # the configurations of issue 16, each in its own process with its own
-# memory cap, and the GPU-resident transformers run of the same 1.7B shape
-# (no cap). RUNS overrides the list ("SHAPE CAP BATCH SEQ MASK;..."). Logs go
-# to $OUT (or ./bench-out).
+# memory cap, and (HF=1) the GPU-resident transformers run of the same 1.7B
+# shape (no cap). RUNS overrides the list ("SHAPE CAP BATCH SEQ MASK;...";
+# RUNS= runs the mask check alone, SKIP_MASKS=1 skips it; TOKENS sets its
+# size, MASK_VARIANTS="default noflash nofused" adds runs without the flash
+# kernel or the fused kernels). Logs go to $OUT (or ./bench-out).
 set -uo pipefail
 out="${OUT:-$PWD/bench-out}"; mkdir -p "$out"
 py=python3
@@ -23,7 +25,7 @@ if [ -z "${SKIP_MASKS:-}" ]; then
     echo "  (${SECONDS}s)" >> "$out/gpu_masks.log"
   done
 fi
-runs="${RUNS:-1.7B 24 16 4096 ones;1.7B 12 16 4096 ones;4B 24 16 4096 ones;llama3-3B 24 16 4096 ones;1.7B 0 16 4096 ones;1.7B 24 1 65536 ones}"
+runs="${RUNS-1.7B 24 16 4096 ones;1.7B 12 16 4096 ones;4B 24 16 4096 ones;llama3-3B 24 16 4096 ones;1.7B 0 16 4096 ones;1.7B 24 1 65536 ones}"
 IFS=';' read -ra list <<< "$runs"
 for run in "${list[@]}"; do
   timeout "${RUN_TIMEOUT:-120}" $py bench/consumer_bench.py $run "${STEPS:-6}" 2>&1 | tee -a "$out/consumer.log" | grep -v "^  " | tail -3
