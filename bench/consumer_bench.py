@@ -7,6 +7,8 @@ configuration per process (the cap must come before any CUDA allocation).
 Prints one line: tokens/s, the plan's predicted peak and the measured peak.
 
   consumer_bench.py SHAPE CAP_GIB BATCH SEQ MASK [STEPS]
+  consumer_bench.py --write-train-data DIR ROWS SEQ   (the 1.7B config.json and
+      ROWS rows of SEQ random tokens, data.jsonl, for roundpipe-train)
     SHAPE: 1.7B | 4B | llama3-3B;  CAP_GIB: 0 = no cap
     MASK: ones (every tokenizer's output) | padded (a quarter of each row
           left-padded) | none
@@ -35,6 +37,18 @@ SHAPES = {
                        num_attention_heads=24, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True)),
 }
 
+if sys.argv[1] == "--write-train-data":  # for roundpipe-train: DIR ROWS SEQ
+    import json
+    import os
+    out_dir, rows, seq = sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+    config_cls, _, fields = SHAPES["1.7B"]
+    config_cls(**fields, max_position_embeddings=seq, use_cache=False).save_pretrained(out_dir)
+    gen = torch.Generator().manual_seed(1)
+    with open(os.path.join(out_dir, "data.jsonl"), "w") as f:
+        for _ in range(rows):
+            ids = torch.randint(0, fields["vocab_size"], (seq,), generator=gen).tolist()
+            f.write(json.dumps({"input_ids": ids}) + "\n")
+    sys.exit(0)
 shape, cap_gib = sys.argv[1], float(sys.argv[2])
 batch, seq, mask_kind = int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
 steps = int(sys.argv[6]) if len(sys.argv) > 6 else 6

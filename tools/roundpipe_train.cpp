@@ -35,9 +35,14 @@ int main(int argc, char** argv) {
   app.add_option("--epochs", a.epochs, "epochs (when --steps is not given)");
   app.add_option("--dtype", a.dtype, "float32, bfloat16 or float16 (fp32 Adam masters always)");
   app.add_option("--pin", a.pin, "pin_model: alloc, register or off");
-  app.add_option("--recompute", a.recompute, "recompute grain: stage or layer");
-  app.add_option("--devices", a.devices,
-                 "device spec: cuda, cuda:0,1, sim:N (default: $ROUNDPIPE_DEVICES or auto)");
+  app.add_option("--recompute", a.recompute,
+                 "recompute grain: stage or layer (default: the automatic plan chooses)");
+  app.add_option("--memory-limit", a.memory_limit_gib,
+                 "device memory the plan may use, GiB (default: what the device grants)");
+  app.add_option(
+      "--devices", a.devices,
+      "device spec: cuda, cuda:0,1, sim:N; ',mem=24GiB' caps each device's memory as on a "
+      "24 GiB card (default: $ROUNDPIPE_DEVICES or auto)");
   app.add_option("--checkpoint-every", a.checkpoint_every,
                  "save a training checkpoint every N steps");
   app.add_option("--checkpoint-dir", a.checkpoint_dir,

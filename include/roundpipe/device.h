@@ -187,7 +187,10 @@ struct SimDeviceOptions {
 std::vector<DevicePtr> make_sim_devices(int count, const SimDeviceOptions& options = {});
 // Makes the CUDA devices with the given indices (all visible ones if empty).
 // Throws when the build has no CUDA backend or no GPU is visible.
-std::vector<DevicePtr> make_cuda_devices(const std::vector<int>& indices = {});
+// `memory_cap_bytes` > 0: each device's caching allocator may reserve at
+// most that much (its per-process memory fraction), as on a card that size.
+std::vector<DevicePtr> make_cuda_devices(const std::vector<int>& indices = {},
+                                         int64_t memory_cap_bytes = 0);
 bool cuda_backend_compiled();
 // Pins existing host memory in place (cudaHostRegister) for fast, truly
 // asynchronous copies. Returns false where nothing can be pinned (no CUDA).

@@ -21,6 +21,7 @@ struct LayerCost {
   int64_t param_bytes = 0;       // parameters + buffers uploaded with the layer
   int64_t grad_bytes = 0;        // gradients a backward stage accumulates on the device
   int64_t activation_bytes = 0;  // one microbatch's activations kept for its backward (0: unknown)
+  int64_t working_bytes = 0;     // the most its forward or backward holds beyond that, at once
 };
 
 struct PlanRequest {

@@ -2,6 +2,7 @@
 #include <ATen/Context.h>
 #include <ATen/cuda/CUDAEvent.h>
 #include <ATen/ops/empty.h>
+#include <c10/core/AllocatorConfig.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -10,9 +11,11 @@
 #include <algorithm>
 #include <array>
 #include <condition_variable>
+#include <cstdlib>
 #include <deque>
 #include <mutex>
 #include <optional>
+#include <string>
 #include <thread>
 
 #include "roundpipe/device.h"
@@ -272,11 +275,36 @@ int cuda_device_count() {
   return static_cast<int>(c10::cuda::device_count());
 }
 
-std::vector<DevicePtr> make_cuda_devices(const std::vector<int>& indices_in) {
+// Note [Expandable segments]
+// The engine's device allocations change size from call to call (a stage's
+// parameters, a microbatch's activations at the length its batch has), and
+// a 12-24 GiB card has little room to spare: with the caching allocator's
+// fixed segments, GiBs end up reserved but unusable (a 12 GiB cap ran out
+// of memory with 2.5 GiB reserved and unallocated). Expandable segments map
+// physical memory into one growing segment instead. They are turned on when
+// the engine makes its CUDA devices, unless the process configured them
+// (PYTORCH_CUDA_ALLOC_CONF or PYTORCH_ALLOC_CONF, or the allocator settings
+// set at run time, naming expandable_segments: "expandable_segments:False"
+// keeps them off). Segments the process already has stay as they are.
+void use_expandable_segments_unless_configured() {
+  for (const char* name : {"PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"}) {
+    const char* value = std::getenv(name);
+    if (value != nullptr && std::string(value).find("expandable_segments") != std::string::npos)
+      return;
+  }
+  if (c10::CachingAllocator::getAllocatorSettings().find("expandable_segments") !=
+      std::string::npos)
+    return;
+  c10::CachingAllocator::setAllocatorSettings("expandable_segments:True");
+}
+
+std::vector<DevicePtr> make_cuda_devices(const std::vector<int>& indices_in,
+                                         int64_t memory_cap_bytes) {
   const int count = cuda_device_count();
   TORCH_CHECK(count > 0,
               "no CUDA GPU is visible. Use ROUNDPIPE_DEVICES=sim:N to run on "
               "simulated devices.");
+  use_expandable_segments_unless_configured();
   std::vector<int> indices = indices_in;
   if (indices.empty()) {
     for (int i = 0; i < count; ++i) indices.push_back(i);
@@ -285,6 +313,17 @@ std::vector<DevicePtr> make_cuda_devices(const std::vector<int>& indices_in) {
   for (int i : indices) {
     TORCH_CHECK(i >= 0 && i < count, "GPU index ", i, " is out of range: ", count,
                 " GPU(s) are visible");
+    if (memory_cap_bytes > 0) {
+      // The per-process fraction, as torch.cuda.set_per_process_memory_fraction
+      // sets it: the default memory limit then follows (memory_stats()).
+      size_t free_bytes = 0, total_bytes = 0;
+      c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(i));
+      C10_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
+      const double fraction =
+          std::min(1.0, static_cast<double>(memory_cap_bytes) / static_cast<double>(total_bytes));
+      c10::cuda::CUDACachingAllocator::setMemoryFraction(fraction,
+                                                         static_cast<c10::DeviceIndex>(i));
+    }
     devices.push_back(std::make_shared<CudaDevice>(i));
   }
   return devices;

@@ -115,23 +115,35 @@ std::vector<CopyChunk> copy_chunks(const std::vector<at::Tensor>& dst,
 std::vector<DevicePtr> make_devices(const std::string& spec_in) {
   const std::string spec = spec_in.empty() ? "auto" : spec_in;
   const std::string help =
-      "Valid device specs: 'auto', 'cuda', 'cuda:0,1', 'sim:N' with optional ',mem=SIZE', "
-      "',jitter_us=N', ',gbps=X', ',chunk=SIZE' (e.g. ROUNDPIPE_DEVICES=sim:3,mem=256MiB).";
+      "Valid device specs: 'auto', 'cuda', 'cuda:0,1' with optional ',mem=SIZE' (a smaller "
+      "card's memory), 'sim:N' with optional ',mem=SIZE', ',jitter_us=N', ',gbps=X', "
+      "',chunk=SIZE' (e.g. ROUNDPIPE_DEVICES=cuda,mem=24GiB or sim:3,mem=256MiB).";
   if (spec == "auto") {
     if (cuda_device_count() > 0) return make_cuda_devices();
     return make_sim_devices(1);
   }
-  if (spec == "cuda") return make_cuda_devices();
-  if (spec.rfind("cuda:", 0) == 0) {
+  if (spec == "cuda" || spec.rfind("cuda:", 0) == 0 || spec.rfind("cuda,", 0) == 0) {
     std::vector<int> indices;
-    for (const auto& part : split(spec.substr(5), ',')) {
+    int64_t memory_cap = 0;
+    auto parts = split(spec, ',');
+    parts[0] = parts[0] == "cuda" ? "" : parts[0].substr(5);  // the first index, if any
+    for (const auto& part : parts) {
+      if (part.empty()) continue;
+      if (part.rfind("mem=", 0) == 0) {
+        try {
+          memory_cap = parse_size(part.substr(4));
+        } catch (const std::exception&) {
+          TORCH_CHECK(false, "bad size '", part.substr(4), "' for mem in '", spec, "'. ", help);
+        }
+        continue;
+      }
       try {
         indices.push_back(static_cast<int>(whole_number(part, 0)));
       } catch (const std::exception&) {
         TORCH_CHECK(false, "bad GPU index '", part, "' in device spec '", spec, "'. ", help);
       }
     }
-    return make_cuda_devices(indices);
+    return make_cuda_devices(indices, memory_cap);
   }
   if (spec.rfind("sim", 0) == 0) {
     auto parts = split(spec, ',');
@@ -198,7 +210,7 @@ void unregister_host_memory(void*) {}
 int cuda_device_count() {
   return 0;
 }
-std::vector<DevicePtr> make_cuda_devices(const std::vector<int>&) {
+std::vector<DevicePtr> make_cuda_devices(const std::vector<int>&, int64_t) {
   TORCH_CHECK(false,
               "this roundpipe build has no CUDA backend (LibTorch was found without CUDA). "
               "Use ROUNDPIPE_DEVICES=sim:N, or rebuild against a CUDA-enabled torch.");

@@ -3,7 +3,8 @@
 // allocator) report each allocation and free made there to it, as they do
 // to the profiler's memory view. The engine meters a layer's forward with
 // grad: what it still holds at the end is what that layer keeps for its
-// backward (plus its output). Internal header.
+// backward (plus its output), and the most it held on the way is its
+// working memory; the same for a layer's backward. Internal header.
 #pragma once
 
 #include <ATen/record_function.h>
@@ -21,13 +22,20 @@ class AllocationMeter final : public c10::MemoryReportingInfoBase {
  public:
   void reportMemoryUsage(void* /*ptr*/, int64_t bytes, size_t /*total_allocated*/,
                          size_t /*total_reserved*/, c10::Device /*device*/) override {
-    net_ += bytes;  // negative for a free
+    const int64_t now = net_ += bytes;  // negative for a free
+    int64_t peak = peak_.load();
+    while (now > peak && !peak_.compare_exchange_weak(peak, now)) {
+    }
   }
   bool memoryProfilingEnabled() const override { return true; }
   int64_t net_bytes() const { return net_.load(); }
+  int64_t peak_bytes() const { return peak_.load(); }  // the most net_bytes() has been
 
  private:
-  std::atomic<int64_t> net_{0};  // (threads launched with at::launch inherit the meter)
+  // (Threads launched with at::launch, and the autograd engine's device
+  // threads, inherit the meter.)
+  std::atomic<int64_t> net_{0};
+  std::atomic<int64_t> peak_{0};
 };
 
 // Installs a meter on this thread for its lifetime, unless a profiler is

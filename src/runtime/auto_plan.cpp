@@ -145,13 +145,17 @@ AutoPlan::CallPlan AutoPlan::for_call(bool fused, int n, std::optional<Recompute
 
 // Note [Out-of-memory redo]
 // A device that runs out of memory during a call fails the call with an
-// out-of-memory StageError. Where the engine chose the plan, it undoes what
-// the failed call did (its gradients are dropped, the buffers its forward
-// stages committed are restored from the snapshot taken before its first
-// microbatch), makes later plans smaller, and runs the call again with the
-// failed call's seed and weight version: the random streams, loss,
-// gradients and buffer updates are those of a call that never failed, and
-// nothing is applied twice (no optimizer step runs in between). Smaller
+// out-of-memory StageError. Where the engine chose the plan and the call
+// has returned nothing yet (forward_backward's losses, forward()'s output),
+// it undoes what the failed call did (its gradients are dropped, the
+// buffers its forward stages committed are restored from the snapshot
+// taken before its first microbatch), makes later plans smaller, and runs
+// the call again with the failed call's seed and weight version: the
+// random streams, loss, gradients and buffer updates are those of a call
+// that never failed, and nothing is applied twice (no optimizer step runs
+// in between). After that, a backward stage or the fused tail still running
+// retries the microbatch instead (Note [Out-of-memory retry of a
+// microbatch], stage_runner.cpp), and asks for smaller plans here. Smaller
 // means, in turn: layer grain where the plan chose stage grain; then a
 // memory limit three quarters of the last (or, without a limit, one stage
 // more), until plan_stages() finds no plan and names the smallest limit

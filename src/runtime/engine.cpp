@@ -30,8 +30,21 @@ Engine::Engine(std::vector<LayerPtr> layers, RoundPipeOptions options)
       timings_(num_layers()),
       instances_(layers_),
       auto_plan_(name_, options_, pool_, layers_, weights_, timings_, commits_),
-      stage_context_{name_,       layers_,     weights_, instances_, timings_,
-                     host_tasks_, grad_tasks_, grads_,   commits_},
+      stage_context_{
+          name_,
+          layers_,
+          weights_,
+          instances_,
+          timings_,
+          host_tasks_,
+          grad_tasks_,
+          grads_,
+          commits_,
+          [this](const CallState& call, const std::string& stage, const std::string& device) {
+            shrink_after_out_of_memory(call, stage, device,
+                                       "the microbatch was retried "
+                                       "by layer");
+          }},
       worker_context_{
           this,
           weights_,
@@ -261,9 +274,20 @@ void Engine::run_backward_pass(const std::shared_ptr<CallState>& call) {
 c10::IValue Engine::forward(const c10::IValue& input, const RunConfig& config) {
   check_caller_thread("forward()");
   const bool training = resolve(config).requires_grad.value();
-  auto call = start_call(input, config, training ? CallKind::kTrainingForward : CallKind::kForward);
-  dispatch(call, CallPhase::kForward);
-  auto outs = collect(call, call->act.at(num_layers()));
+  const auto kind = training ? CallKind::kTrainingForward : CallKind::kForward;
+  std::shared_ptr<CallState> call;
+  std::vector<c10::IValue> outs;
+  for (int attempt = 0;; ++attempt) {
+    auto failed = std::move(call);
+    call = start_call(input, config, kind, failed.get());
+    dispatch(call, CallPhase::kForward);
+    try {
+      outs = collect(call, call->act.at(num_layers()));
+      break;
+    } catch (const StageError& e) {
+      if (!undo_for_redo(*call, e, attempt)) throw;
+    }
+  }
   // Buffer writes are committed once the forward's jobs are done: make them
   // visible before returning.
   in_flight_.wait_none();
@@ -356,11 +380,16 @@ bool Engine::undo_for_redo(CallState& call, const StageError& error, int attempt
       for (size_t i = 0; i < homes.size(); ++i) homes[i].copy_(snapshot[i]);
     }
   }
-  auto_plan_.shrink_after_out_of_memory(call.plan, call.grain, call.grain_chosen);
-  TORCH_WARN(name_, ": ", error.stage, " ran out of memory on ", error.device,
-             "; the call is redone on a smaller plan (layer grain, or a lower memory limit), which "
-             "later calls keep");
+  shrink_after_out_of_memory(call, error.stage, error.device, "the call is redone");
   return true;
+}
+
+void Engine::shrink_after_out_of_memory(const CallState& call, const std::string& stage,
+                                        const std::string& device, const char* recovery) {
+  if (call.config.execute_plan) return;  // the caller's plan is theirs to change
+  auto_plan_.shrink_after_out_of_memory(call.plan, call.grain, call.grain_chosen);
+  TORCH_WARN(name_, ": ", stage, " ran out of memory on ", device, "; ", recovery,
+             ", and later calls run on a smaller plan (layer grain, or a lower memory limit)");
 }
 
 // ---------------------------------------------------------------- steps and waits

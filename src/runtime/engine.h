@@ -90,6 +90,10 @@ class Engine {
   // error on a plan the engine chose. Then its effects are undone and later
   // plans are smaller.
   bool undo_for_redo(CallState& call, const StageError& error, int attempt);
+  // Later calls plan smaller after `stage` ran out of memory on `device`
+  // (unless the caller gave the plan); warns, saying how it was recovered.
+  void shrink_after_out_of_memory(const CallState& call, const std::string& stage,
+                                  const std::string& device, const char* recovery);
   // Dispatches the call's jobs of `phase` (schedule.h) to the devices whose
   // round-robin turns they take.
   void dispatch(const std::shared_ptr<CallState>& call, CallPhase phase);

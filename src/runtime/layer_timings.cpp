@@ -21,7 +21,9 @@ LayerTimings::LayerTimings(int num_layers)
     : times_(3 * num_layers),
       output_bytes_(num_layers),
       kept_per_output_byte_(num_layers),
-      kept_samples_(num_layers) {}
+      kept_samples_(num_layers),
+      working_per_output_byte_(num_layers),
+      backward_samples_(num_layers) {}
 
 void LayerTimings::add(int layer, Kind kind, double seconds) {
   std::lock_guard<std::mutex> lock(mu_);
@@ -40,16 +42,35 @@ bool LayerTimings::wants_kept_bytes(int layer) const {
   return kept_samples_.at(layer) < kKeptSamples;
 }
 
-void LayerTimings::add_kept_bytes(int layer, int64_t kept, int64_t output) {
+void LayerTimings::add_kept_bytes(int layer, int64_t kept, int64_t peak, int64_t output) {
   std::lock_guard<std::mutex> lock(mu_);
   if (kept_samples_.at(layer)++ == 0 || output <= 0) return;
   auto& ratio = kept_per_output_byte_.at(layer);
   ratio = std::max(ratio, static_cast<double>(kept) / static_cast<double>(output));
+  auto& working = working_per_output_byte_.at(layer);
+  working = std::max(working, static_cast<double>(peak - kept) / static_cast<double>(output));
+}
+
+bool LayerTimings::wants_backward_bytes(int layer) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return backward_samples_.at(layer) < kKeptSamples;
+}
+
+void LayerTimings::add_backward_bytes(int layer, int64_t peak) {
+  std::lock_guard<std::mutex> lock(mu_);
+  const int64_t output = output_bytes_.at(layer);
+  if (backward_samples_.at(layer)++ == 0 || output <= 0) return;
+  auto& working = working_per_output_byte_.at(layer);
+  working = std::max(working, static_cast<double>(peak) / static_cast<double>(output));
 }
 
 int64_t LayerTimings::kept_bytes(size_t layer) const {
   return std::max(output_bytes_[layer],
                   static_cast<int64_t>(kept_per_output_byte_[layer] * output_bytes_[layer]));
+}
+
+int64_t LayerTimings::working_bytes(size_t layer) const {
+  return static_cast<int64_t>(working_per_output_byte_[layer] * output_bytes_[layer]);
 }
 
 bool LayerTimings::complete() const {
@@ -82,6 +103,7 @@ std::vector<LayerCost> LayerTimings::costs(const std::vector<int64_t>& param_byt
     // What a backward stage keeps per layer and microbatch: what the
     // layer's forward with grad was measured to keep, at least its output.
     costs[l].activation_bytes = kept_bytes(l);
+    costs[l].working_bytes = working_bytes(l);
   }
   return costs;
 }

@@ -28,7 +28,15 @@ class LayerTimings {
   // largest output seen (longer sequences keep more).
   static constexpr int kKeptSamples = 3;
   bool wants_kept_bytes(int layer) const;
-  void add_kept_bytes(int layer, int64_t kept, int64_t output);
+  // `peak`: the most the forward held on the way.
+  void add_kept_bytes(int layer, int64_t kept, int64_t peak, int64_t output);
+  // Working bytes: the most a layer's forward with grad held beyond what it
+  // keeps, or its backward beyond what it started with (temporaries, the
+  // loss's logit chunks, gradients on their way to the parameters),
+  // measured and scaled as kept bytes are. The planner adds a stage's
+  // largest to what the stage holds.
+  bool wants_backward_bytes(int layer) const;
+  void add_backward_bytes(int layer, int64_t peak);
   // Whether every layer has a smoothed time of every kind.
   bool complete() const;
   // Measured costs (call when complete()).
@@ -38,7 +46,8 @@ class LayerTimings {
   std::string describe() const;
 
  private:
-  int64_t kept_bytes(size_t layer) const;  // (mu_ held)
+  int64_t kept_bytes(size_t layer) const;     // (mu_ held)
+  int64_t working_bytes(size_t layer) const;  // (mu_ held)
   struct Smoothed {
     int samples = 0;  // including the dropped first one
     double average = 0;
@@ -49,6 +58,8 @@ class LayerTimings {
   std::vector<int64_t> output_bytes_;
   std::vector<double> kept_per_output_byte_;
   std::vector<int> kept_samples_;
+  std::vector<double> working_per_output_byte_;
+  std::vector<int> backward_samples_;
 };
 
 }  // namespace roundpipe::detail

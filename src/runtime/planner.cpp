@@ -29,20 +29,22 @@ struct Costs {
 // What a stage holds, grown one layer at a time. Its memory: parameters,
 // and for backward stages their gradients and one microbatch's activations
 // of every layer (stage-grain recompute) or of its largest layer (layer
-// grain); a forward stage keeps only the largest layer's activations alive.
+// grain); a forward stage keeps only the largest layer's activations alive;
+// and on top, the largest working memory of one of its layers.
 struct StageLoad {
   double compute = 0;
-  int64_t params = 0, grads = 0, acts = 0, max_act = 0;
+  int64_t params = 0, grads = 0, acts = 0, max_act = 0, max_working = 0;
   void add(const LayerCost& layer, double cost) {
     compute += cost;
     params += layer.param_bytes;
     grads += layer.grad_bytes;
     acts += layer.activation_bytes;
     max_act = std::max(max_act, layer.activation_bytes);
+    max_working = std::max(max_working, layer.working_bytes);
   }
   int64_t memory(bool backward, bool layer_grain) const {
-    if (!backward) return params + max_act;
-    return params + grads + (layer_grain ? max_act : acts);
+    if (!backward) return params + max_act + max_working;
+    return params + grads + (layer_grain ? max_act : acts) + max_working;
   }
   // Its memory while the next stage's parameters arrive, with its own
   // standing for theirs (packing does not know the next stage yet; the

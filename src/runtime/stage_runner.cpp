@@ -1,6 +1,7 @@
 // Runs one stage job: see stage_runner.h.
 #include "runtime/stage_runner.h"
 
+#include <ATen/ops/ones_like.h>
 #include <c10/core/GradMode.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/autograd.h>
@@ -175,7 +176,9 @@ struct StageRunner {
         auto it = call.buffer_snapshot.find(l);
         TORCH_CHECK(it != call.buffer_snapshot.end(), "no buffer snapshot for layer ", l);
         buffers = it->second;
-      } else if (job.kind == JobKind::kForward && call.training && !buffers.empty()) {
+      } else if (job.kind == JobKind::kForward && !buffers.empty()) {
+        // Taken for every call: a call redone after running out of memory
+        // (Note [Out-of-memory redo]) starts from these values.
         HostAllocationScope host;  // the snapshot is host memory
         std::vector<at::Tensor> snapshot;
         for (const auto& b : buffers) snapshot.push_back(b.clone());
@@ -233,7 +236,9 @@ struct StageRunner {
       metering.emplace();
     auto start = mark();
     auto y = instances[l]->forward(x);
-    const int64_t kept = metering && metering->meter() ? metering->meter()->net_bytes() : -1;
+    const auto* meter = metering ? metering->meter() : nullptr;
+    const int64_t kept = meter ? meter->net_bytes() : -1;
+    const int64_t peak = meter ? meter->peak_bytes() : -1;
     metering.reset();
     intervals.push_back(
         {l, with_grad ? LayerTimings::kRecompute : LayerTimings::kForward, start, mark()});
@@ -241,8 +246,32 @@ struct StageRunner {
     int64_t bytes = 0;
     for (const auto& t : flatten_tensors(y)) bytes += t.defined() ? t.nbytes() : 0;
     ctx.timings.add_output_bytes(l, bytes);
-    if (kept >= 0) ctx.timings.add_kept_bytes(l, kept, bytes);
+    if (kept >= 0) ctx.timings.add_kept_bytes(l, kept, peak, bytes);
     return y;
+  }
+
+  // Layer l's backward: `grads` through its output `y`. The first few are
+  // metered: the most it holds on the way is its working memory.
+  void layer_backward(int l, const c10::IValue& y, const std::vector<at::Tensor>& grads) {
+    layer = l;
+    phase = "backward";
+    std::optional<MeterScope> metering;
+    if (ctx.layers[l]->meterable() && ctx.timings.wants_backward_bytes(l)) metering.emplace();
+    auto start = mark();
+    backward_through(y, grads);
+    intervals.push_back({l, LayerTimings::kBackward, start, mark()});
+    const auto* meter = metering ? metering->meter() : nullptr;
+    if (meter) ctx.timings.add_backward_bytes(l, meter->peak_bytes());
+  }
+
+  // The whole stage's backward (stage grain): one time, shared by its
+  // layers in flush_timings().
+  void stage_backward(const c10::IValue& y, const std::vector<at::Tensor>& grads) {
+    layer = -1;
+    phase = "backward";
+    auto start = mark();
+    backward_through(y, grads);
+    intervals.push_back({-1, LayerTimings::kBackward, start, mark()});
   }
 
   // Input of the stage for microbatch m, uploaded and waited for by compute.
@@ -294,9 +323,10 @@ struct StageRunner {
 
   // Makes the stage input's float tensors leaves; at layer 0 only the
   // caller's tensors that require grad.
+  // A fused call returns no input gradients: no leaves at layer 0.
   c10::IValue input_leaves(const c10::IValue& x, int l, int m, std::vector<at::Tensor>& leaves) {
     if (l > 0) return make_leaves(x, nullptr, leaves);
-    const auto only = call.microbatch_input_requires_grad(m);
+    const auto only = call.fused ? std::vector<bool>{} : call.microbatch_input_requires_grad(m);
     return make_leaves(x, &only, leaves);
   }
 
@@ -318,36 +348,16 @@ struct StageRunner {
     for (int m = 0; m < call.n; ++m) {
       microbatch = m;
       auto grads = load_grad(r.end, m);
+      bind_instances();  // before a try: a retry restores the buffers it bound
       std::vector<at::Tensor> leaves;
       if (layer_grain) {
-        for (int l = r.end - 1; l >= r.begin; --l) {
-          Slot& in = call.wait(call.act.at(l)[m]);
-          auto x = load_input(in);
-          leaves.clear();
-          auto lock = device.compute_lock();
-          RngScope rng(device, in.rng);
-          c10::AutoGradMode grad_mode(true);
-          x = input_leaves(x, l, m, leaves);
-          auto y = run_layer(l, x, true);
-          phase = "backward";
-          auto start = mark();
-          backward_through(y, grads);
-          intervals.push_back({l, LayerTimings::kBackward, start, mark()});
-          grads = leaf_grads(leaves);
-        }
+        retrying_out_of_memory(
+            [&] { backward_from_layer_inputs(m, grads, leaves); },
+            [&] { backward_from_stage_input(m, grads, leaves, /*by_layer=*/true); });
       } else {
-        Slot& in = call.wait(call.act.at(r.begin)[m]);
-        auto x = load_input(in);
-        auto lock = device.compute_lock();
-        RngScope rng(device, in.rng);
-        c10::AutoGradMode grad_mode(true);
-        x = input_leaves(x, r.begin, m, leaves);
-        for (int l = r.begin; l < r.end; ++l) x = run_layer(l, x, true);
-        phase = "backward";
-        layer = -1;
-        auto start = mark();
-        backward_through(x, grads);
-        intervals.push_back({-1, LayerTimings::kBackward, start, mark()});
+        retrying_out_of_memory(
+            [&] { backward_from_stage_input(m, grads, leaves, lighter_after_out_of_memory); },
+            [&] { backward_from_stage_input(m, grads, leaves, /*by_layer=*/true); });
       }
       layer = -1;
       flush_timings();
@@ -355,14 +365,163 @@ struct StageRunner {
     }
   }
 
+  // Layer grain: each layer recomputed from its own input, which the
+  // forward stage kept in the call's slots.
+  void backward_from_layer_inputs(int m, std::vector<at::Tensor> grads,
+                                  std::vector<at::Tensor>& leaves) {
+    const auto& r = job.range;
+    for (int l = r.end - 1; l >= r.begin; --l) {
+      Slot& in = call.wait(call.act.at(l)[m]);
+      auto x = load_input(in);
+      leaves.clear();
+      auto lock = device.compute_lock();
+      RngScope rng(device, in.rng);
+      c10::AutoGradMode grad_mode(true);
+      auto y = run_layer(l, input_leaves(x, l, m, leaves), true);
+      layer_backward(l, y, grads);
+      grads = leaf_grads(leaves);
+    }
+  }
+
+  // From the stage's input: all layers recomputed with grad, then one
+  // backward (stage grain); or by layer, one layer's activations at a time.
+  void backward_from_stage_input(int m, const std::vector<at::Tensor>& grads,
+                                 std::vector<at::Tensor>& leaves, bool by_layer) {
+    const auto& r = job.range;
+    Slot& in = call.wait(call.act.at(r.begin)[m]);
+    auto x = load_input(in);
+    leaves.clear();
+    auto lock = device.compute_lock();
+    RngScope rng(device, in.rng);
+    const int first_with_grad = by_layer ? r.end - 1 : r.begin;
+    auto saved = run_keeping_inputs(r.begin, first_with_grad, x, rng, /*recompute=*/true);
+    c10::AutoGradMode grad_mode(true);
+    x = input_leaves(x, first_with_grad, m, leaves);
+    for (int l = first_with_grad; l < r.end; ++l) x = run_layer(l, x, true);
+    backward_began = true;
+    if (by_layer) {
+      layer_backward(r.end - 1, x, grads);
+    } else {
+      stage_backward(x, grads);
+    }
+    backward_layer_by_layer(r.begin, saved, leaves);
+  }
+
   // A layer's input kept for its recompute: on the host, with the random
-  // state the layer started from. Local to one microbatch of the tail (the
-  // call's slots would hold every microbatch's inputs until the call ends).
+  // state the layer started from. Local to one microbatch (the call's slots
+  // would hold every microbatch's inputs until the call ends).
   struct SavedInput {
     c10::IValue value;
     EventPtr event;
     RngState rng;
   };
+
+  // Runs layers [begin, end) on `x` without grad, keeping each one's input
+  // (`recompute`: in a backward stage, this pass is a recompute of the
+  // forward). This pass makes the layers' buffer writes.
+  std::vector<SavedInput> run_keeping_inputs(int begin, int end, c10::IValue& x, RngScope& rng,
+                                             bool recompute) {
+    std::vector<SavedInput> saved;
+    c10::NoGradGuard no_grad;
+    for (int l = begin; l < end; ++l) {
+      phase = "download";
+      auto [value, event] = download_value(device, x, ctx.weights.host_allocator());
+      saved.push_back({value, event, rng.capture()});
+      x = run_layer(l, x, recompute);
+    }
+    return saved;
+  }
+
+  // Recomputes the layers whose inputs `saved` holds (first, first + 1,
+  // ...), last first, and backpropagates through each the gradient that
+  // `leaves` (the next layer's input leaves) received. A recompute's buffer
+  // writes are undone, after its backward (which may read them): the pass
+  // that saved the inputs made them. Runs inside the microbatch's RngScope.
+  void backward_layer_by_layer(int first, const std::vector<SavedInput>& saved,
+                               std::vector<at::Tensor>& leaves) {
+    for (int l = first + static_cast<int>(saved.size()) - 1; l >= first; --l) {
+      auto grads = leaf_grads(leaves);
+      const auto& s = saved[l - first];
+      phase = "activation upload";
+      auto [input, event] = upload_value(device, s.value, s.event);
+      device.wait(Queue::kCompute, event);
+      apply_rng(device, s.rng);  // the scope restores the generator after
+      leaves.clear();
+      auto kept = clone_buffers(l);
+      auto y = run_layer(l, input_leaves(input, l, microbatch, leaves), true);
+      layer_backward(l, y, grads);
+      restore_buffers(l, kept);
+    }
+  }
+
+  std::vector<at::Tensor> clone_buffers(int l) {
+    std::vector<at::Tensor> kept;
+    for (const auto& b : instances[l]->buffer_values()) kept.push_back(b.clone());
+    return kept;
+  }
+
+  void restore_buffers(int l, const std::vector<at::Tensor>& kept) {
+    c10::NoGradGuard no_grad;
+    auto now = instances[l]->buffer_values();
+    for (size_t i = 0; i < kept.size(); ++i) now[i].copy_(kept[i]);
+  }
+
+  // Note [Out-of-memory retry of a microbatch]
+  // A backward stage or the fused tail in stage grain holds all of its
+  // layers' activations for a microbatch; where that runs out of memory
+  // (after the losses have gone back, it would fail the call in the
+  // background), the microbatch runs again in the same job, by layer: one
+  // layer's activations at a time, from the stage input it still has, with
+  // the random state it started from. The failed try is undone first: its
+  // buffer writes are restored from a copy taken before it, its parameter
+  // gradients dropped, its timings forgotten; it has sent nothing (input
+  // gradients go after the microbatch; a loss already sent is not sent
+  // again, being the same). So the results are those of a try that never
+  // failed. Not retried: a plan of the caller's (theirs to change), a retry
+  // that fails again, and a try that failed inside its backward after
+  // earlier microbatches left gradients (its partial sum can't be told
+  // apart from theirs without holding a second copy of the stage's
+  // gradients); those fail the call as before (Note [Out-of-memory redo]).
+  // The rest of the job runs by layer, and later calls plan smaller.
+  bool lighter_after_out_of_memory = false;
+  bool backward_began = false;
+
+  template <class Try, class Retry>
+  void retrying_out_of_memory(Try&& first_try, Retry&& retry) {
+    std::map<int, std::vector<at::Tensor>> buffers;
+    bool had_grads = false;
+    for (auto& [l, instance] : instances) {
+      if (buffers_bound) buffers[l] = clone_buffers(l);
+      for (const auto& p : instance->parameter_leaves()) had_grads |= p.grad().defined();
+    }
+    const size_t timed = intervals.size();
+    backward_began = false;
+    try {
+      first_try();
+      return;
+    } catch (const c10::OutOfMemoryError&) {
+      if (call.config.execute_plan || (backward_began && had_grads)) throw;
+    }
+    ROUNDPIPE_TRACE("call %lld: %s ran out of memory in microbatch %d; retried by layer",
+                    static_cast<long long>(call.id), job.describe().c_str(), microbatch);
+    intervals.resize(timed);
+    for (const auto& [l, kept] : buffers) restore_buffers(l, kept);
+    if (job.kind == JobKind::kTail) {  // its forward's saves are made again
+      std::lock_guard<std::mutex> lock(call.recompute.mu);
+      for (int l = job.range.begin; l < job.range.end; ++l)
+        call.recompute.data.erase({l, microbatch});
+    }
+    if (!had_grads) {
+      for (auto& [l, instance] : instances) {
+        for (auto& p : instance->parameter_leaves()) p.mutable_grad() = at::Tensor();
+      }
+    }
+    if (!lighter_after_out_of_memory) {
+      lighter_after_out_of_memory = true;
+      ctx.out_of_memory_retried(call, job.describe(), device.name());
+    }
+    retry();
+  }
 
   void run_tail() {
     const auto& r = job.range;
@@ -371,7 +530,6 @@ struct StageRunner {
     // layer and the loss run with grad, and each earlier layer is recomputed
     // and backpropagated, last first (as run_backward does across stages).
     const bool layer_grain = call.grain == RecomputeGrain::kLayer && r.end - r.begin > 1;
-    const int first_with_grad = layer_grain ? r.end - 1 : r.begin;
     for (int m = job.replica; m < call.n; m += job.replicas) {
       microbatch = m;
       Slot& in = call.wait(call.act.at(r.begin)[m]);
@@ -380,74 +538,65 @@ struct StageRunner {
       auto [label, label_event] = upload_value(device, call.labels[m], nullptr);
       device.wait(Queue::kCompute, label_event);
       std::vector<at::Tensor> leaves;
-      at::Tensor loss;
-      {
-        auto lock = device.compute_lock();
-        RngScope rng(device, in.rng);
-        std::vector<SavedInput> saved;
-        if (layer_grain) {
-          c10::NoGradGuard no_grad;
-          for (int l = r.begin; l < first_with_grad; ++l) {
-            phase = "download";
-            auto [value, event] = download_value(device, x, ctx.weights.host_allocator());
-            saved.push_back({value, event, rng.capture()});
-            x = run_layer(l, x, false);
-          }
-        }
-        c10::AutoGradMode grad_mode(true);
-        std::vector<bool> none;
-        x = make_leaves(x, first_with_grad == 0 ? &none : nullptr, leaves);
-        for (int l = first_with_grad; l < r.end; ++l) x = run_layer(l, x, false);
-        layer = -1;
-        phase = "loss";
-        loss = call.loss_fn(x, label);
-        TORCH_CHECK(loss.defined() && loss.numel() == 1, "loss_fn must return a single-element ",
-                    "loss tensor, got ", loss.defined() ? loss.sizes() : at::IntArrayRef{});
-        TORCH_CHECK(loss.device() == device.torch_device(), "loss_fn returned a loss on ",
-                    loss.device(), " while running on ", device.name());
-        // The loss (and output) go back before the backward is enqueued:
-        // the caller has them, and may issue the next call, while this
-        // microbatch's backward still runs.
-        phase = "download";
-        auto [host_loss, loss_event] =
-            download_flat(device, {loss.detach().reshape({})}, ctx.weights.host_allocator());
-        CallState::put(*call.losses[m], {}, host_loss, loss_event, {});
-        if (call.return_outputs) {
-          auto [out, event] = download_value(
-              device,
-              map_tensors(x, [](const at::Tensor& t) { return t.defined() ? t.detach() : t; }),
-              ctx.weights.host_allocator());
-          CallState::put(*call.outputs[m], out, {}, event, {});
-        }
-        phase = "backward";
-        auto start = mark();
-        if (loss.requires_grad()) torch::autograd::backward({loss.reshape({})});
-        intervals.push_back({-1, LayerTimings::kBackward, start, mark()});
-        for (int l = first_with_grad - 1; l >= r.begin; --l) {
-          auto grads = leaf_grads(leaves);
-          const auto& s = saved[l - r.begin];
-          phase = "activation upload";
-          auto [input, event] = upload_value(device, s.value, s.event);
-          device.wait(Queue::kCompute, event);
-          apply_rng(device, s.rng);  // the scope restores the generator after
-          leaves.clear();
-          // The pass without grad made this layer's buffer writes already:
-          // the recompute's are undone (after backward, which may read them).
-          std::vector<at::Tensor> kept;
-          for (const auto& b : instances[l]->buffer_values()) kept.push_back(b.clone());
-          auto y = run_layer(l, make_leaves(input, l == 0 ? &none : nullptr, leaves), true);
-          phase = "backward";
-          start = mark();
-          backward_through(y, grads);
-          intervals.push_back({l, LayerTimings::kBackward, start, mark()});
-          c10::NoGradGuard no_grad;
-          auto now = instances[l]->buffer_values();
-          for (size_t i = 0; i < kept.size(); ++i) now[i].copy_(kept[i]);
-        }
-      }
+      bool results_sent = false;
+      retrying_out_of_memory(
+          [&] {
+            tail_microbatch(x, label, in.rng, layer_grain || lighter_after_out_of_memory, leaves,
+                            results_sent);
+          },
+          [&] { tail_microbatch(x, label, in.rng, true, leaves, results_sent); });
       flush_timings();
       if (r.begin > 0) send_input_grads(r.begin, m, leaves);
     }
+  }
+
+  // One microbatch of the fused tail: forward, loss (sent back, with the
+  // output, before the backward is enqueued: the caller has them, and may
+  // issue the next call, while this microbatch's backward still runs) and
+  // backward.
+  void tail_microbatch(const c10::IValue& input, const c10::IValue& label,
+                       const RngState& rng_start, bool by_layer, std::vector<at::Tensor>& leaves,
+                       bool& results_sent) {
+    const auto& r = job.range;
+    leaves.clear();
+    auto lock = device.compute_lock();
+    RngScope rng(device, rng_start);
+    const int first_with_grad = by_layer ? r.end - 1 : r.begin;
+    c10::IValue x = input;
+    auto saved = run_keeping_inputs(r.begin, first_with_grad, x, rng, /*recompute=*/false);
+    c10::AutoGradMode grad_mode(true);
+    x = input_leaves(x, first_with_grad, microbatch, leaves);
+    for (int l = first_with_grad; l < r.end; ++l) x = run_layer(l, x, false);
+    layer = -1;
+    phase = "loss";
+    at::Tensor loss = call.loss_fn(x, label);
+    TORCH_CHECK(loss.defined() && loss.numel() == 1, "loss_fn must return a single-element ",
+                "loss tensor, got ", loss.defined() ? loss.sizes() : at::IntArrayRef{});
+    TORCH_CHECK(loss.device() == device.torch_device(), "loss_fn returned a loss on ",
+                loss.device(), " while running on ", device.name());
+    if (!results_sent) {
+      phase = "download";
+      auto [host_loss, loss_event] =
+          download_flat(device, {loss.detach().reshape({})}, ctx.weights.host_allocator());
+      CallState::put(*call.losses[microbatch], {}, host_loss, loss_event, {});
+      if (call.return_outputs) {
+        auto [out, event] = download_value(
+            device,
+            map_tensors(x, [](const at::Tensor& t) { return t.defined() ? t.detach() : t; }),
+            ctx.weights.host_allocator());
+        CallState::put(*call.outputs[microbatch], out, {}, event, {});
+      }
+      results_sent = true;
+    }
+    backward_began = true;
+    const auto root = loss.reshape({});
+    const std::vector<at::Tensor> one{at::ones_like(root)};  // d loss / d loss
+    if (by_layer) {
+      layer_backward(r.end - 1, root, one);
+    } else {
+      stage_backward(root, one);
+    }
+    backward_layer_by_layer(r.begin, saved, leaves);
   }
 
   // Sums each unique parameter's gradient over the stage's layers (a tied

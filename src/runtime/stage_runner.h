@@ -4,6 +4,7 @@
 // the parts below the engine, never the engine. Internal header.
 #pragma once
 
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -30,6 +31,10 @@ struct StageContext {
   HostTasks& grad_tasks;  // parameter-gradient sums
   GradientLedger& grads;
   CommitLedger& commits;
+  // A microbatch that ran out of memory was retried by layer (Note
+  // [Out-of-memory retry of a microbatch]): later calls plan smaller.
+  std::function<void(const CallState& call, const std::string& stage, const std::string& device)>
+      out_of_memory_retried;
 };
 
 // Runs `job` on `worker`'s device. An error fails the job's call with its

@@ -194,8 +194,10 @@ void validate(const TrainOptions& a) {
   check(std::isfinite(a.lr) && a.lr > 0, "--lr", "a positive number", text(a.lr));
   check(std::isfinite(a.weight_decay) && a.weight_decay >= 0, "--weight-decay", ">= 0",
         text(a.weight_decay));
-  check(a.recompute == "stage" || a.recompute == "layer", "--recompute", "stage or layer",
-        a.recompute);
+  check(a.recompute.empty() || a.recompute == "stage" || a.recompute == "layer", "--recompute",
+        "stage or layer", a.recompute);
+  check(std::isfinite(a.memory_limit_gib) && a.memory_limit_gib >= 0, "--memory-limit",
+        "a size in GiB (0: what the device grants)", text(a.memory_limit_gib));
   dtype_from_string(a.dtype);
   pin_mode_from_string(a.pin);
   if (a.data.empty()) {
@@ -215,15 +217,18 @@ TrainSummary run_training(const TrainOptions& args) {
       roundpipe::models::CausalLMOptions().set_dtype(dtype).set_loss_chunk_tokens(args.loss_chunk);
   roundpipe::RunConfig run_config;
   if (args.microbatches > 0) run_config.set_num_microbatch(args.microbatches);
-  run_config.set_recompute_grain(args.recompute == "layer" ? roundpipe::RecomputeGrain::kLayer
-                                                           : roundpipe::RecomputeGrain::kStage);
-  auto options = roundpipe::WrapOptions()
-                     .set_model(model_options)
-                     .set_roundpipe(roundpipe::RoundPipeOptions()
-                                        .set_devices(args.devices)
-                                        .set_pin_model(roundpipe::pin_mode_from_string(args.pin))
-                                        .set_optim_dtype(c10::kFloat)
-                                        .set_model_run_config(run_config));
+  if (!args.recompute.empty()) {
+    run_config.set_recompute_grain(args.recompute == "layer" ? roundpipe::RecomputeGrain::kLayer
+                                                             : roundpipe::RecomputeGrain::kStage);
+  }
+  auto roundpipe_options = roundpipe::RoundPipeOptions()
+                               .set_devices(args.devices)
+                               .set_pin_model(roundpipe::pin_mode_from_string(args.pin))
+                               .set_optim_dtype(c10::kFloat)
+                               .set_model_run_config(run_config);
+  if (args.memory_limit_gib > 0)
+    roundpipe_options.set_model_memory_limit_gib(args.memory_limit_gib);
+  auto options = roundpipe::WrapOptions().set_model(model_options).set_roundpipe(roundpipe_options);
   const auto start_load = Clock::now();
   auto wrapped =
       args.model.empty()
@@ -407,6 +412,14 @@ TrainSummary run_training(const TrainOptions& args) {
   std::printf("\nsummary: %lld steps, %lld tokens in %.1fs = %.0f tokens/s, final loss %.4f\n",
               static_cast<long long>(total_steps - first_step), static_cast<long long>(tokens),
               seconds, tokens / std::max(seconds, 1e-9), loss_avg);
+  // What a user sizing a card reads: each device's peak against its budget.
+  for (int d = 0; d < pipe.devices().size(); ++d) {
+    const auto& device = pipe.devices().at(d);
+    const auto memory = device->memory_stats();
+    if (memory.budget_bytes <= 0) continue;
+    std::printf("device memory: %s peak %.2f GiB of %.2f GiB\n", device->name().c_str(),
+                memory.peak_bytes / 1073741824.0, memory.budget_bytes / 1073741824.0);
+  }
   if (!all_finite(pipe.parameters())) diverged("the trained weights hold inf or NaN");
   if (!held_out.empty()) {
     summary.accuracy_after = roundpipe::train::task_accuracy(held_out, logits_of);

@@ -488,18 +488,41 @@ namespace roundpipe::testing {
 namespace {
 
 // Throws an out-of-memory error (as a card would) the next `injected_ooms`
-// times it runs, then computes as a Linear.
+// times it runs where `inject_when` says, then computes as a Linear.
+enum class InjectWhen {
+  kForward,   // any forward (a forward stage's, first)
+  kWithGrad,  // a forward with grad: the fused tail's or a backward stage's
+  kBackward,  // its backward (after the loss has gone back)
+};
 std::atomic<int> injected_ooms{0};
+std::atomic<InjectWhen> inject_when{InjectWhen::kForward};
+bool take_injected_oom() {
+  if (injected_ooms.fetch_sub(1) > 0) return true;
+  injected_ooms = 0;
+  return false;
+}
+void throw_injected_oom() {
+  TORCH_CHECK_WITH(OutOfMemoryError, false, "injected: the device ran out of memory");
+}
 struct OomInjectorImpl : torch::nn::Cloneable<OomInjectorImpl> {
   torch::nn::Linear inner{nullptr};
   OomInjectorImpl() { reset(); }
   void reset() override { inner = register_module("inner", torch::nn::Linear(12, 12)); }
   at::Tensor forward(const at::Tensor& x) {
-    if (injected_ooms.fetch_sub(1) > 0) {
-      TORCH_CHECK_WITH(OutOfMemoryError, false, "injected: the device ran out of memory");
+    const auto when = inject_when.load();
+    const bool with_grad = c10::GradMode::is_enabled();
+    if ((when == InjectWhen::kForward || (when == InjectWhen::kWithGrad && with_grad)) &&
+        take_injected_oom()) {
+      throw_injected_oom();
     }
-    injected_ooms = 0;
-    return inner(x);
+    auto y = inner(x);
+    if (when == InjectWhen::kBackward && y.requires_grad()) {
+      y.register_hook([](const at::Tensor& g) {
+        if (take_injected_oom()) throw_injected_oom();
+        return g;
+      });
+    }
+    return y;
   }
 };
 TORCH_MODULE(OomInjector);
@@ -514,15 +537,29 @@ torch::nn::Sequential oom_model() {
 
 class OutOfMemoryRedoTest : public ::testing::TestWithParam<std::string> {};
 
-// Note [Out-of-memory redo]: a call that runs out of memory (once, or
-// twice in a row) is redone on a smaller plan, and its loss, gradients,
-// random streams (dropout) and buffer updates (BatchNorm) are those of a
-// call that never failed: plain LibTorch's.
+// Note [Out-of-memory redo], Note [Out-of-memory retry of a microbatch]: a
+// call that runs out of memory (once, or twice in a row) in a forward stage,
+// the fused tail or a background backward is redone or retried smaller, and
+// its loss, gradients, random streams (dropout) and buffer updates
+// (BatchNorm) are those of a call that never failed: plain LibTorch's.
 TEST_P(OutOfMemoryRedoTest, TheRedoneCallMatchesACallThatNeverFailed) {
   const auto& backend = GetParam();
   const c10::Device dev = oracle_device(backend);
-  for (int ooms : {1, 2}) {
-    SCOPED_TRACE(::testing::Message() << backend << ", " << ooms << " out-of-memory errors");
+  struct Case {
+    InjectWhen when;
+    int ooms;
+    std::optional<RecomputeGrain> grain;
+    const char* what;
+  };
+  const std::vector<Case> cases = {
+      {InjectWhen::kForward, 1, std::nullopt, "a forward stage, once"},
+      {InjectWhen::kForward, 2, std::nullopt, "a forward stage, twice"},
+      {InjectWhen::kWithGrad, 1, RecomputeGrain::kStage, "the tail or a recompute, stage grain"},
+      {InjectWhen::kWithGrad, 1, RecomputeGrain::kLayer, "the tail or a recompute, layer grain"},
+      {InjectWhen::kBackward, 1, RecomputeGrain::kStage, "a backward, stage grain"},
+  };
+  for (const auto& c : cases) {
+    SCOPED_TRACE(::testing::Message() << backend << ", " << c.what);
     auto model = oom_model();
     auto oracle = oom_model();
     oracle->to(dev);
@@ -530,11 +567,16 @@ TEST_P(OutOfMemoryRedoTest, TheRedoneCallMatchesACallThatNeverFailed) {
     const int n = 2;
     const auto x = at::randn({8, 6}, at::detail::createCPUGenerator(11));
     const auto y = at::randn({8, 4}, at::detail::createCPUGenerator(12));
+    RunConfig config;
+    config.set_num_microbatch(n);
+    if (c.grain) config.set_recompute_grain(*c.grain);
     torch::manual_seed(5);
-    injected_ooms = ooms;
-    auto result = pipe.forward_backward(x, y, mse_loss, false, RunConfig().set_num_microbatch(n));
+    inject_when = c.when;
+    injected_ooms = c.ooms;
+    auto result = pipe.forward_backward(x, y, mse_loss, false, config);
     pipe.synchronize();
     EXPECT_EQ(injected_ooms.load(), 0) << "the injected errors were not all raised";
+    injected_ooms = 0;
 
     torch::manual_seed(5);
     const auto outs = oracle_microbatches(oracle, x, n, draw_call_seed(), dev);
@@ -543,6 +585,41 @@ TEST_P(OutOfMemoryRedoTest, TheRedoneCallMatchesACallThatNeverFailed) {
     for (int m = 0; m < n; ++m) loss = loss + mse_loss(outs[m], ys[m].to(dev));
     loss.backward();
     EXPECT_TENSOR_NEAR(result.loss, loss, kTol, "loss");
+    expect_same_state(model, oracle, /*grads=*/true);
+  }
+}
+
+// The same for forward(): a training forward that runs out of memory is
+// redone before its output returns; its backward (through autograd) retries
+// a microbatch by layer.
+TEST_P(OutOfMemoryRedoTest, ATrainingForwardAndItsBackwardRecoverToo) {
+  const auto& backend = GetParam();
+  const c10::Device dev = oracle_device(backend);
+  for (auto when : {InjectWhen::kForward, InjectWhen::kWithGrad}) {
+    SCOPED_TRACE(::testing::Message()
+                 << backend << (when == InjectWhen::kForward ? ", forward" : ", recompute"));
+    auto model = oom_model();
+    auto oracle = oom_model();
+    oracle->to(dev);
+    RoundPipe pipe(model, RoundPipeOptions().set_devices(backend));
+    const int n = 2;
+    const auto x = at::randn({8, 6}, at::detail::createCPUGenerator(11));
+    const auto w = at::randn({8, 4}, at::detail::createCPUGenerator(12));
+    const auto config =
+        RunConfig().set_num_microbatch(n).set_recompute_grain(RecomputeGrain::kStage);
+    torch::manual_seed(5);
+    inject_when = when;
+    injected_ooms = 1;
+    auto out = pipe.forward(x, config);
+    (out * w).sum().backward();
+    pipe.synchronize();
+    EXPECT_EQ(injected_ooms.load(), 0) << "the injected error was not raised";
+    injected_ooms = 0;
+
+    torch::manual_seed(5);
+    auto ref = at::cat(oracle_microbatches(oracle, x.to(dev), n, draw_call_seed(), dev), 0);
+    (ref * w.to(dev)).sum().backward();
+    EXPECT_TENSOR_NEAR(out, ref, kTol, "output");
     expect_same_state(model, oracle, /*grads=*/true);
   }
 }
@@ -602,6 +679,7 @@ TEST(AutomaticPlanUnderABudget, TrainsWithinTheBudgetOverAGrid) {
 TEST(OutOfMemoryRedo, APlanOfTheCallersIsNotChangedAndTheErrorSaysOutOfMemory) {
   auto model = oom_model();
   RoundPipe pipe(model, RoundPipeOptions().set_devices("sim:1"));
+  inject_when = InjectWhen::kForward;
   injected_ooms = 1;
   const auto config = RunConfig().set_num_microbatch(2).set_execute_plan(
       ExecutePlan::single_stage(pipe.num_layers(), /*fused=*/true));

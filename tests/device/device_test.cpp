@@ -165,7 +165,8 @@ TEST(DeviceSpec, ParsesSimSpecs) {
 TEST(DeviceSpec, RejectsBadSpecsWithHelp) {
   for (const char* bad : {"tpu", "sim:x", "sim:2,mem=5XB", "sim:2,colour=red", "cuda:a",
                           "sim:1,chunk=0", "sim:2,jitter_us=-5", "sim:2,jitter_us=3.5", "sim:0",
-                          "sim:-2", "sim:2x", "cuda:-1", "sim:1,gbps=-1", "sim:1,mem=-1MiB"}) {
+                          "sim:-2", "sim:2x", "cuda:-1", "sim:1,gbps=-1", "sim:1,mem=-1MiB",
+                          "cuda,mem=5XB", "cuda:0,mem=-1GiB", "cuda:0,mem=", "cudax"}) {
     try {
       make_devices(bad);
       FAIL() << bad << " was accepted";

@@ -72,9 +72,9 @@ TEST(LayerTimings, KeptBytesFollowTheLargestOutputAndAreAtLeastTheOutput) {
   LayerTimings timings(2);
   EXPECT_TRUE(timings.wants_kept_bytes(0));
   // The first metered forward is dropped (it holds one-off workspaces).
-  timings.add_kept_bytes(0, 1000, 100);
-  timings.add_kept_bytes(0, 300, 100);  // keeps 3 x its output
-  timings.add_kept_bytes(0, 200, 100);  // less: the largest ratio stays
+  timings.add_kept_bytes(0, 1000, 1000, 100);
+  timings.add_kept_bytes(0, 300, 300, 100);  // keeps 3 x its output
+  timings.add_kept_bytes(0, 200, 200, 100);  // less: the largest ratio stays
   EXPECT_FALSE(timings.wants_kept_bytes(0));
   timings.add_output_bytes(0, 100);
   timings.add_output_bytes(0, 50);  // the largest output counts
@@ -84,6 +84,27 @@ TEST(LayerTimings, KeptBytesFollowTheLargestOutputAndAreAtLeastTheOutput) {
   // A longer sequence later: the estimate scales with the output.
   timings.add_output_bytes(0, 400);
   EXPECT_EQ(timings.costs({0, 0}, {0, 0})[0].activation_bytes, 1200);
+}
+
+// Working bytes: the most a forward held beyond what it kept, or a backward
+// held; the largest ratio to the output, as kept bytes.
+TEST(LayerTimings, WorkingBytesAreTheLargestPeakBeyondWhatIsKept) {
+  LayerTimings timings(2);
+  timings.add_output_bytes(0, 100);
+  timings.add_output_bytes(1, 100);
+  timings.add_kept_bytes(0, 900, 5000, 100);  // dropped (workspaces)
+  timings.add_kept_bytes(0, 300, 500, 100);   // held 200 beyond the 300 it keeps
+  EXPECT_EQ(timings.costs({0, 0}, {0, 0})[0].working_bytes, 200);
+  EXPECT_TRUE(timings.wants_backward_bytes(0));
+  timings.add_backward_bytes(0, 9000);  // dropped
+  timings.add_backward_bytes(0, 150);   // less than the forward's: stays 200
+  EXPECT_EQ(timings.costs({0, 0}, {0, 0})[0].working_bytes, 200);
+  timings.add_backward_bytes(0, 700);
+  EXPECT_FALSE(timings.wants_backward_bytes(0));
+  EXPECT_EQ(timings.costs({0, 0}, {0, 0})[0].working_bytes, 700);
+  EXPECT_EQ(timings.costs({0, 0}, {0, 0})[1].working_bytes, 0);  // never metered
+  timings.add_output_bytes(0, 200);                              // scales with the output
+  EXPECT_EQ(timings.costs({0, 0}, {0, 0})[0].working_bytes, 1400);
 }
 
 TEST(LayerTimings, CostsNeedOneSizePerLayer) {

@@ -56,6 +56,34 @@ TEST(Planner, EveryStageFitsTheLimitWithTheNextStagesParameters) {
   }
 }
 
+// A layer's working memory (temporaries, logit chunks) is held by one layer
+// at a time: a stage adds its largest once, in stage and in layer grain.
+TEST(Planner, AStageAddsTheLargestWorkingMemoryOfItsLayersOnce) {
+  auto layers = equal_layers(4, 100 * kMiB, 20 * kMiB);
+  layers[1].working_bytes = 30 * kMiB;
+  layers[2].working_bytes = 50 * kMiB;
+  for (bool layer_grain : {false, true}) {
+    PlanRequest request;
+    request.num_devices = 1;
+    request.fused = true;
+    request.layer_grain = layer_grain;
+    request.min_stages = 2;
+    const auto estimate = plan_stages(layers, request);
+    for (const auto& s : estimate.stages) {
+      int64_t params = 0, acts = 0, max_act = 0, working = 0;
+      for (int l = s.range.begin; l < s.range.end; ++l) {
+        params += layers[l].param_bytes;
+        acts += layers[l].activation_bytes;
+        max_act = std::max(max_act, layers[l].activation_bytes);
+        working = std::max(working, layers[l].working_bytes);
+      }
+      const int64_t expected = s.backward ? 2 * params + (layer_grain ? max_act : acts) + working
+                                          : params + max_act + working;
+      EXPECT_EQ(s.memory_bytes, expected) << estimate.describe();
+    }
+  }
+}
+
 // peak_bytes (what the limit is checked against) adds the parameters of the
 // stage that arrives on the same device while a stage runs: with 2 devices,
 // the one two later in the cyclic order forward..., backward...

@@ -11,8 +11,9 @@ namespace roundpipe::train {
 
 struct TrainOptions {
   std::string model, config = "configs/qwen3-tiny/config.json", data, task = "addition";
-  std::string output = "roundpipe-out", devices, dtype = "float32", pin = "alloc",
-              recompute = "stage";
+  // recompute: "stage", "layer" or "" (the automatic plan chooses).
+  std::string output = "roundpipe-out", devices, dtype = "float32", pin = "alloc", recompute;
+  double memory_limit_gib = 0;  // the plan's device memory limit; 0: what the device grants
   std::string checkpoint_dir;
   int64_t batch_size = 64, seq_len = 512, steps = 0, epochs = 0, checkpoint_every = 0,
           log_every = 10;
