@@ -52,6 +52,7 @@ if sys.argv[1] == "--write-train-data":  # for roundpipe-train: DIR ROWS SEQ
 shape, cap_gib = sys.argv[1], float(sys.argv[2])
 batch, seq, mask_kind = int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
 steps = int(sys.argv[6]) if len(sys.argv) > 6 else 6
+microbatches = min(4, batch)  # (a batch of one sequence is one microbatch)
 cuda = torch.cuda.is_available()  # (without: a dry run of this script on simulated devices)
 total = torch.cuda.get_device_properties(0).total_memory if cuda else 0
 if cap_gib > 0 and cuda:
@@ -73,7 +74,7 @@ with torch.no_grad():
 model = model.half().eval()
 model.tie_weights()
 print(f"  model made in {time.perf_counter() - made:.1f} s", flush=True)
-pipe = wrap_model_to_roundpipe(model, model_run_config=RoundPipeRunConfig(num_microbatch=4),
+pipe = wrap_model_to_roundpipe(model, model_run_config=RoundPipeRunConfig(num_microbatch=microbatches),
                                optim_dtype=torch.float32)
 optimizer = roundpipe.optim.Adam(pipe.optim_parameters(), lr=1e-5)
 
@@ -106,7 +107,7 @@ except torch.OutOfMemoryError as e:
 first = len(times) // 2
 steady = times[first:]
 rate = batch * seq * len(steady) / sum(steady)
-plan, described = pipe._engine.auto_plan(True, 4, 0, None)
+plan, described = pipe._engine.auto_plan(True, microbatches, 0, None)
 predicted = [line for line in described.splitlines() if "peak" in line.lower() or "GiB" in line]
 print(f"{name}: {rate:,.0f} tokens/s (steps {first + 1}..{steps}), loss {float(loss):.4f}, "
       f"measured peak {torch.cuda.max_memory_allocated() / 2**30 if cuda else 0:.2f} GiB allocated / "

@@ -34,6 +34,10 @@ struct PlanRequest {
   // Recompute in layer grain: a backward stage holds one layer's kept
   // activations at a time (stage grain: all of its layers').
   bool layer_grain = false;
+  // With layer_grain, fused, a limit and measured activations: the fused
+  // tail runs as many of its last layers with grad as the limit holds
+  // (StageEstimate::layers_with_grad), saving their recompute.
+  bool grow_tail_with_grad = false;
   // The layers' activation_bytes are not measured (yet): the plan keeps
   // half the limit for them.
   bool activations_unmeasured = false;
@@ -62,6 +66,10 @@ struct StageEstimate {
   // memory_bytes plus the parameters of the stage arriving meanwhile on its
   // device: what a plan fits the limit with.
   int64_t peak_bytes = 0;
+  // The fused tail in layer grain with PlanRequest::grow_tail_with_grad: how
+  // many of its last layers run with grad, keeping their activations (the
+  // rest are recomputed one at a time); 0 where not set.
+  int layers_with_grad = 0;
 };
 
 struct PlanEstimate {

@@ -40,8 +40,8 @@ AutoPlan::AutoPlan(const std::string& name, const RoundPipeOptions& options, con
 }
 
 PlanEstimate AutoPlan::estimate(bool fused, int num_microbatches, int min_stages,
-                                std::optional<double> memory_limit_gib,
-                                RecomputeGrain grain) const {
+                                std::optional<double> memory_limit_gib, RecomputeGrain grain,
+                                bool grow_tail) const {
   PlanRequest request;
   // The default plan's question (no constraints of the caller's own): the
   // plan in use stays unless a new one is clearly faster.
@@ -85,6 +85,7 @@ PlanEstimate AutoPlan::estimate(bool fused, int num_microbatches, int min_stages
   request.memory_limit_bytes =
       static_cast<int64_t>(static_cast<double>(request.memory_limit_bytes) * shrink.limit_scale);
   request.layer_grain = grain == RecomputeGrain::kLayer;
+  request.grow_tail_with_grad = grow_tail;
   // Measured times once every layer has them (with the measured upload
   // rate, in the same unit), else bytes stand in. Until what layers keep
   // for their backward is measured (or where a layer cannot be metered),
@@ -110,7 +111,7 @@ AutoPlan::Choice AutoPlan::choose(bool fused, int n, int min_stages,
                                   std::optional<double> memory_limit_gib,
                                   std::optional<RecomputeGrain> grain) const {
   RecomputeGrain chosen = grain.value_or(RecomputeGrain::kLayer);
-  auto plan = estimate(fused, n, min_stages, memory_limit_gib, chosen);
+  auto plan = estimate(fused, n, min_stages, memory_limit_gib, chosen, /*grow_tail=*/!grain);
   bool layer_grain_only = false;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -140,7 +141,9 @@ AutoPlan::CallPlan AutoPlan::for_call(bool fused, int n, std::optional<Recompute
     plans_in_use_[PlanKey{fused, n, chosen}] = plan.plan;
   }
   if (options_.verbose) log(fused, n, measured, plan);
-  return {plan.plan, chosen};
+  const int tail_with_grad =
+      fused && !plan.stages.empty() ? plan.stages.at(plan.plan.forward.size()).layers_with_grad : 0;
+  return {plan.plan, chosen, tail_with_grad};
 }
 
 // Note [Out-of-memory redo]

@@ -35,9 +35,11 @@ class AutoPlan {
   // The automatic plan with its predicted stage times and memory, under
   // `memory_limit_gib` (default: model_memory_limit, else what the smallest
   // device had left when the engine was made), for calls of
-  // `num_microbatches` in `grain`.
+  // `num_microbatches` in `grain` (`grow_tail`: the plan chose layer grain,
+  // and may run more of the fused tail with grad, Note [Tail grain]).
   PlanEstimate estimate(bool fused, int num_microbatches, int min_stages,
-                        std::optional<double> memory_limit_gib, RecomputeGrain grain) const;
+                        std::optional<double> memory_limit_gib, RecomputeGrain grain,
+                        bool grow_tail = false) const;
   // The plan of a call that brings none, and the grain it runs in: `grain`
   // if the caller chose one, else the plan's choice (Note [Automatic
   // grain]). The plan in use for (fused, microbatches, grain) stays unless
@@ -45,6 +47,7 @@ class AutoPlan {
   struct CallPlan {
     ExecutePlan plan;
     RecomputeGrain grain;
+    int tail_layers_with_grad = 0;  // Note [Tail grain]; 0: one, in layer grain
   };
   CallPlan for_call(bool fused, int num_microbatches, std::optional<RecomputeGrain> grain);
   // The estimate for_call's choice rests on (without the plan cache's

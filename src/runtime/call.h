@@ -53,7 +53,8 @@ struct CallState {
   bool fused = false;
   bool training = false;
   RecomputeGrain grain = RecomputeGrain::kStage;
-  bool grain_chosen = false;  // by the automatic plan, not the caller
+  bool grain_chosen = false;      // by the automatic plan, not the caller
+  int tail_layers_with_grad = 0;  // layer grain: of the fused tail (Note [Tail grain]); 0: one
   bool preserve_rng = true;
   uint64_t call_seed = 0;
 

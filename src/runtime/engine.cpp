@@ -8,6 +8,7 @@
 #include <chrono>
 #include <cstdio>
 #include <set>
+#include <sstream>
 
 #include "roundpipe/errors.h"
 #include "roundpipe/microbatch.h"
@@ -186,6 +187,7 @@ std::shared_ptr<CallState> Engine::start_call(const c10::IValue& input, const Ru
     call->plan = std::move(chosen.plan);
     call->grain = chosen.grain;
     call->grain_chosen = !asked_grain;
+    call->tail_layers_with_grad = chosen.tail_layers_with_grad;
     call->config.recompute_grain = chosen.grain;
   }
   call->plan.validate(num_layers(), call->fused);
@@ -365,8 +367,19 @@ bool Engine::undo_for_redo(CallState& call, const StageError& error, int attempt
   // (A plan of the caller's is theirs to change; a few redos bound the
   // loop where something else than the plan runs out of memory.)
   constexpr int kMaxRedos = 6;
-  if (!error.out_of_memory || call.config.execute_plan.has_value() || attempt >= kMaxRedos)
-    return false;
+  if (!error.out_of_memory || call.config.execute_plan.has_value()) return false;
+  if (attempt >= kMaxRedos) {
+    std::ostringstream what;
+    what << error.what() << "\n"
+         << name_ << ": the call ran out of memory on " << kMaxRedos + 1
+         << " plans in a row, each smaller (the last: " << call.plan.to_string() << ", "
+         << (call.grain == RecomputeGrain::kLayer ? "layer" : "stage")
+         << " grain): what one microbatch needs beyond the plan's estimate does not fit. Give "
+            "the device more memory, or split the batch into more microbatches (num_microbatch), "
+            "or pass shorter sequences.";
+    throw StageError(what.str(), error.stage, error.layer, error.microbatch, error.phase,
+                     error.device, true, error.cause);
+  }
   // Its jobs have stopped (collect waited); its gradients and buffer
   // commits still in the host tasks land, then its forward stages' buffer
   // writes are undone from the snapshot taken before its first microbatch.

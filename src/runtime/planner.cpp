@@ -186,6 +186,49 @@ std::vector<LayerCost> costs_from_bytes(const std::vector<int64_t>& layer_bytes,
   return costs;
 }
 
+// Note [Tail grain]
+// In layer grain the fused tail runs its layers without grad, keeping their
+// inputs, then its last layer and the loss with grad, then recomputes the
+// others one at a time: one extra forward of every layer but the last. A
+// tail in stage grain runs them all with grad once, but holds all of their
+// activations. Between the two, the tail runs its last k layers with grad
+// (their activations kept, no recompute) and recomputes the rest by layer:
+// k is the most the limit holds with everything else the stage holds (its
+// parameters, gradients, the largest working memory, the next stage's
+// parameters) and a second copy of the k layers' gradients (their backward
+// computes them apart, so that running out of memory there can be retried:
+// stage_runner.cpp). On a 24 GiB card a 1.7B model's 29-layer tail keeps
+// about a dozen layers' activations this way, a dozen fewer forwards per
+// call.
+PlanEstimate with_tail_grown(const std::vector<LayerCost>& layers, PlanEstimate e,
+                             const PlanRequest& request) {
+  const int64_t limit = effective_limit(request);
+  if (!request.fused || !request.layer_grain || !request.grow_tail_with_grad ||
+      request.activations_unmeasured || limit == 0)
+    return e;
+  auto& tail = e.stages.at(e.plan.forward.size());  // backward[0]
+  const auto load = stage_load(layers, tail.range);
+  // All the tail holds but the one layer's activations of layer grain.
+  const int64_t rest = tail.peak_bytes - load.max_act;
+  int64_t kept = 0, acts = 0, grads = 0;
+  int k = 0;
+  for (int l = tail.range.end - 1; l >= tail.range.begin; --l) {
+    const bool all = l == tail.range.begin;  // then no second copy of gradients
+    const int64_t grown =
+        acts + layers[l].activation_bytes + (all ? 0 : grads + layers[l].grad_bytes);
+    if (k > 0 && rest + std::max(grown, load.max_act) > limit) break;
+    acts += layers[l].activation_bytes;
+    grads += layers[l].grad_bytes;
+    kept = grown;
+    ++k;
+  }
+  tail.layers_with_grad = k;
+  const int64_t held = std::max(kept, load.max_act) - load.max_act;
+  tail.memory_bytes += held;
+  tail.peak_bytes += held;
+  return e;
+}
+
 PlanEstimate plan_stages(const std::vector<LayerCost>& layers, const PlanRequest& request) {
   const int L = static_cast<int>(layers.size());
   TORCH_CHECK(L >= 1, "a RoundPipe model needs at least one layer");
@@ -279,9 +322,9 @@ PlanEstimate plan_stages(const std::vector<LayerCost>& layers, const PlanRequest
     if (kept_fits && valid &&
         comparable_time(kept, request) <=
             comparable_time(best, request) * (1 + request.keep_within))
-      return kept;
+      return with_tail_grown(layers, std::move(kept), request);
   }
-  return best;
+  return with_tail_grown(layers, std::move(best), request);
 }
 
 PlanEstimate estimate_plan(const std::vector<LayerCost>& layers, const ExecutePlan& plan,
@@ -323,6 +366,9 @@ std::string PlanEstimate::describe() const {
         s.backward ? "backward" : "forward", s.range.begin, s.range.end, s.compute, s.upload,
         gib(s.memory_bytes), gib(s.peak_bytes));
     out << line;
+    if (s.layers_with_grad > 0)
+      out << "            its last " << s.layers_with_grad
+          << " layer(s) with grad, the rest recomputed by layer (Note [Tail grain])\n";
   }
   out << "  plan " << plan.to_string() << ", predicted " << iteration << " per call";
   return out.str();

@@ -6,6 +6,7 @@
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/autograd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <map>
 #include <optional>
@@ -94,6 +95,7 @@ struct StageRunner {
     EventPtr start, end;
   };
   std::vector<Interval> intervals;
+  int shared_from = 0;  // the first layer an interval of layer -1 is shared by
 
   StageRunner(const StageContext& c, Job& j, DeviceWorker& w)
       : ctx(c), job(j), worker(w), device(w.device()), call(*j.call) {}
@@ -109,7 +111,7 @@ struct StageRunner {
     intervals.clear();
     auto* timings = &ctx.timings;
     Device* dev = &device;
-    const LayerRange range = job.range;
+    const LayerRange range{std::max(shared_from, job.range.begin), job.range.end};
     ctx.host_tasks.post(measured.back().end, [measured, timings, dev, range] {
       std::map<int, double> recompute;
       double stage_backward = -1;
@@ -251,12 +253,19 @@ struct StageRunner {
   }
 
   // Layer l's backward: `grads` through its output `y`. The first few are
-  // metered: the most it holds on the way is its working memory.
+  // metered: the most it holds on the way is its working memory. Only once
+  // its parameters have gradients: the first backward allocates them, and
+  // the plan counts them already.
   void layer_backward(int l, const c10::IValue& y, const std::vector<at::Tensor>& grads) {
     layer = l;
     phase = "backward";
     std::optional<MeterScope> metering;
-    if (ctx.layers[l]->meterable() && ctx.timings.wants_backward_bytes(l)) metering.emplace();
+    const auto params = instances[l]->parameter_leaves();
+    const bool grads_exist = std::all_of(params.begin(), params.end(), [](const at::Tensor& p) {
+      return !p.requires_grad() || p.grad().defined();
+    });
+    if (grads_exist && ctx.layers[l]->meterable() && ctx.timings.wants_backward_bytes(l))
+      metering.emplace();
     auto start = mark();
     backward_through(y, grads);
     intervals.push_back({l, LayerTimings::kBackward, start, mark()});
@@ -264,9 +273,10 @@ struct StageRunner {
     if (meter) ctx.timings.add_backward_bytes(l, meter->peak_bytes());
   }
 
-  // The whole stage's backward (stage grain): one time, shared by its
-  // layers in flush_timings().
-  void stage_backward(const c10::IValue& y, const std::vector<at::Tensor>& grads) {
+  // The backward of the stage's layers from `from` on (stage grain, or the
+  // tail's layers with grad): one time, shared by them in flush_timings().
+  void stage_backward(int from, const c10::IValue& y, const std::vector<at::Tensor>& grads) {
+    shared_from = from;
     layer = -1;
     phase = "backward";
     auto start = mark();
@@ -402,7 +412,7 @@ struct StageRunner {
     if (by_layer) {
       layer_backward(r.end - 1, x, grads);
     } else {
-      stage_backward(x, grads);
+      stage_backward(r.begin, x, grads);
     }
     backward_layer_by_layer(r.begin, saved, leaves);
   }
@@ -529,7 +539,11 @@ struct StageRunner {
     // without grad saves each layer's input to the host, then the last
     // layer and the loss run with grad, and each earlier layer is recomputed
     // and backpropagated, last first (as run_backward does across stages).
-    const bool layer_grain = call.grain == RecomputeGrain::kLayer && r.end - r.begin > 1;
+    // The automatic plan may run more than the last layer with grad there
+    // (Note [Tail grain]).
+    const int with_grad = call.grain == RecomputeGrain::kLayer
+                              ? std::clamp(call.tail_layers_with_grad, 1, r.size())
+                              : r.size();
     for (int m = job.replica; m < call.n; m += job.replicas) {
       microbatch = m;
       Slot& in = call.wait(call.act.at(r.begin)[m]);
@@ -541,10 +555,10 @@ struct StageRunner {
       bool results_sent = false;
       retrying_out_of_memory(
           [&] {
-            tail_microbatch(x, label, in.rng, layer_grain || lighter_after_out_of_memory, leaves,
+            tail_microbatch(x, label, in.rng, lighter_after_out_of_memory ? 1 : with_grad, leaves,
                             results_sent);
           },
-          [&] { tail_microbatch(x, label, in.rng, true, leaves, results_sent); });
+          [&] { tail_microbatch(x, label, in.rng, 1, leaves, results_sent); });
       flush_timings();
       if (r.begin > 0) send_input_grads(r.begin, m, leaves);
     }
@@ -553,15 +567,16 @@ struct StageRunner {
   // One microbatch of the fused tail: forward, loss (sent back, with the
   // output, before the backward is enqueued: the caller has them, and may
   // issue the next call, while this microbatch's backward still runs) and
-  // backward.
+  // backward. The last `with_grad` layers run with grad; the others run
+  // without, keeping their inputs, and are recomputed one at a time.
   void tail_microbatch(const c10::IValue& input, const c10::IValue& label,
-                       const RngState& rng_start, bool by_layer, std::vector<at::Tensor>& leaves,
+                       const RngState& rng_start, int with_grad, std::vector<at::Tensor>& leaves,
                        bool& results_sent) {
     const auto& r = job.range;
     leaves.clear();
     auto lock = device.compute_lock();
     RngScope rng(device, rng_start);
-    const int first_with_grad = by_layer ? r.end - 1 : r.begin;
+    const int first_with_grad = r.end - with_grad;
     c10::IValue x = input;
     auto saved = run_keeping_inputs(r.begin, first_with_grad, x, rng, /*recompute=*/false);
     c10::AutoGradMode grad_mode(true);
@@ -588,15 +603,69 @@ struct StageRunner {
       }
       results_sent = true;
     }
-    backward_began = true;
     const auto root = loss.reshape({});
     const std::vector<at::Tensor> one{at::ones_like(root)};  // d loss / d loss
-    if (by_layer) {
-      layer_backward(r.end - 1, root, one);
+    if (first_with_grad > r.begin && with_grad > 1) {
+      backward_then_accumulate(first_with_grad, root, one, leaves);
     } else {
-      stage_backward(root, one);
+      backward_began = true;
+      if (with_grad == 1) {
+        layer_backward(r.end - 1, root, one);
+      } else {
+        stage_backward(first_with_grad, root, one);
+      }
     }
+    backward_began = true;  // from here gradients add up in place
     backward_layer_by_layer(r.begin, saved, leaves);
+  }
+
+  // The backward of the tail's layers with grad where they are some of its
+  // layers (Note [Tail grain]): the planner filled the memory with them, so
+  // a microbatch past the first may run out of memory inside this backward.
+  // Their parameter gradients are computed apart and added to the
+  // accumulated ones only once it has succeeded (as autograd would add
+  // them), so that a retry by layer starts from exactly the gradients of
+  // the earlier microbatches (Note [Out-of-memory retry of a microbatch]).
+  // It costs the layers' gradient bytes once more, which the plan counts.
+  void backward_then_accumulate(int from, const at::Tensor& root,
+                                const std::vector<at::Tensor>& one,
+                                std::vector<at::Tensor>& leaves) {
+    shared_from = from;
+    layer = -1;
+    phase = "backward";
+    std::vector<at::Tensor> params, inputs;
+    for (int l = from; l < job.range.end; ++l) {
+      for (const auto& p : instances[l]->parameter_leaves()) {
+        if (p.requires_grad()) params.push_back(p);
+      }
+    }
+    std::vector<size_t> leaf_index;
+    for (size_t i = 0; i < leaves.size(); ++i) {
+      if (leaves[i].defined() && leaves[i].requires_grad()) {
+        leaf_index.push_back(i);
+        inputs.push_back(leaves[i]);
+      }
+    }
+    inputs.insert(inputs.end(), params.begin(), params.end());
+    auto start = mark();
+    if (root.requires_grad() && !inputs.empty()) {
+      auto grads = torch::autograd::grad({root}, inputs, one, /*retain_graph=*/false,
+                                         /*create_graph=*/false, /*allow_unused=*/true);
+      for (size_t i = 0; i < leaf_index.size(); ++i)
+        leaves[leaf_index[i]].mutable_grad() = grads[i];
+      c10::NoGradGuard no_grad;
+      for (size_t i = 0; i < params.size(); ++i) {
+        const auto& g = grads[leaf_index.size() + i];
+        if (!g.defined()) continue;
+        auto& sum = params[i].mutable_grad();
+        if (sum.defined()) {
+          sum.add_(g);
+        } else {
+          sum = g;
+        }
+      }
+    }
+    intervals.push_back({-1, LayerTimings::kBackward, start, mark()});
   }
 
   // Sums each unique parameter's gradient over the stage's layers (a tied

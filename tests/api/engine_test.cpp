@@ -739,6 +739,62 @@ TEST(AutomaticGrain, LayerGrainUntilActivationsAreMeasuredThenStageGrainWhereItF
   EXPECT_EQ(grad_forwards_of_one_call(layer), n);
 }
 
+// A layer that keeps 16 x its output for its backward (a wide hidden
+// activation), counting its forwards with grad outside a recompute.
+struct WideProbeImpl : torch::nn::Cloneable<WideProbeImpl> {
+  torch::nn::Linear up{nullptr}, down{nullptr};
+  WideProbeImpl() { reset(); }
+  void reset() override {
+    up = register_module("up", torch::nn::Linear(4, 32));
+    down = register_module("down", torch::nn::Linear(32, 4));
+  }
+  at::Tensor forward(const at::Tensor& x) {
+    if (c10::GradMode::is_enabled() && !doing_recompute()) ++grad_forwards;
+    return down(torch::tanh(up(x)));
+  }
+};
+TORCH_MODULE(WideProbe);
+
+// Note [Tail grain]: where the automatic plan runs in layer grain because
+// stage grain does not fit, the fused tail still runs as many of its last
+// layers with grad as the budget holds (more than one, fewer than all,
+// somewhere between a small and a large budget), with plain LibTorch's
+// losses and gradients.
+TEST(TailGrain, TheTailRunsAsManyLayersWithGradAsTheBudgetHolds) {
+  const int layers = 8, n = 2;
+  const auto x = at::randn({1024, 4}, at::detail::createCPUGenerator(1));
+  const auto y = at::randn({1024, 4}, at::detail::createCPUGenerator(2));
+  std::vector<int> seen;
+  for (int64_t budget_kib : {320, 448, 576, 704, 2048}) {
+    SCOPED_TRACE(::testing::Message() << budget_kib << " KiB");
+    auto make = [&] {
+      torch::manual_seed(4);
+      torch::nn::Sequential m;
+      for (int l = 0; l < layers; ++l) m->push_back(WideProbe());
+      return m;
+    };
+    auto model = make(), oracle = make();
+    RoundPipe pipe(model, RoundPipeOptions().set_verbose(true).set_devices(
+                              "sim:1,mem=" + std::to_string(budget_kib) + "KiB"));
+    const auto config = RunConfig().set_num_microbatch(n);
+    int last = 0;
+    for (int call = 0; call < 5; ++call) {
+      grad_forwards = 0;
+      const auto loss = pipe.forward_backward(x, y, mse_loss, false, config).loss;
+      pipe.synchronize();
+      last = grad_forwards.load();
+      const auto expected = plain_microbatch_loss(oracle, x, y, n, c10::Device(c10::kCPU));
+      EXPECT_TENSOR_NEAR(loss, expected, kTol, "loss of call " << call);
+      expected.backward();
+    }
+    expect_same_state(model, oracle, /*grads=*/true);
+    EXPECT_LE(pipe.devices().at(0)->memory_stats().peak_bytes, budget_kib * 1024);
+    seen.push_back(last / n);
+  }
+  EXPECT_TRUE(std::any_of(seen.begin(), seen.end(), [&](int k) { return k > 1 && k < layers; }))
+      << "no budget ran part of the tail with grad: " << ::testing::PrintToString(seen);
+}
+
 INSTANTIATE_TEST_SUITE_P(AllBackends, OutOfMemoryRedoTest, ::testing::ValuesIn(backends()),
                          [](const auto& info) { return backend_test_name(info.param); });
 

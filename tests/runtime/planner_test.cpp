@@ -84,6 +84,44 @@ TEST(Planner, AStageAddsTheLargestWorkingMemoryOfItsLayersOnce) {
   }
 }
 
+// Note [Tail grain]: in layer grain the fused tail runs as many of its last
+// layers with grad as the limit holds, and its estimate says so.
+TEST(Planner, TheTailRunsAsManyLastLayersWithGradAsTheLimitHolds) {
+  const auto layers = equal_layers(8, 10 * kMiB, 40 * kMiB);
+  PlanRequest request;
+  request.num_devices = 1;
+  request.fused = true;
+  request.layer_grain = true;
+  request.min_stages = 2;
+  request.memory_limit_bytes = 1000 * kMiB;
+  const auto plain = plan_stages(layers, request);
+  const auto& plain_tail = plain.stages.at(plain.plan.forward.size());
+  EXPECT_EQ(plain_tail.layers_with_grad, 0) << "not asked for";
+  request.grow_tail_with_grad = true;
+  for (int64_t limit_mib : {1000, 400, 250}) {
+    request.memory_limit_bytes = limit_mib * kMiB;
+    const auto e = plan_stages(layers, request);
+    const auto& tail = e.stages.at(e.plan.forward.size());
+    const int n = tail.range.size();
+    // The tail holds parameters and gradients (20 MiB a layer) and the next
+    // stage's parameters, plus 40 MiB of activations per layer with grad.
+    int64_t next_params = 0;
+    for (const auto& s : e.stages) {
+      if (&s != &tail && e.stages.size() > 1) next_params = std::max(next_params, s.param_bytes);
+    }
+    const int64_t fixed = tail.peak_bytes - 40 * kMiB * tail.layers_with_grad;
+    ASSERT_GE(tail.layers_with_grad, 1) << e.describe();
+    ASSERT_LE(tail.layers_with_grad, n) << e.describe();
+    EXPECT_LE(tail.peak_bytes, request.memory_limit_bytes) << e.describe();
+    if (tail.layers_with_grad < n) {
+      EXPECT_GT(fixed + 40 * kMiB * (tail.layers_with_grad + 1), request.memory_limit_bytes)
+          << "one more layer would have fit: " << e.describe();
+    }
+    if (limit_mib == 1000) EXPECT_EQ(tail.layers_with_grad, n) << e.describe();
+    if (limit_mib == 250) EXPECT_LT(tail.layers_with_grad, n) << e.describe();
+  }
+}
+
 // peak_bytes (what the limit is checked against) adds the parameters of the
 // stage that arrives on the same device while a stage runs: with 2 devices,
 // the one two later in the cyclic order forward..., backward...
