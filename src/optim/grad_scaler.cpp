@@ -56,10 +56,14 @@ bool GradScaler::step(const std::vector<at::Tensor>& grads, const std::function<
       finite = finite && at::isfinite(g).all().item<bool>();
     }
   }
+  // The finding is known before the update runs: a caller's update() that
+  // waits for it need not wait for the optimizer's step as well.
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    found_inf_.push_back(!finite);
+    cv_.notify_all();
+  }
   if (finite) update();
-  std::lock_guard<std::mutex> lock(mu_);
-  found_inf_.push_back(!finite);
-  cv_.notify_all();
   return finite;
 }
 
