@@ -6,8 +6,9 @@
 # memory cap, and (HF=1) the GPU-resident transformers run of the same 1.7B
 # shape (no cap). RUNS overrides the list ("SHAPE CAP BATCH SEQ MASK;...";
 # RUNS= runs the mask check alone, SKIP_MASKS=1 skips it; TOKENS sets its
-# size, MASK_VARIANTS="default noflash nofused" adds runs without the flash
-# kernel or the fused kernels), then roundpipe-train with default settings on
+# size, MASK_VARIANTS="default noflash nofused sliding" adds runs without
+# the flash kernel or the fused kernels, and with Qwen3's sliding window),
+# then roundpipe-train with default settings on
 # the 1.7B shape, 16 x 4096 tokens a step, at each cap of TRAIN_CAPS
 # (default "24"; empty: none). Logs go to $OUT (or ./bench-out).
 set -uo pipefail
@@ -24,6 +25,7 @@ if [ -z "${SKIP_MASKS:-}" ]; then
   for variant in ${MASK_VARIANTS:-default}; do  # default, noflash, nofused
     env_vars=(); [ "$variant" = noflash ] && env_vars=(ROUNDPIPE_NO_FLASH=1)
     [ "$variant" = nofused ] && env_vars=(ROUNDPIPE_FUSED_KERNELS=0)
+    [ "$variant" = sliding ] && env_vars=(WINDOW=1024)
     echo "masks, $variant:" | tee -a "$out/gpu_masks.log"
     env "${env_vars[@]}" timeout 200 $py bench/gpu_masks.py "${TOKENS:-32768}" 2>&1 | tee -a "$out/gpu_masks.log"
     echo "  (${SECONDS}s)" >> "$out/gpu_masks.log"

@@ -10,8 +10,12 @@
 random weights the two round in different places, and even unmasked batches
 differ by 10-20% in the logits.) Prints errors and the peak device memory of
 each run; exits 1 past the tolerances below.
+With WINDOW=N in the environment the last two layers attend to the last N
+tokens (Qwen3's sliding window: the flash kernel's window against SDPA with
+a banded mask, and transformers), and an unpadded batch is checked too.
 Usage: gpu_masks.py [total tokens, default 32768]."""
 import copy
+import os
 import sys
 
 import torch
@@ -20,6 +24,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 from roundpipe import RoundPipeRunConfig, wrap_model_to_roundpipe
 
 TOKENS = int(sys.argv[1]) if len(sys.argv) > 1 else 32768
+WINDOW = int(os.environ.get("WINDOW", "0"))
 torch.backends.cuda.matmul.allow_tf32 = False
 torch.backends.cudnn.allow_tf32 = False
 # float32, same semantics: the same products summed in other orders over a
@@ -31,9 +36,11 @@ BF16_TOL = 3e-2
 
 def model(dtype):
     torch.manual_seed(0)
+    sliding = dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=2) if WINDOW else {}
     config = Qwen3Config(vocab_size=32000, hidden_size=1024, intermediate_size=3072, num_hidden_layers=4,
                          num_attention_heads=16, num_key_value_heads=8, head_dim=128,
-                         max_position_embeddings=TOKENS, use_cache=False, attn_implementation="sdpa")
+                         max_position_embeddings=TOKENS, use_cache=False, attn_implementation="sdpa",
+                         **sliding)
     return Qwen3ForCausalLM(config).to(dtype).eval()
 
 
@@ -54,8 +61,12 @@ def batches():
     labels = ids.clone()
     labels[positions == 0] = -100
     packed = dict(input_ids=ids, position_ids=positions, labels=labels)
-    return {f"padded 2 x {half} (left, right)": (padded, 2),
-            f"packed 1 x {TOKENS} (5 documents)": (packed, 1)}
+    cases = {f"padded 2 x {half} (left, right)": (padded, 2),
+             f"packed 1 x {TOKENS} (5 documents)": (packed, 1)}
+    if WINDOW:
+        ids = torch.randint(0, 32000, (2, half), generator=g)
+        cases[f"rows 2 x {half}, window {WINDOW}"] = (dict(input_ids=ids, labels=ids.clone()), 2)
+    return cases
 
 
 def rel(a, b):

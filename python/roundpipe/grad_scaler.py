@@ -22,20 +22,66 @@ class GradScaler:
         self._impl = _C.GradScaler(float(init_scale), float(growth_factor), float(backoff_factor),
                                    int(growth_interval), bool(enabled))
 
-    def scale(self, loss: torch.Tensor) -> torch.Tensor:
-        return self._impl.scale(loss)
+    def scale(self, outputs):
+        """The loss (or each of an iterable of losses) times the current
+        scale; the same when disabled."""
+        if isinstance(outputs, torch.Tensor):
+            return self._impl.scale(outputs)
+        scaled = [self.scale(o) for o in outputs]
+        return type(outputs)(scaled) if isinstance(outputs, (list, tuple)) else scaled
 
-    def step(self, optimizer: torch.optim.Optimizer) -> bool:
-        """Unscales the optimizer's gradients, and steps it unless one holds
-        inf/NaN. Returns whether it stepped."""
-        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        return self._impl.step(grads, optimizer.step)
+    @staticmethod
+    def _grads(optimizer):
+        return [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
 
-    def update(self) -> None:
-        self._impl.update()
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        """Unscales the optimizer's gradients now, inside the step function
+        (for example before clipping them); the step's ``step()`` does not
+        unscale them again. At most once per step."""
+        self._impl.unscale(self._grads(optimizer))
+
+    def step(self, optimizer: torch.optim.Optimizer, *args, **kwargs):
+        """Unscales the optimizer's gradients (unless ``unscale_`` did), and
+        runs ``optimizer.step(*args, **kwargs)`` unless one holds inf/NaN.
+        Returns what ``optimizer.step`` returned, or None when skipped."""
+        result = []
+        self._impl.step(self._grads(optimizer), lambda: result.append(optimizer.step(*args, **kwargs)))
+        return result[0] if result else None
+
+    def update(self, new_scale=None, is_async: bool = True) -> None:
+        """Advances the scale after a RoundPipe step. Async (the default):
+        from the finding of the step before the latest one (one step of lag,
+        so the trajectory does not depend on timing). ``is_async=False``:
+        from the latest step's, waiting for it (pair it with
+        ``step(..., is_async=False)``). ``new_scale`` (a float or a
+        one-element tensor) replaces the scale."""
+        if new_scale is not None:
+            new_scale = float(new_scale.item() if isinstance(new_scale, torch.Tensor) else new_scale)
+        self._impl.update(new_scale, bool(is_async))
 
     def get_scale(self) -> float:
         return self._impl.get_scale()
+
+    def is_enabled(self) -> bool:
+        return self._impl.is_enabled()
+
+    def get_growth_factor(self, up_to_date: bool = False) -> float:
+        return self._impl.get_growth_factor()
+
+    def get_backoff_factor(self, up_to_date: bool = False) -> float:
+        return self._impl.get_backoff_factor()
+
+    def get_growth_interval(self, up_to_date: bool = False) -> int:
+        return self._impl.get_growth_interval()
+
+    def set_growth_factor(self, new_factor: float) -> None:
+        self._impl.set_growth_factor(float(new_factor))
+
+    def set_backoff_factor(self, new_factor: float) -> None:
+        self._impl.set_backoff_factor(float(new_factor))
+
+    def set_growth_interval(self, new_interval: int) -> None:
+        self._impl.set_growth_interval(int(new_interval))
 
     def found_inf(self, step: int) -> bool:
         """Whether scaler.step number `step` (from 0) found inf/NaN."""

@@ -412,8 +412,17 @@ PYBIND11_MODULE(_C, m) {
              py::gil_scoped_release release;
              return self.step(grads, [fn] { with_gil([&] { fn.get()(); }); });
            })
-      .def("update", &optim::GradScaler::update, py::call_guard<py::gil_scoped_release>())
+      .def("unscale", &optim::GradScaler::unscale, py::call_guard<py::gil_scoped_release>())
+      .def("update", &optim::GradScaler::update, py::arg("new_scale") = py::none(),
+           py::arg("is_async") = true, py::call_guard<py::gil_scoped_release>())
       .def("get_scale", &optim::GradScaler::get_scale)
+      .def("is_enabled", &optim::GradScaler::is_enabled)
+      .def("get_growth_factor", &optim::GradScaler::growth_factor)
+      .def("get_backoff_factor", &optim::GradScaler::backoff_factor)
+      .def("get_growth_interval", &optim::GradScaler::growth_interval)
+      .def("set_growth_factor", &optim::GradScaler::set_growth_factor)
+      .def("set_backoff_factor", &optim::GradScaler::set_backoff_factor)
+      .def("set_growth_interval", &optim::GradScaler::set_growth_interval)
       .def("found_inf", &optim::GradScaler::found_inf)
       .def("state_dict", &optim::GradScaler::state_dict)
       .def("load_state_dict", &optim::GradScaler::load_state_dict);

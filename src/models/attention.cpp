@@ -86,20 +86,34 @@ at::Tensor as_batch_of_one(const at::Tensor& x, int64_t start, int64_t length) {
   return x.narrow(0, start, length).transpose(0, 1).unsqueeze(0);
 }
 
+// Causal attention of [B, heads, len, hd] tensors through SDPA; a window
+// takes a [len, len] mask of the keys each query sees.
+at::Tensor sdpa_causal(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
+                       int64_t window) {
+  if (window <= 0) {
+    return at::scaled_dot_product_attention(q, k, v, std::nullopt, 0.0, /*is_causal=*/true, scale,
+                                            /*enable_gqa=*/true);
+  }
+  const auto i = at::arange(q.size(2), q.options().dtype(at::kLong));
+  const auto behind = i.unsqueeze(1) - i.unsqueeze(0);  // query - key
+  const auto seen = behind.ge(0).logical_and(behind.lt(window));
+  return at::scaled_dot_product_attention(q, k, v, seen, 0.0, /*is_causal=*/false, scale,
+                                          /*enable_gqa=*/true);
+}
+
 // Sequence by sequence: exact on any device; SDPA's own causal kernels keep
-// each sequence's attention memory linear in its length.
+// each sequence's attention memory linear in its length (not with a window:
+// its mask is [len, len]).
 at::Tensor attention_per_sequence(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                  const SequenceLayout& layout, double scale) {
+                                  const SequenceLayout& layout, double scale, int64_t window) {
   const auto starts = layout.cu_seqlens.to(at::kCPU);
   const auto s = starts.accessor<int32_t, 1>();
   std::vector<at::Tensor> outs;
   outs.reserve(starts.size(0) - 1);
   for (int64_t i = 0; i + 1 < starts.size(0); ++i) {
     const int64_t start = s[i], length = s[i + 1] - s[i];
-    auto out = at::scaled_dot_product_attention(
-        as_batch_of_one(q, start, length), as_batch_of_one(k, start, length),
-        as_batch_of_one(v, start, length), std::nullopt, 0.0, /*is_causal=*/true, scale,
-        /*enable_gqa=*/true);
+    auto out = sdpa_causal(as_batch_of_one(q, start, length), as_batch_of_one(k, start, length),
+                           as_batch_of_one(v, start, length), scale, window);
     outs.push_back(out.squeeze(0).transpose(0, 1));  // [length, heads, hd]
   }
   return at::cat(outs, 0);
@@ -115,16 +129,32 @@ bool flash_takes(const at::Tensor& q) {
   return at::cuda::getDeviceProperties(q.device().index())->major >= 8;
 }
 
+// Flash's window: the keys left of the query it sees (the query's own is
+// one of the `window`); none is the whole sequence.
+std::optional<int64_t> flash_window(int64_t window) {
+  return window > 0 ? std::optional<int64_t>(window - 1) : std::nullopt;
+}
+
 // All sequences in one kernel call (cu_seqlens form); differentiable
 // through LibTorch's own backward of _flash_attention_forward.
 at::Tensor attention_flash_varlen(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                  const SequenceLayout& layout, double scale) {
+                                  const SequenceLayout& layout, double scale, int64_t window) {
   TORCH_CHECK(layout.cu_seqlens.device() == q.device(),
               "the sequence offsets must be on the attention's device (", q.device(), "), got ",
               layout.cu_seqlens.device());
   auto result = at::_flash_attention_forward(
       q, k, v, layout.cu_seqlens, layout.cu_seqlens, layout.max_seqlen, layout.max_seqlen, 0.0,
-      /*is_causal=*/true, /*return_debug_mask=*/false, scale);
+      /*is_causal=*/true, /*return_debug_mask=*/false, scale, flash_window(window),
+      window > 0 ? std::optional<int64_t>(0) : std::nullopt);
+  return std::get<0>(result);
+}
+
+// Rows as the sequences, [B, T, heads, hd] as they are.
+at::Tensor attention_flash_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                double scale, int64_t window) {
+  auto result = at::_flash_attention_forward(
+      q, k, v, std::nullopt, std::nullopt, q.size(1), k.size(1), 0.0, /*is_causal=*/true,
+      /*return_debug_mask=*/false, scale, flash_window(window), std::optional<int64_t>(0));
   return std::get<0>(result);
 }
 #endif
@@ -163,11 +193,14 @@ std::optional<SequenceLayout> sequence_layout(const at::Tensor& attention_mask,
 }
 
 at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                            const std::optional<SequenceLayout>& layout, double scale) {
+                            const std::optional<SequenceLayout>& layout, double scale,
+                            int64_t window) {
   if (!layout) {
-    auto out = at::scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
-                                                v.transpose(1, 2), std::nullopt, 0.0,
-                                                /*is_causal=*/true, scale, /*enable_gqa=*/true);
+#ifdef ROUNDPIPE_WITH_CUDA
+    // (SDPA takes no window: a window goes to the flash kernel directly.)
+    if (window > 0 && flash_takes(q)) return attention_flash_rows(q, k, v, scale, window);
+#endif
+    auto out = sdpa_causal(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale, window);
     return out.transpose(1, 2);
   }
   const int64_t B = q.size(0), T = q.size(1), H = q.size(2), hd = q.size(3);
@@ -180,9 +213,9 @@ at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::
   const auto qs = gather(q), ks = gather(k), vs = gather(v);
   at::Tensor attended;
 #ifdef ROUNDPIPE_WITH_CUDA
-  if (flash_takes(qs)) attended = attention_flash_varlen(qs, ks, vs, *layout, scale);
+  if (flash_takes(qs)) attended = attention_flash_varlen(qs, ks, vs, *layout, scale, window);
 #endif
-  if (!attended.defined()) attended = attention_per_sequence(qs, ks, vs, *layout, scale);
+  if (!attended.defined()) attended = attention_per_sequence(qs, ks, vs, *layout, scale, window);
   return out.index_copy(0, layout->token_index, attended).view({B, T, H, hd});
 }
 

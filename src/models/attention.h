@@ -44,12 +44,16 @@ std::optional<SequenceLayout> sequence_layout(const at::Tensor& attention_mask,
                                               int64_t seq);
 
 // softmax(q k^T * scale) v, causal within each sequence of `layout` (or
-// within each row without one), with grouped key/value heads. q [B, T, H,
-// hd], k and v [B, T, Hkv, hd]; returns [B, T, H, hd]. On CUDA in half or
-// bfloat16 the sequences go to LibTorch's variable-length flash attention
-// kernel in one call; elsewhere (CPU, the simulated devices; float32)
-// scaled_dot_product_attention runs sequence by sequence.
+// within each row without one), with grouped key/value heads; `window` > 0:
+// a query sees only the last `window` keys of its sequence, itself included
+// (sliding-window attention). q [B, T, H, hd], k and v [B, T, Hkv, hd];
+// returns [B, T, H, hd]. On CUDA in half or bfloat16 the sequences go to
+// LibTorch's flash attention kernel in one call (variable-length with a
+// layout); elsewhere (CPU, the simulated devices; float32)
+// scaled_dot_product_attention runs sequence by sequence (with a window,
+// through a [len, len] mask).
 at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                            const std::optional<SequenceLayout>& layout, double scale);
+                            const std::optional<SequenceLayout>& layout, double scale,
+                            int64_t window = 0);
 
 }  // namespace roundpipe::models

@@ -209,9 +209,10 @@ Linear make_linear(int64_t in, int64_t out, bool bias) {
 // maps one to one ("self_attn.q_proj.weight", "mlp.gate_proj.weight", ...).
 struct AttentionImpl : torch::nn::Cloneable<AttentionImpl> {
   CausalLMConfig config;
+  int64_t window;  // sliding window; 0: full causal attention
   Linear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, o_proj{nullptr};
   RMSNorm q_norm{nullptr}, k_norm{nullptr};
-  explicit AttentionImpl(CausalLMConfig c) : config(std::move(c)) { reset(); }
+  AttentionImpl(CausalLMConfig c, int64_t w) : config(std::move(c)), window(w) { reset(); }
   void reset() override {
     const auto& c = config;
     q_proj = register_module(
@@ -241,7 +242,7 @@ struct AttentionImpl : torch::nn::Cloneable<AttentionImpl> {
     // attention takes that layout too.
     q = ops::rotary(q, cos, sin);
     k = ops::rotary(k, cos, sin);
-    auto attn = causal_attention(q, k, v, layout, 1.0 / std::sqrt(static_cast<double>(hd)));
+    auto attn = causal_attention(q, k, v, layout, 1.0 / std::sqrt(static_cast<double>(hd)), window);
     return o_proj(attn.reshape({B, T, -1}));
   }
 };
@@ -349,15 +350,16 @@ TORCH_MODULE(MLP);
 struct DecoderLayerImpl : torch::nn::Cloneable<DecoderLayerImpl> {
   CausalLMConfig config;
   int64_t mlp_chunk_tokens;
+  int64_t index;  // which layer: its attention window
   Attention self_attn{nullptr};
   MLP mlp{nullptr};
   RMSNorm input_layernorm{nullptr}, post_attention_layernorm{nullptr};
-  DecoderLayerImpl(CausalLMConfig c, int64_t mlp_chunk)
-      : config(std::move(c)), mlp_chunk_tokens(mlp_chunk) {
+  DecoderLayerImpl(CausalLMConfig c, int64_t mlp_chunk, int64_t layer)
+      : config(std::move(c)), mlp_chunk_tokens(mlp_chunk), index(layer) {
     reset();
   }
   void reset() override {
-    self_attn = register_module("self_attn", Attention(config));
+    self_attn = register_module("self_attn", Attention(config, config.attention_window(index)));
     mlp = register_module("mlp", MLP(config));
     mlp->chunk_tokens = mlp_chunk_tokens;
     input_layernorm =
@@ -378,7 +380,7 @@ struct DecoderLayerImpl : torch::nn::Cloneable<DecoderLayerImpl> {
   std::shared_ptr<torch::nn::Module> clone(
       const std::optional<c10::Device>& device = std::nullopt) const override {
     return copy_module(
-        *this, [&] { return std::make_shared<DecoderLayerImpl>(config, mlp_chunk_tokens); });
+        *this, [&] { return std::make_shared<DecoderLayerImpl>(config, mlp_chunk_tokens, index); });
   }
 };
 TORCH_MODULE(DecoderLayer);
@@ -508,7 +510,7 @@ CausalLM::CausalLM(CausalLMConfig config, CausalLMOptions options)
   InputAdapter input(config_);
   sequential_->push_back(input);
   for (int64_t i = 0; i < config_.num_hidden_layers; ++i)
-    sequential_->push_back(DecoderLayer(config_, options_.mlp_chunk_tokens));
+    sequential_->push_back(DecoderLayer(config_, options_.mlp_chunk_tokens, i));
   sequential_->push_back(OutputAdapter(
       config_, options_, config_.tie_word_embeddings ? input->embed_tokens->weight : at::Tensor()));
   c10::NoGradGuard no_grad;

@@ -1,10 +1,12 @@
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <cmath>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <type_traits>
+#include <vector>
 
 #include "roundpipe/models/config.h"
 
@@ -21,6 +23,9 @@ bool has_kind(const nlohmann::json& v) {
     return v.is_number_integer();
   } else if constexpr (std::is_floating_point_v<T>) {
     return v.is_number();
+  } else if constexpr (std::is_same_v<T, std::vector<std::string>>) {
+    return v.is_array() &&
+           std::all_of(v.begin(), v.end(), [](const nlohmann::json& e) { return e.is_string(); });
   } else {
     return v.is_string();
   }
@@ -34,6 +39,8 @@ const char* kind_name() {
     return "a whole number";
   } else if constexpr (std::is_floating_point_v<T>) {
     return "a number";
+  } else if constexpr (std::is_same_v<T, std::vector<std::string>>) {
+    return "a list of strings";
   } else {
     return "a string";
   }
@@ -51,6 +58,37 @@ template <typename T>
 T optional(const nlohmann::json& j, const char* key, T fallback, const std::string& what) {
   if (!j.contains(key) || j[key].is_null()) return fallback;
   return required<T>(j, key, what);
+}
+
+// Qwen3's sliding window, as transformers reads it: only with
+// use_sliding_window is there a window (sliding_window is None otherwise);
+// then the layers layer_types names "sliding_attention", or without
+// layer_types those from max_window_layers on. Llama has none.
+void parse_attention_windows(const nlohmann::json& j, CausalLMConfig& c, const std::string& what) {
+  if (c.model_type != "qwen3") return;
+  const bool use = optional<bool>(j, "use_sliding_window", false, what);
+  // (An absent sliding_window is transformers' default, 4096; null is none.)
+  int64_t window = 0;
+  if (use)
+    window = j.contains("sliding_window") ? optional<int64_t>(j, "sliding_window", 0, what) : 4096;
+  if (window == 0) return;
+  TORCH_CHECK(window > 0, what, ": sliding_window must be positive, got ", window);
+  std::vector<std::string> types;
+  if (j.contains("layer_types") && !j["layer_types"].is_null()) {
+    types = required<std::vector<std::string>>(j, "layer_types", what);
+    TORCH_CHECK(static_cast<int64_t>(types.size()) == c.num_hidden_layers, what,
+                ": layer_types has ", types.size(), " entries for ", c.num_hidden_layers,
+                " layers");
+  } else {
+    const auto first = optional<int64_t>(j, "max_window_layers", 28, what);
+    for (int64_t l = 0; l < c.num_hidden_layers; ++l)
+      types.push_back(l >= first ? "sliding_attention" : "full_attention");
+  }
+  for (const auto& t : types) {
+    TORCH_CHECK(t == "full_attention" || t == "sliding_attention", what, ": layer type '", t,
+                "' is not implemented by the presets (full_attention, sliding_attention)");
+    c.attention_windows.push_back(t == "sliding_attention" ? window : 0);
+  }
 }
 
 }  // namespace
@@ -89,6 +127,19 @@ CausalLMConfig CausalLMConfig::from_json_string(const std::string& text, const s
   c.attention_bias = optional<bool>(j, "attention_bias", false, what);
   c.mlp_bias = optional<bool>(j, "mlp_bias", false, what);
   c.qk_norm = c.model_type == "qwen3";
+  // What else changes the computation: a setting the presets do not
+  // implement is an error here, never a silent approximation.
+  const auto act = optional<std::string>(j, "hidden_act", "silu", what);
+  TORCH_CHECK(act == "silu", what, ": hidden_act '", act,
+              "' is not implemented by the presets (they compute SiLU MLPs)");
+  const auto dropout = optional<double>(j, "attention_dropout", 0.0, what);
+  TORCH_CHECK(dropout == 0.0, what, ": attention_dropout ", dropout,
+              " is not implemented by the presets; set it to 0.0 in config.json (most "
+              "checkpoints have 0.0), or train the model as Python layers");
+  const auto tp = optional<int64_t>(j, "pretraining_tp", 1, what);
+  TORCH_CHECK(tp == 1, what, ": pretraining_tp ", tp,
+              " is not implemented by the presets; set it to 1 in config.json");
+  parse_attention_windows(j, c, what);
   c.torch_dtype = optional<std::string>(j, "torch_dtype",
                                         optional<std::string>(j, "dtype", "float32", what), what);
   // Rotary parameters: transformers 5 writes "rope_parameters"; older files

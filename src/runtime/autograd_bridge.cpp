@@ -77,42 +77,48 @@ struct PipelineFunction : public torch::autograd::Function<PipelineFunction> {
     }
     handle->run_backward(handle->call);
     call.backward_done = true;
-    // Input gradients: split inputs concatenate, replicated inputs sum.
     torch::autograd::variable_list result;
     result.emplace_back();  // the handle
     result.emplace_back();  // the anchor
-    const int64_t num_inputs = ctx->saved_data["num_inputs"].toInt();
-    for (int64_t i = 0; i < num_inputs; ++i) {
-      if (!call.packed_input_offsets.empty()) {  // each input tensor belongs to one microbatch
-        const auto& offsets = call.packed_input_offsets;
-        int m = 0;
-        while (static_cast<size_t>(i) >= offsets[m + 1]) ++m;
-        const auto& grads = call.input_grads[m];
-        const size_t j = i - offsets[m];
-        result.push_back(j < grads.size() ? grads[j] : at::Tensor());
-        continue;
-      }
-      std::vector<at::Tensor> parts;
-      for (int m = 0; m < n; ++m) {
-        const auto& grads = call.input_grads[m];
-        if (i < static_cast<int64_t>(grads.size()) && grads[i].defined()) parts.push_back(grads[i]);
-      }
-      if (parts.size() != static_cast<size_t>(n)) {
-        result.emplace_back();
-      } else if (call.input_is_split[i]) {
-        result.push_back(at::cat(parts, 0));
-      } else {
-        at::Tensor sum = parts[0];
-        for (int m = 1; m < n; ++m) sum = sum + parts[m];
-        result.push_back(sum);
-      }
-    }
+    for (auto& g : merged_input_grads(call, ctx->saved_data["num_inputs"].toInt()))
+      result.push_back(std::move(g));
     result.emplace_back();  // the outputs argument
     return result;
   }
 };
 
 }  // namespace
+
+std::vector<at::Tensor> merged_input_grads(const CallState& call, int64_t num_inputs) {
+  // Split inputs concatenate, replicated inputs sum.
+  std::vector<at::Tensor> result;
+  for (int64_t i = 0; i < num_inputs; ++i) {
+    if (!call.packed_input_offsets.empty()) {  // each input tensor belongs to one microbatch
+      const auto& offsets = call.packed_input_offsets;
+      int m = 0;
+      while (static_cast<size_t>(i) >= offsets[m + 1]) ++m;
+      const auto& grads = call.input_grads[m];
+      const size_t j = i - offsets[m];
+      result.push_back(j < grads.size() ? grads[j] : at::Tensor());
+      continue;
+    }
+    std::vector<at::Tensor> parts;
+    for (int m = 0; m < call.n; ++m) {
+      const auto& grads = call.input_grads[m];
+      if (i < static_cast<int64_t>(grads.size()) && grads[i].defined()) parts.push_back(grads[i]);
+    }
+    if (parts.size() != static_cast<size_t>(call.n)) {
+      result.emplace_back();
+    } else if (call.input_is_split[i]) {
+      result.push_back(at::cat(parts, 0));
+    } else {
+      at::Tensor sum = parts[0];
+      for (int m = 1; m < call.n; ++m) sum = sum + parts[m];
+      result.push_back(sum);
+    }
+  }
+  return result;
+}
 
 c10::IValue connect_to_autograd(const std::shared_ptr<CallState>& call, const c10::IValue& input,
                                 const std::vector<c10::IValue>& outs, const c10::IValue& merged,

@@ -24,6 +24,11 @@ using RunBackward = std::function<void(const std::shared_ptr<CallState>&)>;
 // `merged` (the merge of the microbatch outputs `outs` of training call
 // `call` on `input`), its tensors replaced by ones that lead back through
 // the call to `input` and the parameters.
+// The gradients of the call's `num_inputs` flattened input tensors, from
+// its microbatches' (split inputs concatenated, replicated inputs summed;
+// undefined where an input got none).
+std::vector<at::Tensor> merged_input_grads(const CallState& call, int64_t num_inputs);
+
 c10::IValue connect_to_autograd(const std::shared_ptr<CallState>& call, const c10::IValue& input,
                                 const std::vector<c10::IValue>& outs, const c10::IValue& merged,
                                 RunBackward run_backward, const std::string& name, int num_layers);

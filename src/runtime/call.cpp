@@ -16,7 +16,7 @@ std::vector<c10::IValue> CallState::split_input(const c10::IValue& input, const 
                 t.device(),
                 "; RoundPipe inputs must be CPU tensors (they are split into microbatches and "
                 "uploaded stage by stage). Pass it with .cpu().");
-    input_requires_grad.push_back(training && !fused && t.defined() && t.requires_grad());
+    input_requires_grad.push_back(training && t.defined() && t.requires_grad());
   }
   std::vector<c10::IValue> pieces;
   if (config.packed_input.value_or(false)) {

@@ -4,7 +4,9 @@
 #include <ATen/ops/empty.h>
 #include <c10/core/GradMode.h>
 #include <c10/util/Exception.h>
+#include <torch/csrc/autograd/autograd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <set>
@@ -339,6 +341,7 @@ ForwardBackwardResult Engine::forward_backward(const c10::IValue& input, const c
   // the losses come before it) run on in the background; the next call,
   // step() and synchronize() report their errors and take its gradients.
   unconsumed_calls_.push_back(call);
+  send_input_grads_upstream(call, input);
   ForwardBackwardResult result;
   at::Tensor total = losses[0].toTensor().clone();
   for (size_t m = 1; m < losses.size(); ++m) total.add_(losses[m].toTensor());
@@ -361,6 +364,31 @@ ForwardBackwardResult Engine::forward_backward(const c10::IValue& input, const c
     result.output = to_device(result.output, *call->config.output_device);
   }
   return result;
+}
+
+// As the original does: a forward_backward whose inputs require grad sends
+// their gradients upstream before it returns, so that a RoundPipe fed by
+// another one's forward() (a model in two parts) trains end to end. Such a
+// call waits for its backward stages.
+void Engine::send_input_grads_upstream(const std::shared_ptr<CallState>& call,
+                                       const c10::IValue& input) {
+  const auto& wanted = call->input_requires_grad;
+  if (std::none_of(wanted.begin(), wanted.end(), [](bool w) { return w; })) return;
+  call->work.wait_none();
+  if (call->aborted) {
+    std::erase(unconsumed_calls_, call);  // reported here, not again by the next call
+    call->rethrow_if_failed();
+  }
+  const auto inputs = flatten_tensors(input);
+  const auto grads = merged_input_grads(*call, static_cast<int64_t>(inputs.size()));
+  std::vector<at::Tensor> roots, root_grads;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    if (inputs[i].defined() && inputs[i].requires_grad() && grads[i].defined()) {
+      roots.push_back(inputs[i]);
+      root_grads.push_back(grads[i]);
+    }
+  }
+  if (!roots.empty()) torch::autograd::backward(roots, root_grads);
 }
 
 bool Engine::undo_for_redo(CallState& call, const StageError& error, int attempt) {

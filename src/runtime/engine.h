@@ -90,6 +90,9 @@ class Engine {
   // error on a plan the engine chose. Then its effects are undone and later
   // plans are smaller.
   bool undo_for_redo(CallState& call, const StageError& error, int attempt);
+  // forward_backward: the gradients of its inputs that require grad, sent
+  // upstream through autograd once its backward is done.
+  void send_input_grads_upstream(const std::shared_ptr<CallState>& call, const c10::IValue& input);
   // Later calls plan smaller after `stage` ran out of memory on `device`
   // (unless the caller gave the plan); warns, saying how it was recovered.
   void shrink_after_out_of_memory(const CallState& call, const std::string& stage,

@@ -333,20 +333,26 @@ struct StageRunner {
 
   // Makes the stage input's float tensors leaves; at layer 0 only the
   // caller's tensors that require grad.
-  // A fused call returns no input gradients: no leaves at layer 0.
   c10::IValue input_leaves(const c10::IValue& x, int l, int m, std::vector<at::Tensor>& leaves) {
     if (l > 0) return make_leaves(x, nullptr, leaves);
-    const auto only = call.fused ? std::vector<bool>{} : call.microbatch_input_requires_grad(m);
+    const auto only = call.microbatch_input_requires_grad(m);
     return make_leaves(x, &only, leaves);
   }
 
+  // At layer 0: the caller's inputs that require grad (forward() and
+  // forward_backward() alike), kept for the engine to send upstream.
   void send_input_grads(int l, int m, const std::vector<at::Tensor>& leaves) {
+    if (l == 0) {
+      const auto wanted = call.microbatch_input_requires_grad(m);
+      if (!call.training || std::none_of(wanted.begin(), wanted.end(), [](bool w) { return w; }))
+        return;
+    }
     phase = "download";
     auto grads = leaf_grads(leaves);
     auto [host, event] = download_flat(device, grads, ctx.weights.host_allocator());
     if (l > 0) {
       CallState::put(*call.grad.at(l)[m], {}, host, event, {});
-    } else if (call.training && !call.fused) {
+    } else {
       event->synchronize();
       call.input_grads[m] = host;
     }
@@ -560,7 +566,7 @@ struct StageRunner {
           },
           [&] { tail_microbatch(x, label, in.rng, 1, leaves, results_sent); });
       flush_timings();
-      if (r.begin > 0) send_input_grads(r.begin, m, leaves);
+      send_input_grads(r.begin, m, leaves);
     }
   }
 

@@ -795,6 +795,57 @@ TEST(TailGrain, TheTailRunsAsManyLayersWithGradAsTheBudgetHolds) {
       << "no budget ran part of the tail with grad: " << ::testing::PrintToString(seen);
 }
 
+class ChainTest : public ::testing::TestWithParam<std::string> {};
+
+// As the original's: forward_backward sends the gradients of its inputs
+// that require grad upstream before it returns, so two RoundPipes in a
+// chain (a model in two parts, the second fed by the first's forward())
+// train like the whole model in plain LibTorch, and a leaf input gets its
+// gradient.
+TEST_P(ChainTest, TwoRoundPipesInAChainTrainLikeTheWholeModel) {
+  const auto& backend = GetParam();
+  const c10::Device dev = oracle_device(backend);
+  namespace nn = torch::nn;
+  auto first_part = [] {
+    torch::manual_seed(21);
+    return nn::Sequential(nn::Linear(6, 12), nn::Tanh(), nn::Linear(12, 12));
+  };
+  auto second_part = [] {
+    torch::manual_seed(22);
+    return nn::Sequential(nn::Linear(12, 12), nn::Tanh(), nn::Linear(12, 4));
+  };
+  auto first = first_part(), second = second_part();
+  auto first_oracle = first_part(), second_oracle = second_part();
+  first_oracle->to(dev);
+  second_oracle->to(dev);
+  RoundPipe encoder(first, RoundPipeOptions().set_devices(backend));
+  RoundPipe decoder(second, RoundPipeOptions().set_devices(backend));
+  const int n = 2;
+  const auto config = RunConfig().set_num_microbatch(n);
+  const auto x = at::randn({8, 6}, at::detail::createCPUGenerator(23)).requires_grad_(true);
+  const auto y = at::randn({8, 4}, at::detail::createCPUGenerator(24));
+  const auto hidden = encoder.forward(x, config);
+  ASSERT_TRUE(hidden.requires_grad());
+  const auto result = decoder.forward_backward(hidden, y, mse_loss, false, config);
+  ASSERT_TRUE(x.grad().defined()) << "the input's gradient did not arrive before the return";
+  encoder.synchronize();
+  decoder.synchronize();
+
+  const auto x_oracle = x.detach().to(dev).requires_grad_(true);
+  const auto hs = microbatches_of(first_oracle->forward(x_oracle), n);
+  const auto ys = microbatches_of(y, n);
+  at::Tensor loss = at::zeros({}, at::TensorOptions().device(dev));
+  for (int m = 0; m < n; ++m) loss = loss + mse_loss(second_oracle->forward(hs[m]), ys[m].to(dev));
+  loss.backward();
+  EXPECT_TENSOR_NEAR(result.loss, loss, kTol, "loss");
+  EXPECT_TENSOR_NEAR(x.grad(), x_oracle.grad(), kTol, "input gradient");
+  expect_same_state(first, first_oracle, /*grads=*/true);
+  expect_same_state(second, second_oracle, /*grads=*/true);
+}
+
+INSTANTIATE_TEST_SUITE_P(AllBackends, ChainTest, ::testing::ValuesIn(backends()),
+                         [](const auto& info) { return backend_test_name(info.param); });
+
 INSTANTIATE_TEST_SUITE_P(AllBackends, OutOfMemoryRedoTest, ::testing::ValuesIn(backends()),
                          [](const auto& info) { return backend_test_name(info.param); });
 

@@ -47,9 +47,17 @@ const fs::path& reference_root() {
 }
 
 // The reference cases of hf_reference.py, by their inputs.
-const std::vector<std::string> kCases = {"qwen3",        "qwen3_tied_padded", "llama_padded",
-                                         "llama31_tied", "qwen3_left_padded", "llama31_left_padded",
-                                         "qwen3_packed", "llama_packed"};
+const std::vector<std::string> kCases = {"qwen3",
+                                         "qwen3_tied_padded",
+                                         "llama_padded",
+                                         "llama31_tied",
+                                         "qwen3_left_padded",
+                                         "llama31_left_padded",
+                                         "qwen3_packed",
+                                         "llama_packed",
+                                         "qwen3_sliding",
+                                         "qwen3_sliding_left",
+                                         "qwen3_sliding_packed"};
 
 at::Tensor maybe(const safetensors::File& ref, const std::string& name) {
   for (const auto& [n, t] : ref.tensors) {
@@ -357,6 +365,41 @@ TEST(CausalLMChunkedMLP, MatchesUnchunkedWithFrozenWeights) {
     if (plain[i].second.defined())
       EXPECT_TENSOR_NEAR(chunked[i].second, plain[i].second, 1e-10, "gradient");
   }
+}
+
+// A setting that changes the computation and that the presets do not
+// implement is an error naming it, never a silent approximation; the
+// sliding window is read as transformers reads it.
+TEST(CausalLMConfig, WhatThePresetsDoNotComputeIsAnError) {
+  const std::string base = R"({"model_type":"qwen3","vocab_size":10,"hidden_size":8,
+      "intermediate_size":8,"num_hidden_layers":3,"num_attention_heads":2)";
+  EXPECT_NE(config_error(base + R"(,"hidden_act":"gelu"})").find("hidden_act 'gelu'"),
+            std::string::npos);
+  EXPECT_NE(config_error(base + R"(,"attention_dropout":0.1})").find("attention_dropout 0.1"),
+            std::string::npos);
+  EXPECT_NE(config_error(base + R"(,"pretraining_tp":2})").find("pretraining_tp 2"),
+            std::string::npos);
+  EXPECT_NE(config_error(base + R"(,"use_sliding_window":true,"sliding_window":4,
+      "layer_types":["full_attention","chunked_attention","full_attention"]})")
+                .find("layer type 'chunked_attention'"),
+            std::string::npos);
+  EXPECT_NE(config_error(base + R"(,"use_sliding_window":true,"sliding_window":4,
+      "layer_types":["full_attention"]})")
+                .find("layer_types has 1 entries for 3 layers"),
+            std::string::npos);
+  auto windows = [&](const std::string& extra) {
+    return models::CausalLMConfig::from_json_string(base + extra + "}", "config.json")
+        .attention_windows;
+  };
+  using W = std::vector<int64_t>;
+  EXPECT_EQ(windows(""), W{});
+  // Without use_sliding_window there is no window, whatever else says so.
+  EXPECT_EQ(windows(R"(,"sliding_window":4,"max_window_layers":1)"), W{});
+  EXPECT_EQ(windows(R"(,"use_sliding_window":true,"sliding_window":4,"max_window_layers":1)"),
+            (W{0, 4, 4}));
+  EXPECT_EQ(windows(R"(,"use_sliding_window":true,"sliding_window":4,
+      "layer_types":["sliding_attention","full_attention","sliding_attention"])"),
+            (W{4, 0, 4}));
 }
 
 TEST(CausalLMConfig, ErrorsNameTheFieldAndTheFix) {

@@ -21,6 +21,8 @@ COMMON = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_la
 LLAMA31_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
                 "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                 "original_max_position_embeddings": 256}  # 3 bands: kept, smoothed, scaled
+SLIDING = dict(tie_word_embeddings=False, use_sliding_window=True, sliding_window=3,
+               max_window_layers=1)
 # name: (config, model, config extras, input kind)
 CASES = {
     "qwen3": (Qwen3Config, Qwen3ForCausalLM, dict(tie_word_embeddings=False), "plain"),
@@ -33,6 +35,10 @@ CASES = {
                             dict(tie_word_embeddings=True, rope_parameters=LLAMA31_ROPE), "left"),
     "qwen3_packed": (Qwen3Config, Qwen3ForCausalLM, dict(tie_word_embeddings=True), "packed"),
     "llama_packed": (LlamaConfig, LlamaForCausalLM, dict(tie_word_embeddings=False), "packed"),
+    # Layers 1 and 2 see the last 3 keys (themselves included), layer 0 all.
+    "qwen3_sliding": (Qwen3Config, Qwen3ForCausalLM, SLIDING, "plain"),
+    "qwen3_sliding_left": (Qwen3Config, Qwen3ForCausalLM, SLIDING, "left"),
+    "qwen3_sliding_packed": (Qwen3Config, Qwen3ForCausalLM, SLIDING, "packed"),
 }
 PACKED_DOCUMENTS = (5, 7, 1, 4)  # one row of 17 tokens, a one-token document among them
 

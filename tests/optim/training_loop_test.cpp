@@ -226,6 +226,28 @@ TEST_P(FusedStepTest, FusedPathEqualsTheGeneralPath) {
 INSTANTIATE_TEST_SUITE_P(AllBackends, FusedStepTest, ::testing::ValuesIn(backends()),
                          [](const auto& info) { return backend_test_name(info.param); });
 
+// GradScaler's unscale() (the clipping recipe): the step's step() does not
+// unscale again; once per step. A synchronous update() applies the latest
+// step's finding at once (the async one, the step before it).
+TEST(GradScalerApi, UnscaleOnceThenStepAndASynchronousUpdate) {
+  optim::GradScaler s(optim::GradScalerOptions().set_init_scale(8).set_growth_interval(100));
+  auto g = at::full({2}, 16.0);
+  EXPECT_TRUE(s.unscale({g}));
+  EXPECT_TRUE(at::equal(g, at::full({2}, 2.0)));
+  EXPECT_THROW(s.unscale({g}), c10::Error);
+  bool ran = false;
+  EXPECT_TRUE(s.step({g}, [&] { ran = true; }));
+  EXPECT_TRUE(ran);
+  EXPECT_TRUE(at::equal(g, at::full({2}, 2.0))) << "unscaled twice";
+  s.update();
+  EXPECT_EQ(s.get_scale(), 8.0);
+  EXPECT_FALSE(s.step({at::full({1}, std::numeric_limits<double>::infinity())}, [] {}));
+  s.update(std::nullopt, /*is_async=*/false);
+  EXPECT_EQ(s.get_scale(), 4.0);
+  s.update(2.0);
+  EXPECT_EQ(s.get_scale(), 2.0);
+}
+
 // GradScaler: an injected inf skips exactly that step, and the scale follows
 // torch's GradScaler rules with the documented one-iteration lag.
 class GradScalerTest : public ::testing::TestWithParam<std::tuple<std::string, bool>> {};

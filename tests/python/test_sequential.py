@@ -191,3 +191,32 @@ def test_dropout_is_plan_independent(devices):
     for a, b in zip(*grads):
         assert_close(a, b)
     assert any(g.abs().sum() > 0 for g in grads[0])
+
+
+def test_chained_roundpipes_train_like_the_whole_model(devices):
+    """As the original's: forward_backward sends its inputs' gradients
+    upstream before returning, so an encoder RoundPipe feeding a decoder
+    RoundPipe trains end to end (a model in two parts)."""
+    torch.manual_seed(3)
+    encoder = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 8))
+    decoder = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+    plain_encoder, plain_decoder = copy.deepcopy(encoder), copy.deepcopy(decoder)
+    config = RoundPipeRunConfig(num_microbatch=2)
+    first = RoundPipe(encoder, devices=devices, model_run_config=config)
+    second = RoundPipe(decoder, devices=devices, model_run_config=config)
+    x, y = batch(6)
+    x.requires_grad_(True)
+    loss = second.forward_backward(first(x), label=y, loss_fn=mse)
+    assert x.grad is not None, "the input's gradient did not arrive before the return"
+    first.synchronize()
+    second.synchronize()
+
+    xp = x.detach().clone().requires_grad_(True)
+    hidden = plain_encoder(xp)
+    expected = sum(mse(plain_decoder(h), t) for h, t in zip(hidden.chunk(2), y.chunk(2)))
+    expected.backward()
+    assert_close(loss, expected)
+    assert_close(x.grad, xp.grad)
+    for ours, plain in [(encoder, plain_encoder), (decoder, plain_decoder)]:
+        for p, q in zip(ours.parameters(), plain.parameters()):
+            assert_close(p.grad, q.grad)

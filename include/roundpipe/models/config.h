@@ -3,6 +3,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 namespace roundpipe::models {
 
@@ -30,7 +31,13 @@ struct CausalLMConfig {
   bool tie_word_embeddings = false;
   bool attention_bias = false;
   bool mlp_bias = false;
-  bool qk_norm = false;     // Qwen3: RMSNorm on each head's queries and keys
+  bool qk_norm = false;  // Qwen3: RMSNorm on each head's queries and keys
+  // Sliding-window attention (Qwen3's use_sliding_window, sliding_window,
+  // max_window_layers, or config.json's layer_types): per layer, 0 for full
+  // causal attention, else how many keys a query sees, itself included (as
+  // transformers: key j is seen from query i when i - window < j <= i).
+  // Empty: every layer full.
+  std::vector<int64_t> attention_windows;
   std::string torch_dtype;  // as written, e.g. "bfloat16"
   std::string json;         // the whole file, kept for save_pretrained
 
@@ -38,6 +45,10 @@ struct CausalLMConfig {
   static CausalLMConfig from_json_file(const std::string& path);
   static CausalLMConfig from_json_string(const std::string& text, const std::string& what);
   std::string to_json_string() const;
+  // Layer `layer`'s attention window (0: full causal attention).
+  int64_t attention_window(int64_t layer) const {
+    return attention_windows.empty() ? 0 : attention_windows.at(layer);
+  }
 };
 
 }  // namespace roundpipe::models

@@ -9,7 +9,9 @@
 // unscales by that same value. update() applies the inf/NaN finding of the
 // step before the latest one: a scale change caused by an overflow in step k
 // takes effect from iteration k + 2 (one iteration of lag), in async and
-// sync mode alike, so the trajectory does not depend on timing.
+// sync mode alike, so the trajectory does not depend on timing;
+// update(nullopt, /*is_async=*/false) applies the latest step's finding
+// instead (the original's synchronous update).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -19,6 +21,7 @@
 #include <functional>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -66,10 +69,24 @@ class GradScaler {
   // The same for gradients held elsewhere (RoundPipe's fused Adam path):
   // unscales `grads` in place and runs `update` only when all are finite.
   bool step(const std::vector<at::Tensor>& grads, const std::function<void()>& update);
-  // Advances the scale from the finding of the step before the latest one.
-  void update();
+  // Unscales this step's gradients now (inside the step function, before
+  // clipping them); the step's step() then neither unscales them again nor
+  // checks them again. Once per step. Returns whether all are finite.
+  bool unscale(const std::vector<at::Tensor>& grads);
+  // Advances the scale: async (the default), from the finding of the step
+  // before the latest one, so the trajectory does not depend on timing;
+  // not async, from the latest step's (waiting for it: pair with a
+  // synchronous RoundPipe step). `new_scale` replaces the scale instead.
+  void update(std::optional<double> new_scale = std::nullopt, bool is_async = true);
 
   double get_scale() const;
+  bool is_enabled() const { return options_.enabled; }
+  double growth_factor() const;
+  double backoff_factor() const;
+  int64_t growth_interval() const;
+  void set_growth_factor(double v);
+  void set_backoff_factor(double v);
+  void set_growth_interval(int64_t v);
   int64_t growth_tracker() const;
   // Whether step k found inf/NaN (k counts scaler.step calls from 0).
   bool found_inf(int64_t step) const;
@@ -86,6 +103,10 @@ class GradScaler {
   std::vector<bool> found_inf_;  // per completed scaler.step
   int64_t growth_tracker_ = 0;
   int64_t updates_ = 0;
+  int64_t applied_ = 0;  // findings of steps before this one have been applied (or skipped)
+  // unscale() ran for step `unscaled_step_` (the next step()), finding `unscaled_finite_`.
+  int64_t unscaled_step_ = -1;
+  bool unscaled_finite_ = true;
 };
 
 }  // namespace roundpipe::optim
