@@ -1,6 +1,8 @@
 """roundpipe.optim.Adam: the C++ CPU Adam/AdamW kernel as a torch optimizer."""
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from . import _C
@@ -14,7 +16,21 @@ class Adam(torch.optim.Optimizer):
     schedulers and checkpoints work as usual."""
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
-                 amsgrad=False, *, maximize=False, decoupled_weight_decay=False):
+                 amsgrad=False, *, foreach=None, maximize=False, capturable=False,
+                 differentiable=False, fused=None, decoupled_weight_decay=False):
+        # The original's signature: one multithreaded CPU kernel whatever
+        # foreach/fused say (a warning, as there), no CUDA graphs, no
+        # differentiable step (an error, as there).
+        if foreach is not None or fused is not None:
+            warnings.warn("roundpipe.optim.Adam always runs its fused multithreaded CPU kernel; "
+                          "foreach and fused are ignored", UserWarning, stacklevel=2)
+        if capturable:
+            raise AssertionError("roundpipe.optim.Adam runs on the CPU: capturable=True (CUDA graphs) "
+                                 "is not supported")
+        if differentiable:
+            raise AssertionError("roundpipe.optim.Adam: differentiable=True is not supported")
+        lr = float(lr.item()) if isinstance(lr, torch.Tensor) else lr
+        betas = tuple(float(b.item()) if isinstance(b, torch.Tensor) else b for b in betas)
         if not 0.0 <= lr:
             raise ValueError(f"Invalid learning rate: {lr}")
         if not 0.0 <= eps:
@@ -71,6 +87,8 @@ class AdamW(Adam):
     """Adam with decoupled weight decay (default weight_decay 0.01, as torch)."""
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
-                 amsgrad=False, *, maximize=False):
-        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize,
-                         decoupled_weight_decay=True)
+                 amsgrad=False, *, foreach=None, maximize=False, capturable=False,
+                 differentiable=False, fused=None):
+        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, foreach=foreach,
+                         maximize=maximize, capturable=capturable, differentiable=differentiable,
+                         fused=fused, decoupled_weight_decay=True)

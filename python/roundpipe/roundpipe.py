@@ -1,6 +1,7 @@
 """RoundPipe: train a model bigger than GPU memory on the C++ engine."""
 from __future__ import annotations
 
+import functools
 import threading
 import types
 import weakref
@@ -36,25 +37,32 @@ def _in_optimizer_ctx() -> bool:
     return getattr(_optimizer_ctx, "depth", 0) > 0
 
 
-class PackedMicrobatches:
-    """The per-microbatch outputs of a call with ``merge_output=False``.
-    Passed as the only argument of a next RoundPipe, its microbatches are
-    used as they are (no merge, no split)."""
+class PackedMicrobatches(list):
+    """The per-microbatch outputs of a call with ``merge_output=False``: a
+    list with one entry per microbatch (as the original's
+    RoundPipePackedData). Passed as the only argument of a next RoundPipe,
+    its microbatches are used as they are (no merge, no split)."""
 
     def __init__(self, outputs: list):
-        self.outputs = list(outputs)
+        super().__init__(outputs)
 
-    def __len__(self):
-        return len(self.outputs)
+    @property
+    def outputs(self) -> list:
+        return list(self)
 
-    def __getitem__(self, i):
-        return self.outputs[i]
+    @property
+    def transfer_event(self) -> list:
+        """The original's per-microbatch copy events: none here, the outputs
+        are on the host when the call returns."""
+        return [(None, None) for _ in self]
 
-    def __iter__(self):
-        return iter(self.outputs)
+    def synchronize(self) -> "PackedMicrobatches":
+        """Waits for the outputs' copies to the host: they are done when the
+        call returns, so this returns at once."""
+        return self
 
     def __repr__(self):
-        return f"PackedMicrobatches({len(self.outputs)} microbatches)"
+        return f"PackedMicrobatches({len(self)} microbatches)"
 
 
 def _default_loss_fn(output, label):
@@ -128,6 +136,7 @@ class RoundPipe(PassThroughToModel, nn.Module):
         # engine's home tensors and must not be registered twice.
         object.__setattr__(self, "_model", model)
         object.__setattr__(self, "_model_run_config", model_run_config)
+        object.__setattr__(self, "_optim_dtype", optim_dtype)
         object.__setattr__(self, "_engine", _C.Engine(
             _layers, optim_dtype, name or "RoundPipe", pin_model, devices or "",
             model_memory_limit, bool(verbose)))
@@ -173,7 +182,7 @@ class RoundPipe(PassThroughToModel, nn.Module):
 
     # ------------------------------------------------------------ optimizer
 
-    def step(self, step_fn: Callable[[], Any], is_async: bool = True) -> None:
+    def step(self, step_fn: Callable[..., Any], is_async: bool = True, *args, **kwargs) -> None:
         """Queues an optimizer step on the optimizer thread: the gradients
         since the last step are added into the masters' ``.grad``, then
         ``step_fn()`` runs (typically ``opt.step(); opt.zero_grad()``), then
@@ -181,6 +190,8 @@ class RoundPipe(PassThroughToModel, nn.Module):
         runs on weights one update old; sync: returns after publishing."""
         if not callable(step_fn):
             raise TypeError("step() takes a function that steps the optimizer, e.g. lambda: (opt.step(), opt.zero_grad())")
+        if args or kwargs:  # the original's step(step_fn, is_async, *args, **kwargs)
+            step_fn = functools.partial(step_fn, *args, **kwargs)
         self._engine.step(step_fn, bool(is_async))
 
     def synchronize(self) -> None:
@@ -194,9 +205,20 @@ class RoundPipe(PassThroughToModel, nn.Module):
         parameters, created on first use; tied parameters appear once."""
         return list(self._engine.optim_parameters())
 
-    def optim_named_parameters(self) -> list:
-        """(name, master) pairs, named as in the original model."""
-        return [(self._names.get(n, n), p) for n, p in self._engine.optim_named_parameters()]
+    def optim_named_parameters(self, prefix: str = "", remove_duplicate: bool = True) -> list:
+        """(name, master) pairs, named as in the original model (``prefix``
+        first). A tied parameter has one master: listed once, under its
+        first name, or (remove_duplicate=False) under each of its names."""
+        dot = prefix + "." if prefix else ""
+        pairs = [(self._names.get(n, n), p) for n, p in self._engine.optim_named_parameters()]
+        if remove_duplicate:
+            return [(dot + n, p) for n, p in pairs]
+        aliases = {}  # first name -> every name of that parameter
+        by_id = {}
+        for n, p in self._model.named_parameters(remove_duplicate=False):
+            by_id.setdefault(id(p), n)
+            aliases.setdefault(by_id[id(p)], []).append(n)
+        return [(dot + alias, p) for n, p in pairs for alias in aliases.get(n, [n])]
 
     # ------------------------------------------------------------ module API
 
@@ -255,8 +277,30 @@ class RoundPipe(PassThroughToModel, nn.Module):
         return self._model_run_config
 
     @property
-    def original_model(self) -> nn.Module:
+    def model(self) -> nn.Module:
+        """The wrapped model."""
         return self._model
+
+    @property
+    def original_model(self) -> nn.Module:
+        """Where attributes the wrapper lacks are read from: the model
+        set_original_model() named (a preset's HuggingFace model), else the
+        wrapped model."""
+        return self.__dict__.get("_original") or self._model
+
+    def set_original_model(self, model: nn.Module) -> None:
+        """Makes `model` the target of attribute reads, writes and deletes
+        (with the wrapped model), as the original's presets do."""
+        object.__setattr__(self, "_original", model)
+
+    @property
+    def optim_dtype(self):
+        return self._optim_dtype
+
+    @property
+    def layers(self) -> list:
+        """The scheduled layers: the Sequential's children, or the model."""
+        return list(self._model) if isinstance(self._model, nn.Sequential) else [self._model]
 
     def __getitem__(self, index):
         return self._model[index]
@@ -321,7 +365,7 @@ class RoundPipe(PassThroughToModel, nn.Module):
             value = tuple(self._engine_input((mb,), {}) for mb in packed)
         merge = _resolve(call_config, model, "merge_output")
         view.pack_output = merge is False
-        view.merge_output = None if merge is False else merge
+        view.merge_output = None if merge is False or merge is True else merge
         view.split_label = _resolve(call_config, model, "split_label")
         if packed is None:
             extras = self._call_extras(args, kwargs, view, fused)

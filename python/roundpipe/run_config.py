@@ -46,8 +46,11 @@ class RoundPipeRunConfig:
             value = getattr(self, name)
             if value is not None and not callable(value):
                 raise TypeError(f"{name} must be a function (see RoundPipeRunConfig's docstring), got {type(value).__name__}")
-        if self.merge_output is not None and self.merge_output is not False and not callable(self.merge_output):
-            raise TypeError("merge_output must be a function of the list of microbatch outputs, or False")
+        # True is the original's "automatic" too; unlike None it beats a
+        # model-level False.
+        if self.merge_output not in (None, True, False) and not callable(self.merge_output):
+            raise TypeError("merge_output must be a function of the list of microbatch outputs, "
+                            "True (automatic, as None) or False")
         if self.execute_plan is not None and not isinstance(self.execute_plan, ModelExecutePlan):
             raise TypeError("execute_plan must be a ModelExecutePlan")
 

@@ -1,0 +1,87 @@
+"""The original library's RoundPipe, optimizer and run-config API (its
+ORIGINAL_API facts) on our package: names, signatures, defaults, semantics."""
+import copy
+import warnings
+
+import pytest
+import torch
+
+import roundpipe
+from roundpipe import RoundPipe, RoundPipeRunConfig
+
+from conftest import ADAM_EPS, assert_close, make_model, mse
+
+
+def test_model_attributes_and_the_forwarding_target(devices):
+    model = make_model()
+    model.note = "seq"
+    pipe = RoundPipe(model, devices=devices, optim_dtype=torch.float32)
+    assert pipe.model is model and pipe.original_model is model
+    assert pipe.optim_dtype == torch.float32
+    assert len(pipe.layers) == len(model) and pipe.layers[0] is model[0]
+    target = torch.nn.Linear(2, 2)
+    target.note = "original"
+    pipe.set_original_model(target)
+    assert pipe.original_model is target
+    assert pipe.note == "original"  # reads: the original model first
+    pipe.note = "both"  # writes and deletes: to both
+    assert (model.note, target.note) == ("both", "both")
+    del pipe.note
+    assert not hasattr(model, "note") and not hasattr(target, "note")
+    with pytest.raises(AttributeError):
+        del pipe.no_such_attribute
+
+
+def test_step_passes_extra_arguments_to_the_step_function(devices):
+    pipe = RoundPipe(make_model(), devices=devices)
+    seen = []
+    x, y = torch.randn(6, 4), torch.randn(6, 3)
+    pipe.forward_backward(input_args=(x,), label=y, loss_fn=mse)
+    pipe.step(lambda a, b=0: seen.append((a, b)), False, 3, b=4)
+    pipe.synchronize()
+    assert seen == [(3, 4)]
+
+
+def test_optim_named_parameters_takes_prefix_and_remove_duplicate():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 4))
+    model[2].weight = model[0].weight  # tied: one master
+    pipe = RoundPipe(model, devices="sim:1")
+    plain = pipe.optim_named_parameters()
+    assert [n for n, _ in plain] == ["0.weight", "0.bias", "2.bias"]
+    assert [n for n, _ in pipe.optim_named_parameters(prefix="net")] == [
+        "net.0.weight", "net.0.bias", "net.2.bias"]
+    every = dict(pipe.optim_named_parameters(remove_duplicate=False))
+    assert sorted(every) == ["0.bias", "0.weight", "2.bias", "2.weight"]
+    assert every["2.weight"] is every["0.weight"]
+
+
+def test_adam_takes_the_original_signature():
+    params = [torch.nn.Parameter(torch.randn(3))]
+    with pytest.warns(UserWarning, match="foreach and fused are ignored"):
+        roundpipe.optim.Adam(params, foreach=True, fused=True)
+    with pytest.raises(AssertionError, match="capturable"):
+        roundpipe.optim.Adam(params, capturable=True)
+    with pytest.raises(AssertionError, match="differentiable"):
+        roundpipe.optim.Adam(params, differentiable=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt = roundpipe.optim.Adam(params, lr=torch.tensor([0.1]), betas=(torch.tensor([0.8]), 0.9))
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.1)
+    assert opt.param_groups[0]["betas"][0] == pytest.approx(0.8)
+    roundpipe.optim.AdamW(params, foreach=None, fused=None)
+
+
+def test_merge_output_true_is_automatic_and_beats_a_model_level_false(devices):
+    model = make_model()
+    plain = copy.deepcopy(model)
+    pipe = RoundPipe(model, devices=devices,
+                     model_run_config=RoundPipeRunConfig(num_microbatch=2, merge_output=False))
+    x = torch.randn(6, 4)
+    with torch.no_grad():
+        packed = pipe(x)
+        merged = pipe(x, roundpipe_run_config=RoundPipeRunConfig(merge_output=True))
+        expected = plain(x)
+    assert isinstance(packed, list) and len(packed) == 2  # the original's list subclass
+    assert packed.synchronize() is packed and len(packed.transfer_event) == 2
+    assert_close(torch.cat(list(packed)), expected)
+    assert_close(merged, expected)
