@@ -209,25 +209,51 @@ class AutoRoundPipe(PassThroughToModel, nn.Module):
                 params[n].copy_(m)
 
 
-def _auto_wrap(module, lower, upper, skip, pipes, kwargs, path=""):
-    """Replaces the forward of each submodule whose size lies in [lower,
-    upper] (or that has no children to descend into) by a RoundPipe's."""
+def _skipped(module, path, skip) -> bool:
+    """skip_modules names a module by itself, its path or its class name."""
+    return any(s is module for s in skip if isinstance(s, nn.Module)) or any(
+        isinstance(s, str) and (s == path or s == type(module).__name__) for s in skip)
+
+
+def _wrap_whole(module, path, pipes, kwargs, configs):
+    """Runs `module`'s forward through a RoundPipe of its own (an
+    nn.Sequential: one layer per child)."""
+    config = configs.get(id(module))
+    args = dict(kwargs)
+    if config is not None:
+        args["model_run_config"] = config
+    pipe = RoundPipe(module, name=path or type(module).__name__, **args)
+    pipes.append(pipe)
+
+    def dispatch(*a, **kw):
+        return pipe(*a, **kw)
+
+    setattr(dispatch, DISPATCH_MARK, True)
+    module.__dict__["forward"] = dispatch
+
+
+def _auto_wrap(module, lower, upper, skip, pipes, kwargs, configs, path=""):
+    """Gives each large part of `module` a RoundPipe, first match wins:
+    skipped modules stay as they are; an nn.Sequential becomes one
+    multi-layer RoundPipe; a module of at most `upper` bytes (or without
+    children to descend into) one single-layer RoundPipe; else its children
+    are visited (a ModuleList's items each become one; they are not chained
+    through unmerged microbatches as in the original, whose packed outputs
+    keep the output's structure). Parts under `lower` bytes stay on the
+    CPU. `configs`: id(module) -> its RoundPipeRunConfig (override_config)."""
     size = _param_bytes(module)
-    if size < lower or path in skip or type(module).__name__ in skip:
+    if size < lower or _skipped(module, path, skip):
+        return
+    join = lambda name: f"{path}.{name}" if path else name  # noqa: E731
+    if isinstance(module, nn.Sequential):
+        _wrap_whole(module, path, pipes, kwargs, configs)
         return
     children = [(n, c) for n, c in module.named_children() if _param_bytes(c) > 0]
     if size <= upper or not children:
-        pipe = RoundPipe(module, name=path or type(module).__name__, **kwargs)
-        pipes.append(pipe)
-
-        def dispatch(*args, **kw):
-            return pipe(*args, **kw)
-
-        setattr(dispatch, DISPATCH_MARK, True)
-        module.__dict__["forward"] = dispatch
+        _wrap_whole(module, path, pipes, kwargs, configs)
         return
     for name, child in children:
-        _auto_wrap(child, lower, upper, skip, pipes, kwargs, f"{path}.{name}" if path else name)
+        _auto_wrap(child, lower, upper, skip, pipes, kwargs, configs, join(name))
 
 
 def wrap_model_to_roundpipe(
@@ -249,8 +275,10 @@ def wrap_model_to_roundpipe(
     - lower_threshold / upper_threshold (bytes): automatic wrapping runs each
       submodule of at most upper_threshold bytes (default: 1/8 of the model)
       as one RoundPipe layer; parts under lower_threshold stay on the CPU
-    - skip_modules: submodule paths or class names never wrapped
-    - override_config: attributes set on model.config before wrapping
+    - skip_modules: submodules (the modules, their paths or class names)
+      never wrapped
+    - override_config: {module: RoundPipeRunConfig} for that module's
+      RoundPipe (the original's); {name: value} sets model.config.name
     - preset options in roundpipe_kwargs: return_logits (False),
       loss_chunk_tokens (2048); the rest go to RoundPipe()
     Returns a RoundPipe (CausalLMRoundPipe for presets), or an AutoRoundPipe
@@ -258,13 +286,23 @@ def wrap_model_to_roundpipe(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"wrap_model_to_roundpipe takes a torch.nn.Module, got {type(model).__name__}")
+    # The original's override_config maps a module to its RoundPipeRunConfig;
+    # a name maps to a model.config attribute set before wrapping (ours).
+    configs = {}
     for key, value in (override_config or {}).items():
-        setattr(model.config, key, value)
+        if isinstance(key, nn.Module):
+            if not isinstance(value, RoundPipeRunConfig):
+                raise TypeError("override_config maps a module to a RoundPipeRunConfig, got "
+                                f"{type(value).__name__} for {type(key).__name__}")
+            configs[id(key)] = value
+        else:
+            setattr(model.config, key, value)
     preset = PRESETS.get(type(model).__name__)
     if use_sequential_preset is True and preset is None:
-        raise ValueError(f"no preset for {type(model).__name__}; presets exist for {sorted(PRESETS)}. "
-                         "Pass use_sequential_preset=None to fall back to automatic wrapping, or build an "
-                         "nn.Sequential and wrap it with RoundPipe()")
+        raise NotImplementedError(
+            f"no preset for {type(model).__name__}; presets exist for {sorted(PRESETS)}. Pass "
+            "use_sequential_preset=None to fall back to automatic wrapping, or build an nn.Sequential "
+            "and wrap it with RoundPipe()")
     common = dict(model_run_config=model_run_config, name=name)
     if preset is not None and use_sequential_preset is not False:
         return CausalLMRoundPipe(model, **common, **roundpipe_kwargs)
@@ -272,9 +310,11 @@ def wrap_model_to_roundpipe(
         if key in roundpipe_kwargs:
             raise TypeError(f"{key} applies to presets only")
     if isinstance(model, nn.Sequential):
+        if id(model) in configs:
+            common["model_run_config"] = configs[id(model)]
         return RoundPipe(model, **common, **roundpipe_kwargs)
     upper = upper_threshold if upper_threshold is not None else max(_param_bytes(model) // 8, lower_threshold)
     pipes = []
-    _auto_wrap(model, lower_threshold, upper, set(skip_modules), pipes,
-               dict(model_run_config=model_run_config, **roundpipe_kwargs))
+    _auto_wrap(model, lower_threshold, upper, list(skip_modules or ()), pipes,
+               dict(model_run_config=model_run_config, **roundpipe_kwargs), configs)
     return AutoRoundPipe(model, pipes, roundpipe_kwargs.get("optim_dtype"))

@@ -73,3 +73,48 @@ def test_sequential_and_no_preset_fallbacks():
     assert type(wrap_model_to_roundpipe(seq, use_sequential_preset=False)) is RoundPipe
     assert type(wrap_model_to_roundpipe(nn.Sequential(nn.Linear(4, 4)))) is RoundPipe
     assert isinstance(wrap_model_to_roundpipe(Custom(), use_sequential_preset=None), AutoRoundPipe)
+
+
+class Nested(nn.Module):
+    """A nested Sequential (one multi-layer RoundPipe), a part the caller
+    skips by passing the module itself, and one with a config of its own."""
+
+    def __init__(self, dim=64):
+        super().__init__()
+        self.stem = nn.Linear(dim, dim)
+        self.trunk = nn.Sequential(Block(dim), nn.Tanh(), Block(dim))
+        self.side = Block(dim)
+        self.head = nn.Linear(dim, dim)
+
+    def forward(self, h):
+        h = self.stem(h)
+        return self.head(self.trunk(h) + self.side(h))
+
+
+def test_the_originals_wrapping_rules(devices):
+    model = Nested()
+    plain = copy.deepcopy(model)
+    config = roundpipe.RoundPipeRunConfig(num_microbatch=3)
+    wrapped = wrap_model_to_roundpipe(model, devices=devices, lower_threshold=8 * 1024,
+                                      upper_threshold=40 * 1024, skip_modules=[model.side],
+                                      override_config={model.head: config})
+    pipes = {p.name: p for p in wrapped.pipes}
+    assert sorted(pipes) == ["head", "stem", "trunk"], sorted(pipes)
+    assert pipes["trunk"].num_layers == 3  # the nested Sequential, one layer per child
+    assert pipes["head"].model_run_config is config
+    x = torch.randn(6, 64)
+    with torch.no_grad():
+        assert_close(wrapped(x), plain(x))
+    loss = wrapped(x).square().mean()
+    loss.backward()
+    wrapped.synchronize()
+    plain(x).square().mean().backward()
+    for p, q in zip(model.parameters(), plain.parameters()):
+        assert_close(p.grad, q.grad)
+    with torch.no_grad():
+        try:
+            wrap_model_to_roundpipe(Nested(), use_sequential_preset=True)
+        except NotImplementedError as e:
+            assert "no preset for Nested" in str(e)
+        else:
+            raise AssertionError("a missing preset was accepted")

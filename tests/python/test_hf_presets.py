@@ -176,7 +176,7 @@ def test_save_pretrained_through_the_wrapper_has_the_trained_weights(tmp_path):
 
 def test_preset_errors():
     hf = tiny_qwen3()
-    with pytest.raises(ValueError, match="no preset for Sequential"):
+    with pytest.raises(NotImplementedError, match="no preset for Sequential"):
         wrap_model_to_roundpipe(torch.nn.Sequential(torch.nn.Linear(2, 2)), use_sequential_preset=True)
     pipe = wrap_model_to_roundpipe(hf)
     with pytest.raises(TypeError, match="does not take"):
