@@ -74,7 +74,7 @@ class ModelExecutePlan:
     whole model): that stage runs on this many devices at once, each taking
     every k-th microbatch."""
 
-    def __init__(self, fwd_plan: Sequence, bwd_plan: Sequence, tail_replicas: int = 1):
+    def __init__(self, fwd_plan: Sequence = (), bwd_plan: Sequence = (), tail_replicas: int = 1):
         self.fwd_plan = [range(*_as_range(r)) for r in fwd_plan]
         self.bwd_plan = [range(*_as_range(r)) for r in bwd_plan]
         self.tail_replicas = int(tail_replicas)
@@ -91,24 +91,47 @@ class ModelExecutePlan:
 
         _C.Engine.validate_plan(self, num_layers, fused)
 
+    def check_valid(self, num_layers: int, run_type: str) -> None:
+        """The original's check: ValueError naming what is wrong unless the
+        plan fits a model of `num_layers` for `run_type` ("infer": the
+        forward ranges alone; "train"; "fused")."""
+        if run_type not in ("infer", "train", "fused"):
+            raise ValueError(f"run_type must be 'infer', 'train' or 'fused', got {run_type!r}")
+        try:
+            if run_type == "infer":
+                ModelExecutePlan(self.fwd_plan, [range(0, num_layers)]).validate(num_layers, False)
+            else:
+                self.validate(num_layers, run_type == "fused")
+        except (RuntimeError, ValueError) as e:
+            raise ValueError(str(e).splitlines()[0]) from e
+
     @staticmethod
-    def auto(mode: str, model, min_stages: int = 0, model_memory_limit: Optional[float] = None,
-             num_microbatch: Optional[int] = None, verbose: bool = False):
-        """The automatic plan for `model` in `mode` ("fused" for
-        forward_backward, "forward" for forward with backward): stages
-        balanced on per-layer costs (parameter bytes stand in for times),
-        each under half of model_memory_limit (GiB; default: the model's,
-        else what the smallest device has left). Raises naming the smallest
+    def auto(run_type: str, *models, min_stages: Optional[int] = None, upper_threshold: float = 1.1,
+             model_memory_limit: Optional[float] = None, num_microbatch: Optional[int] = None,
+             verbose: bool = False):
+        """The automatic plan of each model for `run_type`: "fused" for
+        forward_backward, "train" (or "forward") for forward with backward,
+        "infer" for forward alone (its fwd_plan). Stages balanced on
+        per-layer costs (measured times once known, parameter bytes until
+        then), under model_memory_limit (GiB; default: the model's, else
+        what the smallest device has left). One model gives a plan, several
+        a list (each planned alone), none []. Raises naming the smallest
         feasible limit when none fits; verbose prints the stages with their
-        predicted times and memory."""
-        if mode not in ("fused", "forward"):
-            raise ValueError(f"mode must be 'fused' or 'forward', got {mode!r}")
-        n = num_microbatch or model.model_run_config.num_microbatch or len(model.devices) + 1
-        (fwd, bwd, replicas), text = model._engine.auto_plan(mode == "fused", n, min_stages,
-                                                             model_memory_limit)
-        if verbose:
-            print(text)
-        return ModelExecutePlan(fwd, bwd, replicas)
+        predicted times and memory. upper_threshold is the original's cap on
+        stage workloads: our planner scores every candidate workload by
+        simulating the schedule instead, so it has no effect."""
+        if run_type not in ("fused", "train", "forward", "infer"):
+            raise ValueError(f"run_type must be 'infer', 'train' or 'fused', got {run_type!r}")
+        plans = []
+        for model in models:
+            n = num_microbatch or model.model_run_config.num_microbatch or len(model.devices) + 1
+            (fwd, bwd, replicas), text = model._engine.auto_plan(
+                run_type == "fused", n, 0 if min_stages is None else int(min_stages),
+                model_memory_limit)
+            if verbose:
+                print(text)
+            plans.append(ModelExecutePlan(fwd, [] if run_type == "infer" else bwd, replicas))
+        return plans[0] if len(plans) == 1 else plans
 
     def __repr__(self):
         replicas = f", tail_replicas={self.tail_replicas}" if self.tail_replicas != 1 else ""

@@ -85,3 +85,34 @@ def test_merge_output_true_is_automatic_and_beats_a_model_level_false(devices):
     assert packed.synchronize() is packed and len(packed.transfer_event) == 2
     assert_close(torch.cat(list(packed)), expected)
     assert_close(merged, expected)
+
+
+def test_model_execute_plan_the_original_way():
+    from roundpipe import ModelExecutePlan
+
+    plan = ModelExecutePlan()  # empty, then filled in
+    assert plan.fwd_plan == [] and plan.bwd_plan == []
+    plan.fwd_plan = [range(0, 2), range(2, 6)]
+    plan.check_valid(6, "infer")
+    plan.bwd_plan = [range(3, 6), range(0, 3)]
+    plan.check_valid(6, "train")
+    with pytest.raises(ValueError):
+        plan.check_valid(6, "fused")  # the forward must stop before bwd_plan[0]
+    with pytest.raises(ValueError):
+        ModelExecutePlan([range(0, 2)], []).check_valid(6, "infer")  # layers 2..5 uncovered
+    with pytest.raises(ValueError, match="run_type"):
+        plan.check_valid(6, "eval")
+
+    first = RoundPipe(make_model(), devices="sim:2")
+    second = RoundPipe(make_model(), devices="sim:2")
+    assert ModelExecutePlan.auto("fused") == []
+    one = ModelExecutePlan.auto("fused", first, upper_threshold=1.2)
+    one.check_valid(first.num_layers, "fused")
+    infer = ModelExecutePlan.auto("infer", first)
+    assert infer.bwd_plan == []
+    infer.check_valid(first.num_layers, "infer")
+    both = ModelExecutePlan.auto("train", first, second, min_stages=2)
+    assert len(both) == 2
+    for p, m in zip(both, (first, second)):
+        p.check_valid(m.num_layers, "train")
+        assert len(p.fwd_plan) + len(p.bwd_plan) >= 2
