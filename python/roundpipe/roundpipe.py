@@ -17,6 +17,25 @@ from .run_config import RoundPipeRunConfig
 _optimizer_ctx = threading.local()
 # Every RoundPipe alive, so that work still in flight finishes at exit.
 _live_roundpipes: "weakref.WeakSet[RoundPipe]" = weakref.WeakSet()
+# id(parameter) -> the live RoundPipe that owns it: each keeps its own
+# master copy and publishes its own updates, so a parameter in two of them
+# would be trained twice over, each undoing the other.
+_parameter_owners: "weakref.WeakValueDictionary[int, RoundPipe]" = weakref.WeakValueDictionary()
+
+
+def _claim_parameters(pipe, model: nn.Module) -> None:
+    owned = {}
+    for name, p in model.named_parameters(remove_duplicate=True):
+        other = _parameter_owners.get(id(p))
+        if other is not None and other is not pipe:
+            raise ValueError(
+                f"parameter {name!r} already belongs to another live RoundPipe ({other.name}): a "
+                "parameter shared by two RoundPipes would get two optimizer copies and two "
+                "updates. Wrap the modules that share it in one RoundPipe (e.g. one nn.Sequential), "
+                "or give each its own copy")
+        owned[id(p)] = p
+    for key in owned:
+        _parameter_owners[key] = pipe
 
 
 class OptimizerCtx:
@@ -132,6 +151,7 @@ class RoundPipe(PassThroughToModel, nn.Module):
                 _layers = [_C.python_layer(child, i == 0) for i, child in enumerate(model)]
             else:
                 _layers = [_C.python_layer(model, True)]
+        _claim_parameters(self, model)  # before the engine: a refusal leaves nothing behind
         # Plain attributes (not submodules): the original's parameters are the
         # engine's home tensors and must not be registered twice.
         object.__setattr__(self, "_model", model)

@@ -116,3 +116,14 @@ def test_model_execute_plan_the_original_way():
     for p, m in zip(both, (first, second)):
         p.check_valid(m.num_layers, "train")
         assert len(p.fwd_plan) + len(p.bwd_plan) >= 2
+
+
+def test_a_parameter_in_two_live_roundpipes_is_an_error():
+    shared = torch.nn.Linear(4, 4)
+    first = RoundPipe(torch.nn.Sequential(shared, torch.nn.Tanh()), devices="sim:1")
+    with pytest.raises(ValueError, match="already belongs to another live RoundPipe"):
+        RoundPipe(torch.nn.Sequential(torch.nn.Linear(4, 4), shared), devices="sim:1")
+    del first
+    import gc
+    gc.collect()
+    RoundPipe(torch.nn.Sequential(shared), devices="sim:1")  # free once the first is gone
