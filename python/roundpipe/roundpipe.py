@@ -10,7 +10,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-from . import _C
+from . import _C, _specs
 from ._pass_through import PassThroughToModel
 from .run_config import RoundPipeRunConfig
 
@@ -385,8 +385,12 @@ class RoundPipe(PassThroughToModel, nn.Module):
             value = tuple(self._engine_input((mb,), {}) for mb in packed)
         merge = _resolve(call_config, model, "merge_output")
         view.pack_output = merge is False
-        view.merge_output = None if merge is False or merge is True else merge
-        view.split_label = _resolve(call_config, model, "split_label")
+        automatic = merge is None or merge is False or merge is True
+        view.merge_output = None if automatic else _specs.merge_output_function(merge)
+        split_label = _resolve(call_config, model, "split_label")
+        view.split_label = None if split_label is None else _specs.split_label_function(split_label)
+        if split_input is not None:
+            split_input = _specs.split_input_function(split_input)
         if packed is None:
             extras = self._call_extras(args, kwargs, view, fused)
             value = self._engine_input(args, {**kwargs, **extras})

@@ -19,11 +19,14 @@ class RoundPipeRunConfig:
       automatic plan chooses (layer until activations are measured, then
       stage where it fits)
     - num_microbatch: microbatches per call (default: number of devices + 1)
-    - split_input: f(args, kwargs, n) -> list of n (args, kwargs) pairs
-    - split_label: f(label, n) -> list of n labels
-    - merge_output: f(list of microbatch outputs) -> output, or False to
-      return a PackedMicrobatches that a next RoundPipe takes as its input
-      without splitting again
+    - split_input: f(args, kwargs, n) -> list of n (args, kwargs) pairs (or
+      the original's (args_list, kwargs_list)), or the original's
+      (args_spec, kwargs_spec) of TensorChunkSpec / _Replicate trees
+    - split_label: f(label, n) -> list of n labels, or a spec tree
+    - merge_output: f(list of microbatch outputs) -> output, a spec tree
+      (TensorChunkSpec, _Replicate, _CustomReducer), True (automatic), or
+      False to return a PackedMicrobatches that a next RoundPipe takes as
+      its input without splitting again
     - execute_plan: a ModelExecutePlan (default: the engine's plan)
     """
 
@@ -42,15 +45,25 @@ class RoundPipeRunConfig:
             raise ValueError(f"recompute_grain must be 'stage' or 'layer', got {self.recompute_grain!r}")
         if self.num_microbatch is not None and (not isinstance(self.num_microbatch, int) or self.num_microbatch < 1):
             raise ValueError(f"num_microbatch must be a positive int, got {self.num_microbatch!r}")
-        for name in ("split_input", "split_label"):
-            value = getattr(self, name)
-            if value is not None and not callable(value):
-                raise TypeError(f"{name} must be a function (see RoundPipeRunConfig's docstring), got {type(value).__name__}")
+        from ._specs import is_spec_tree
+
+        # Functions, or the original's specs (TensorChunkSpec, _Replicate,
+        # _CustomReducer from torch.distributed.pipelining.microbatch, in
+        # trees shaped like the values).
+        if self.split_input is not None and not callable(self.split_input) and not (
+                isinstance(self.split_input, (tuple, list)) and len(self.split_input) == 2
+                and all(is_spec_tree(s) for s in self.split_input)):
+            raise TypeError("split_input must be a function f(args, kwargs, n) or an (args_spec, kwargs_spec) "
+                            f"pair of specs, got {type(self.split_input).__name__}")
+        if self.split_label is not None and not callable(self.split_label) and not is_spec_tree(self.split_label):
+            raise TypeError("split_label must be a function f(label, n) or a spec tree, got "
+                            f"{type(self.split_label).__name__}")
         # True is the original's "automatic" too; unlike None it beats a
         # model-level False.
-        if self.merge_output not in (None, True, False) and not callable(self.merge_output):
-            raise TypeError("merge_output must be a function of the list of microbatch outputs, "
-                            "True (automatic, as None) or False")
+        if (self.merge_output not in (None, True, False) and not callable(self.merge_output)
+                and not is_spec_tree(self.merge_output)):
+            raise TypeError("merge_output must be a function of the list of microbatch outputs, a spec "
+                            "tree, True (automatic, as None) or False")
         if self.execute_plan is not None and not isinstance(self.execute_plan, ModelExecutePlan):
             raise TypeError("execute_plan must be a ModelExecutePlan")
 

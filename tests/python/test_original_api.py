@@ -127,3 +127,60 @@ def test_a_parameter_in_two_live_roundpipes_is_an_error():
     import gc
     gc.collect()
     RoundPipe(torch.nn.Sequential(shared), devices="sim:1")  # free once the first is gone
+
+
+class _Transposed(torch.nn.Module):
+    def forward(self, x, scale=1.0):
+        return x.t() * scale
+
+
+class _WithCount(torch.nn.Module):
+    def forward(self, h):
+        return h, torch.tensor(float(h.shape[0]))
+
+
+def test_the_originals_split_and_merge_specs(devices):
+    from torch.distributed.pipelining.microbatch import TensorChunkSpec, _CustomReducer, _Replicate
+
+    torch.manual_seed(1)
+    lin = torch.nn.Linear(4, 3)
+    model = torch.nn.Sequential(_Transposed(), lin, _WithCount())
+    plain = copy.deepcopy(lin)
+    x = torch.randn(4, 6)  # the batch is dim 1
+    expected = plain(x.t() * 0.5)
+    config = RoundPipeRunConfig(
+        num_microbatch=2,
+        split_input=((TensorChunkSpec(1),), {"scale": _Replicate}),
+        merge_output=(TensorChunkSpec(0), _CustomReducer(torch.tensor(0.0), lambda a, b: a + b)))
+    pipe = RoundPipe(model, devices=devices)
+    with torch.no_grad():
+        out, count = pipe(x, scale=0.5, roundpipe_run_config=config)
+    assert_close(out, expected)
+    assert count.item() == 6.0  # summed, not averaged
+
+    # The original's split_input function format: (args_list, kwargs_list).
+    def split(args, kwargs, n):
+        parts = torch.tensor_split(args[0], n, 1)
+        return [(p,) for p in parts], [dict(kwargs) for _ in parts]
+
+    with torch.no_grad():
+        out, _ = pipe(x, scale=0.5, roundpipe_run_config=RoundPipeRunConfig(
+            num_microbatch=3, split_input=split, merge_output=(TensorChunkSpec(0), _Replicate)))
+    assert_close(out, expected)
+
+    # split_label as a spec tree: the target split, the weight replicated.
+    seq = torch.nn.Sequential(torch.nn.Linear(4, 3))
+    plain_seq = copy.deepcopy(seq)
+    pipe2 = RoundPipe(seq, devices=devices)
+    xs, ys = torch.randn(6, 4), torch.randn(6, 3)
+    loss = pipe2.forward_backward(
+        input_args=(xs,), label=(ys, 2.0), loss_fn=lambda o, lbl: mse(o, lbl[0]) * lbl[1],
+        run_config=RoundPipeRunConfig(num_microbatch=2, split_label=(TensorChunkSpec(0), _Replicate)))
+    pipe2.synchronize()
+    expected_loss = sum(mse(plain_seq(a), b) * 2.0 for a, b in zip(xs.chunk(2), ys.chunk(2)))
+    expected_loss.backward()
+    assert_close(loss, expected_loss)
+    for p, q in zip(seq.parameters(), plain_seq.parameters()):
+        assert_close(p.grad, q.grad)
+    with pytest.raises(TypeError, match="split_label"):
+        RoundPipeRunConfig(split_label=3)
