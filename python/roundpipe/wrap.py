@@ -3,6 +3,7 @@ experimental automatic wrapping of models without one."""
 from __future__ import annotations
 
 import threading
+import warnings
 from typing import Optional
 
 import torch
@@ -61,6 +62,12 @@ class CausalLMRoundPipe(RoundPipe):
                                   bool(return_logits), int(loss_chunk_tokens))
         super().__init__(model, _layers=layers, **kwargs)
 
+    def forward(self, *args, logits_to_keep=0, **kwargs):
+        """As the HuggingFace model's: ``logits_to_keep`` = k > 0 keeps the
+        logits of the last k positions (a 1-D tensor: those positions)."""
+        out = super().forward(*args, **kwargs)
+        return _keep_logits(out, logits_to_keep)
+
     def forward_backward(self, *args, **kwargs):
         result = super().forward_backward(*args, **kwargs)
         if isinstance(result, tuple):
@@ -109,8 +116,10 @@ class CausalLMRoundPipe(RoundPipe):
         position_ids = kwargs.pop("position_ids", None)
         return_logits = kwargs.pop("return_logits", None)
         items = kwargs.pop("num_items_in_batch", None)
-        if kwargs.pop("use_cache", None):
-            raise ValueError("use_cache=True is not supported in training; load the model with use_cache=False")
+        if kwargs.pop("use_cache", None) or kwargs.pop("past_key_values", None) is not None:
+            warnings.warn("the preset keeps no KV cache: use_cache and past_key_values are ignored",
+                          UserWarning, stacklevel=3)
+        kwargs.pop("cache_position", None)  # positions come from position_ids (default: 0..T-1)
         kwargs.pop("return_dict", None)  # the output is always a CausalLMOutputWithPast
         unknown = [k for k, v in kwargs.items() if not (v is None or v is False or (type(v) is int and v == 0))]
         if unknown:
@@ -134,6 +143,19 @@ class CausalLMRoundPipe(RoundPipe):
         if isinstance(output, torch.Tensor) and output.dim() == 0:
             return CausalLMOutputWithPast(loss=output)
         return CausalLMOutputWithPast(logits=output)
+
+
+def _keep_logits(out, logits_to_keep):
+    """HuggingFace's logits_to_keep on a merged output: an int k > 0 keeps
+    the last k positions, a 1-D tensor the positions it lists."""
+    logits = getattr(out, "logits", None)
+    if logits is None:
+        return out
+    if isinstance(logits_to_keep, torch.Tensor):
+        out.logits = logits[:, logits_to_keep]
+    elif logits_to_keep:
+        out.logits = logits[:, -int(logits_to_keep):]
+    return out
 
 
 # ---------------------------------------------------------------- auto-split

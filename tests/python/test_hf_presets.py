@@ -103,6 +103,13 @@ def test_logits_with_return_logits(devices, name):
                    roundpipe_run_config=RoundPipeRunConfig(num_microbatch=1))
         assert out.logits is None
         assert_close(out.loss, oracle(input_ids=ids, labels=labels).loss, TOL)
+        # transformers' logits_to_keep (the last k positions), and its cache
+        # arguments, ignored with a warning as in the original
+        out = pipe(ids, logits_to_keep=3)
+        assert_close(out.logits, oracle(input_ids=ids, logits_to_keep=3).logits, 1e-4)
+        with pytest.warns(UserWarning, match="no KV cache"):
+            out = pipe(ids, use_cache=True)
+        assert_close(out.logits, oracle(input_ids=ids).logits, 1e-4)
 
 
 def train_steps(name, devices, is_async, steps=4, lr=1e-2):
