@@ -109,8 +109,13 @@ class CausalLMRoundPipe(RoundPipe):
         if len(args) > len(names):
             raise TypeError("pass arguments after attention_mask by keyword (labels=..., return_logits=...)")
         input_ids = kwargs.pop("input_ids", None)
-        if not isinstance(input_ids, torch.Tensor):
-            raise TypeError("the preset model needs input_ids (a [batch, sequence] tensor of token ids)")
+        inputs_embeds = kwargs.pop("inputs_embeds", None)
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("give exactly one of input_ids (a [batch, sequence] tensor of token ids) and "
+                             "inputs_embeds, as transformers' models take them")
+        for name, value in (("input_ids", input_ids), ("inputs_embeds", inputs_embeds)):
+            if value is not None and not isinstance(value, torch.Tensor):
+                raise TypeError(f"{name} must be a tensor, got {type(value).__name__}")
         attention_mask = kwargs.pop("attention_mask", None)
         labels = kwargs.pop("labels", None)
         position_ids = kwargs.pop("position_ids", None)
@@ -123,16 +128,18 @@ class CausalLMRoundPipe(RoundPipe):
         kwargs.pop("return_dict", None)  # the output is always a CausalLMOutputWithPast
         unknown = [k for k, v in kwargs.items() if not (v is None or v is False or (type(v) is int and v == 0))]
         if unknown:
-            raise TypeError(f"the causal LM preset does not take {unknown}; it takes input_ids, attention_mask, "
-                            "labels, position_ids, return_logits and num_items_in_batch")
+            raise TypeError(f"the causal LM preset does not take {unknown}; it takes input_ids or inputs_embeds, "
+                            "attention_mask, labels, position_ids, return_logits, num_items_in_batch, "
+                            "logits_to_keep (and ignores use_cache, past_key_values, cache_position)")
         # An all-ones mask masks nothing: leave it out here, on the CPU, so the
         # devices never look at it (with position_ids it stays: transformers
         # then does not split packed documents, and neither do we).
         if isinstance(attention_mask, torch.Tensor) and position_ids is None and bool(attention_mask.all()):
             attention_mask = None
-        return (input_ids, attention_mask, labels,
-                None if return_logits is None else bool(return_logits),
-                position_ids, None if items is None else float(items))
+        value = (input_ids, attention_mask, labels,
+                 None if return_logits is None else bool(return_logits),
+                 position_ids, None if items is None else float(items))
+        return value if inputs_embeds is None else value + (inputs_embeds,)
 
     @staticmethod
     def _user_microbatch_output(output):

@@ -101,8 +101,9 @@ at::Tensor inverse_frequencies(const CausalLMConfig& c) {
 }
 
 // The model's input, read from the tuple (input_ids, attention_mask,
-// labels, return_logits, position_ids, num_items_in_batch), every element
-// after input_ids optional (None or left out), or from input_ids alone.
+// labels, return_logits, position_ids, num_items_in_batch, inputs_embeds),
+// every element after input_ids optional (None or left out; input_ids None
+// where inputs_embeds is given), or from input_ids alone.
 CausalLMInput parse_input(const c10::IValue& input) {
   CausalLMInput in;
   if (input.isTensor()) {
@@ -114,10 +115,9 @@ CausalLMInput parse_input(const c10::IValue& input) {
               "return_logits, position_ids, num_items_in_batch), None for what is not given "
               "(CausalLMInput::to_ivalue() builds it)");
   const auto& e = input.toTupleRef().elements();
-  TORCH_CHECK(!e.empty() && e[0].isTensor(), "the first input must be the input_ids tensor");
-  TORCH_CHECK(e.size() <= 6,
-              "the model's input tuple has at most 6 elements (input_ids, "
-              "attention_mask, labels, return_logits, position_ids, num_items_in_batch), got ",
+  TORCH_CHECK(e.size() <= 7,
+              "the model's input tuple has at most 7 elements (input_ids, attention_mask, labels, "
+              "return_logits, position_ids, num_items_in_batch, inputs_embeds), got ",
               e.size());
   auto tensor_at = [&](size_t i, const char* name) {
     if (e.size() <= i || e[i].isNone()) return at::Tensor();
@@ -125,7 +125,11 @@ CausalLMInput parse_input(const c10::IValue& input) {
                 ") must be a tensor or None, got ", e[i].tagKind());
     return e[i].toTensor();
   };
-  in.input_ids = e[0].toTensor();
+  in.input_ids = tensor_at(0, "input_ids");
+  in.inputs_embeds = tensor_at(6, "inputs_embeds");
+  TORCH_CHECK(
+      in.input_ids.defined() != in.inputs_embeds.defined(),
+      "give exactly one of input_ids and inputs_embeds (as transformers' models take them)");
   in.attention_mask = tensor_at(1, "attention_mask");
   in.labels = tensor_at(2, "labels");
   if (e.size() > 3 && !e[3].isNone()) {
@@ -147,8 +151,8 @@ CausalLMInput parse_input(const c10::IValue& input) {
 
 // The token positions as [rows, T] float (rows 1 or batch): position_ids,
 // else 0..T-1 for every row (transformers' default, left padding included).
-at::Tensor token_positions(const CausalLMInput& in, const c10::TensorOptions& float_options) {
-  const int64_t B = in.input_ids.size(0), T = in.input_ids.size(1);
+at::Tensor token_positions(const CausalLMInput& in, int64_t B, int64_t T,
+                           const c10::TensorOptions& float_options) {
   if (!in.position_ids.defined()) return at::arange(T, float_options).unsqueeze(0);
   const auto& p = in.position_ids;
   TORCH_CHECK(p.dim() == 2 && (p.size(0) == B || p.size(0) == 1) && p.size(1) == T,
@@ -177,10 +181,20 @@ struct InputAdapterImpl : torch::nn::Cloneable<InputAdapterImpl> {
   }
   c10::IValue forward(c10::IValue input) {
     const auto in = parse_input(input);
-    const auto& ids = in.input_ids;
-    TORCH_CHECK(ids.dim() == 2, "input_ids must be [batch, sequence], got ", ids.sizes());
-    auto hidden = embed_tokens(ids);
-    const auto positions = token_positions(in, inv_freq.options());
+    at::Tensor hidden;
+    if (in.inputs_embeds.defined()) {
+      hidden = in.inputs_embeds;
+      TORCH_CHECK(hidden.dim() == 3 && hidden.size(2) == config.hidden_size,
+                  "inputs_embeds must be [batch, sequence, hidden_size = ", config.hidden_size,
+                  "], got ", hidden.sizes());
+      hidden = hidden.to(embed_tokens->weight.scalar_type());
+    } else {
+      TORCH_CHECK(in.input_ids.dim() == 2, "input_ids must be [batch, sequence], got ",
+                  in.input_ids.sizes());
+      hidden = embed_tokens(in.input_ids);
+    }
+    const int64_t B = hidden.size(0), T = hidden.size(1);
+    const auto positions = token_positions(in, B, T, inv_freq.options());
     auto freqs = positions.unsqueeze(-1) * inv_freq;  // [rows, T, head_dim / 2]
     auto emb = at::cat({freqs, freqs}, -1);           // [rows, T, head_dim]
     auto cos = emb.cos().to(hidden.scalar_type());
@@ -188,9 +202,9 @@ struct InputAdapterImpl : torch::nn::Cloneable<InputAdapterImpl> {
     // Padding and packing become variable-length sequences (no [T, T]
     // mask); read on the host, then the offsets travel with the activations.
     c10::IValue layout;
-    if (auto l = sequence_layout(in.attention_mask, in.position_ids, ids.size(0), ids.size(1))) {
-      l->token_index = l->token_index.to(ids.device());
-      l->cu_seqlens = l->cu_seqlens.to(ids.device());
+    if (auto l = sequence_layout(in.attention_mask, in.position_ids, B, T)) {
+      l->token_index = l->token_index.to(hidden.device());
+      l->cu_seqlens = l->cu_seqlens.to(hidden.device());
       layout = l->to_ivalue();
     }
     auto optional = [](const auto& v) { return v ? c10::IValue(*v) : c10::IValue(); };
@@ -495,9 +509,11 @@ c10::IValue CausalLMInput::to_ivalue() const {
                                   !position_ids.defined() &&
                                   attention_mask.ne(0).all().item<bool>();
   const at::Tensor mask = mask_masks_nothing ? at::Tensor() : attention_mask;
-  return c10::ivalue::Tuple::create({tensor(input_ids), tensor(mask), tensor(labels),
-                                     optional(return_logits), tensor(position_ids),
-                                     optional(num_items_in_batch)});
+  std::vector<c10::IValue> elements{tensor(input_ids),    tensor(mask),
+                                    tensor(labels),       optional(return_logits),
+                                    tensor(position_ids), optional(num_items_in_batch)};
+  if (inputs_embeds.defined()) elements.emplace_back(inputs_embeds);
+  return c10::ivalue::Tuple::create(std::move(elements));
 }
 
 int64_t count_loss_tokens(const at::Tensor& labels) {

@@ -110,6 +110,15 @@ def test_logits_with_return_logits(devices, name):
         with pytest.warns(UserWarning, match="no KV cache"):
             out = pipe(ids, use_cache=True)
         assert_close(out.logits, oracle(input_ids=ids).logits, 1e-4)
+    # inputs_embeds in place of input_ids, gradients flowing into them
+    embeds = oracle.get_input_embeddings()(ids).detach().requires_grad_(True)
+    oracle_embeds = embeds.detach().clone().requires_grad_(True)
+    out = pipe(inputs_embeds=embeds, attention_mask=mask, labels=labels, return_logits=True)
+    out.loss.backward()
+    ref = oracle(inputs_embeds=oracle_embeds, attention_mask=mask, labels=labels)
+    ref.loss.backward()
+    assert_close(out.loss, ref.loss, TOL)
+    assert_close(embeds.grad, oracle_embeds.grad, 1e-4)
 
 
 def train_steps(name, devices, is_async, steps=4, lr=1e-2):
@@ -187,8 +196,10 @@ def test_preset_errors():
         wrap_model_to_roundpipe(torch.nn.Sequential(torch.nn.Linear(2, 2)), use_sequential_preset=True)
     pipe = wrap_model_to_roundpipe(hf)
     with pytest.raises(TypeError, match="does not take"):
+        pipe(torch.zeros(2, 4, dtype=torch.long), output_attentions=True)
+    with pytest.raises(ValueError, match="exactly one of input_ids"):
         pipe(torch.zeros(2, 4, dtype=torch.long), inputs_embeds=torch.zeros(2, 4, 32))
-    with pytest.raises(TypeError, match="input_ids"):
+    with pytest.raises(ValueError, match="exactly one of input_ids"):
         pipe(attention_mask=torch.ones(2, 4))
     mixed = tiny_qwen3()
     mixed.lm_head.to(torch.float64)

@@ -83,7 +83,8 @@ struct CausalLMOptions {
 
 // The model's input (see the top of this file).
 struct CausalLMInput {
-  at::Tensor input_ids;
+  at::Tensor input_ids;       // or inputs_embeds: exactly one of the two
+  at::Tensor inputs_embeds;   // [batch, sequence, hidden], in place of the embedding
   at::Tensor attention_mask;  // undefined: none
   at::Tensor labels;          // undefined: none (the output is the logits)
   at::Tensor position_ids;    // undefined: 0..seq-1
