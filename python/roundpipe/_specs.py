@@ -98,7 +98,11 @@ def merge_tree(values: list, spec):
     """The microbatch outputs `values` merged by `spec`."""
     first = values[0]
     if isinstance(spec, (tuple, list)) and not is_spec_leaf(spec):
-        return type(first)(merge_tree([v[i] for v in values], s) for i, s in enumerate(spec))
+        if not isinstance(first, (tuple, list)) or len(first) != len(spec):
+            raise ValueError(f"a merge spec of {len(spec)} entries does not match an output of type "
+                             f"{type(first).__name__}: give one spec for a tensor output")
+        merged = [merge_tree([v[i] for v in values], s) for i, s in enumerate(spec)]
+        return type(first)(*merged) if hasattr(first, "_fields") else type(first)(merged)
     if isinstance(spec, dict):
         merged = {k: merge_tree([v[k] for v in values], spec.get(k)) for k in first}
         return merged if type(first) is dict else type(first)(**merged)

@@ -171,6 +171,14 @@ class RoundPipe(PassThroughToModel, nn.Module):
         output_device). With grad enabled the outputs are connected to
         autograd: ``loss.backward()`` runs the backward stages."""
         config, value = self._engine_call(roundpipe_run_config, args, kwargs, fused=False)
+        training = config.requires_grad if config.requires_grad is not None else torch.is_grad_enabled()
+        if training and config.merge_output is not None and not config.pack_output:
+            # A custom merge (a function or spec tree) differentiates as it
+            # is: the microbatch outputs come back each connected to
+            # autograd, and the merge runs here, recorded by autograd.
+            merge, config.merge_output, config.pack_output = config.merge_output, None, True
+            out = self._engine.forward(value, config)
+            return merge([self._user_microbatch_output(o) for o in out])
         out = self._engine.forward(value, config)
         return self._user_output(out, config)
 

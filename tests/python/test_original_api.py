@@ -184,3 +184,29 @@ def test_the_originals_split_and_merge_specs(devices):
         assert_close(p.grad, q.grad)
     with pytest.raises(TypeError, match="split_label"):
         RoundPipeRunConfig(split_label=3)
+
+
+def test_a_custom_merge_is_differentiated_through(devices):
+    from torch.distributed.pipelining.microbatch import TensorChunkSpec
+
+    torch.manual_seed(2)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 3))
+    plain = copy.deepcopy(model)
+    pipe = RoundPipe(model, devices=devices)
+    x = torch.randn(6, 4, requires_grad=True)
+    xp = x.detach().clone().requires_grad_(True)
+    for merge, plain_merge in [
+            (lambda outs: torch.cat(outs) * 2.0, lambda outs: torch.cat(outs) * 2.0),
+            (TensorChunkSpec(0), None)]:
+        config = RoundPipeRunConfig(num_microbatch=2, merge_output=merge)
+        out = pipe(x, roundpipe_run_config=config)
+        out = out[0] if isinstance(out, tuple) else out
+        out.square().sum().backward()
+        parts = [plain(p) for p in xp.chunk(2)]
+        ref = plain_merge(parts) if plain_merge else torch.cat(parts)
+        ref.square().sum().backward()
+        assert_close(out, ref)
+    pipe.synchronize()
+    assert_close(x.grad, xp.grad)
+    for p, q in zip(model.parameters(), plain.parameters()):
+        assert_close(p.grad, q.grad)
