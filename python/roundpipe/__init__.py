@@ -10,7 +10,7 @@ import sys
 
 import torch  # noqa: F401  (loads libtorch before the extension)
 
-from . import _C, optim
+from . import _C, optim, timer
 from .errors import StageError
 from .grad_scaler import GradScaler
 from .recompute import doing_recompute, get_recompute_data, save_for_recompute

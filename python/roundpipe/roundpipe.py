@@ -13,6 +13,7 @@ from torch import nn
 from . import _C, _specs
 from ._pass_through import PassThroughToModel
 from .run_config import RoundPipeRunConfig
+from .timer import ModelTimer
 
 _optimizer_ctx = threading.local()
 # Every RoundPipe alive, so that work still in flight finishes at exit.
@@ -159,7 +160,7 @@ class RoundPipe(PassThroughToModel, nn.Module):
         object.__setattr__(self, "_optim_dtype", optim_dtype)
         object.__setattr__(self, "_engine", _C.Engine(
             _layers, optim_dtype, name or "RoundPipe", pin_model, devices or "",
-            model_memory_limit, bool(verbose)))
+            model_memory_limit, bool(verbose or ModelTimer.VERBOSE)))
         object.__setattr__(self, "_names", self._original_names())
         object.__setattr__(self, "training", model.training)
         _live_roundpipes.add(self)
