@@ -15,6 +15,7 @@
 #include <mutex>
 #include <random>
 #include <thread>
+#include <unordered_map>
 
 #include "roundpipe/device.h"
 
@@ -188,41 +189,74 @@ thread_local int host_allocation_depth = 0;
 
 // LibTorch's CPU allocator, with the allocations of threads bound to a
 // budgeted simulated device charged to it.
+// Every allocation keeps LibTorch's own CPU allocation and deleter, with
+// data == context, so that LibTorch's raw_allocate / raw_deallocate (which
+// some CPU kernels use for scratch memory) work through it; a charged one
+// is also entered in a table that its free credits back.
 class ChargingCpuAllocator final : public c10::Allocator {
  public:
-  explicit ChargingCpuAllocator(c10::Allocator* inner) : inner_(inner) {}
+  explicit ChargingCpuAllocator(c10::Allocator* inner)
+      : inner_(inner), inner_delete_(inner->raw_deleter()) {
+    TORCH_INTERNAL_ASSERT(inner_delete_ != nullptr,
+                          "the CPU allocator to charge has no raw deleter");
+    self_ = this;
+  }
   c10::DataPtr allocate(size_t n) override {
     const auto& memory = charged_memory;
-    if (!memory || host_allocation_depth > 0) return inner_->allocate(n);
+    const bool charge = memory && host_allocation_depth == 0;
     const auto bytes = static_cast<int64_t>(n);
-    memory->charge(bytes);
+    if (charge) memory->charge(bytes);
     c10::DataPtr inner;
     try {
       inner = inner_->allocate(n);
     } catch (...) {
-      memory->in_use.fetch_sub(bytes);
+      if (charge) memory->in_use.fetch_sub(bytes);
       throw;
     }
-    void* data = inner.get();
     const auto device = inner.device();
-    return {data, new Charge{std::move(inner), memory, bytes}, &release, device};
+    void* data = inner.release_context();  // now ours to free with inner_delete_
+    if (charge && data != nullptr) {
+      std::lock_guard<std::mutex> lock(mu_);
+      charges_[data] = Charge{memory, bytes};
+      charged_count_.fetch_add(1);
+    }
+    return {data, data, &release, device};
   }
+  c10::DeleterFnPtr raw_deleter() const override { return &release; }
   void copy_data(void* dest, const void* src, std::size_t count) const override {
     default_copy_data(dest, src, count);
   }
 
  private:
   struct Charge {
-    c10::DataPtr inner;
     std::shared_ptr<SimMemory> memory;
     int64_t bytes;
   };
-  static void release(void* context) {
-    auto* charge = static_cast<Charge*>(context);
-    charge->memory->in_use.fetch_sub(charge->bytes);
-    delete charge;  // frees the inner allocation
+  static void release(void* data) {
+    auto* self = self_;
+    if (self->charged_count_.load() > 0) {
+      std::shared_ptr<SimMemory> memory;
+      int64_t bytes = 0;
+      {
+        std::lock_guard<std::mutex> lock(self->mu_);
+        auto it = self->charges_.find(data);
+        if (it != self->charges_.end()) {
+          memory = std::move(it->second.memory);
+          bytes = it->second.bytes;
+          self->charges_.erase(it);
+          self->charged_count_.fetch_sub(1);
+        }
+      }
+      if (memory) memory->in_use.fetch_sub(bytes);
+    }
+    self->inner_delete_(data);
   }
   c10::Allocator* inner_;
+  c10::DeleterFnPtr inner_delete_;
+  std::mutex mu_;
+  std::unordered_map<void*, Charge> charges_;
+  std::atomic<int64_t> charged_count_{0};
+  static inline ChargingCpuAllocator* self_ = nullptr;
 };
 
 void install_charging_allocator() {

@@ -4,6 +4,7 @@
 #include <ATen/TensorOperators.h>
 #include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
+#include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/custom_function.h>
 
 #include "runtime/ivalue_tree.h"
@@ -88,6 +89,20 @@ struct PipelineFunction : public torch::autograd::Function<PipelineFunction> {
 };
 
 }  // namespace
+
+void backward_through(const c10::IValue& output, const std::vector<at::Tensor>& grads) {
+  const auto outs = flatten_tensors(output);
+  TORCH_CHECK(outs.size() == grads.size(), "the output holds ", outs.size(), " tensors but ",
+              grads.size(), " gradients arrived for it");
+  std::vector<at::Tensor> roots, root_grads;
+  for (size_t i = 0; i < outs.size(); ++i) {
+    if (outs[i].defined() && outs[i].requires_grad() && grads[i].defined()) {
+      roots.push_back(outs[i]);
+      root_grads.push_back(grads[i]);
+    }
+  }
+  if (!roots.empty()) torch::autograd::backward(roots, root_grads);
+}
 
 std::vector<at::Tensor> merged_input_grads(const CallState& call, int64_t num_inputs) {
   // Split inputs concatenate, replicated inputs sum.

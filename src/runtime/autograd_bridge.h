@@ -24,6 +24,10 @@ using RunBackward = std::function<void(const std::shared_ptr<CallState>&)>;
 // `merged` (the merge of the microbatch outputs `outs` of training call
 // `call` on `input`), its tensors replaced by ones that lead back through
 // the call to `input` and the parameters.
+// Back-propagates `grads` (one per flattened tensor of `output`) through
+// the tensors of `output` that require grad and got one.
+void backward_through(const c10::IValue& output, const std::vector<at::Tensor>& grads);
+
 // The gradients of the call's `num_inputs` flattened input tensors, from
 // its microbatches' (split inputs concatenated, replicated inputs summed;
 // undefined where an input got none).

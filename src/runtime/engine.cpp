@@ -4,7 +4,6 @@
 #include <ATen/ops/empty.h>
 #include <c10/core/GradMode.h>
 #include <c10/util/Exception.h>
-#include <torch/csrc/autograd/autograd.h>
 
 #include <algorithm>
 #include <chrono>
@@ -379,16 +378,8 @@ void Engine::send_input_grads_upstream(const std::shared_ptr<CallState>& call,
     std::erase(unconsumed_calls_, call);  // reported here, not again by the next call
     call->rethrow_if_failed();
   }
-  const auto inputs = flatten_tensors(input);
-  const auto grads = merged_input_grads(*call, static_cast<int64_t>(inputs.size()));
-  std::vector<at::Tensor> roots, root_grads;
-  for (size_t i = 0; i < inputs.size(); ++i) {
-    if (inputs[i].defined() && inputs[i].requires_grad() && grads[i].defined()) {
-      roots.push_back(inputs[i]);
-      root_grads.push_back(grads[i]);
-    }
-  }
-  if (!roots.empty()) torch::autograd::backward(roots, root_grads);
+  const auto num_inputs = static_cast<int64_t>(flatten_tensors(input).size());
+  backward_through(input, merged_input_grads(*call, num_inputs));
 }
 
 bool Engine::undo_for_redo(CallState& call, const StageError& error, int attempt) {

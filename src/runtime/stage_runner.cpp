@@ -15,6 +15,7 @@
 
 #include "roundpipe/errors.h"
 #include "runtime/allocation_meter.h"
+#include "runtime/autograd_bridge.h"
 #include "runtime/ivalue_tree.h"
 #include "runtime/recompute_state.h"
 #include "runtime/rng.h"
@@ -57,21 +58,6 @@ std::vector<at::Tensor> leaf_grads(const std::vector<at::Tensor>& leaves) {
   std::vector<at::Tensor> grads;
   for (const auto& l : leaves) grads.push_back(l.requires_grad() ? l.grad() : at::Tensor());
   return grads;
-}
-
-// Back-propagates `grads` through the outputs that require grad and got one.
-void backward_through(const c10::IValue& output, const std::vector<at::Tensor>& grads) {
-  const auto outs = flatten_tensors(output);
-  TORCH_CHECK(outs.size() == grads.size(), "the stage output holds ", outs.size(), " tensors but ",
-              grads.size(), " gradients arrived for it");
-  std::vector<at::Tensor> roots, root_grads;
-  for (size_t i = 0; i < outs.size(); ++i) {
-    if (outs[i].defined() && outs[i].requires_grad() && grads[i].defined()) {
-      roots.push_back(outs[i]);
-      root_grads.push_back(grads[i]);
-    }
-  }
-  if (!roots.empty()) torch::autograd::backward(roots, root_grads);
 }
 
 // Runs one stage job on one device; keeps the progress for error messages.

@@ -1,8 +1,11 @@
 // The device layer, on every backend: ordered copies, cross-queue and
 // cross-device event waits, memory accounting, device specs.
 #include <ATen/ATen.h>
+#include <c10/core/CPUAllocator.h>
 #include <gtest/gtest.h>
 #include <roundpipe/device.h>
+
+#include <thread>
 
 #include "test_util.h"
 
@@ -200,3 +203,34 @@ TEST(DevicePool, HandsOutRoundRobin) {
 
 }  // namespace
 }  // namespace roundpipe::testing
+
+namespace roundpipe {
+namespace {
+
+// Note [Simulated device memory]: once a budgeted device has installed the
+// charging CPU allocator, LibTorch's raw allocations (CPU kernels' scratch
+// memory, e.g. GELU's) still work, on any thread, and a compute thread's
+// raw allocation is charged and credited back.
+TEST(SimDeviceMemory, RawAllocationsWorkThroughTheChargingAllocator) {
+  auto devices = make_devices("sim:1,mem=64MiB");
+  auto* allocator = c10::GetCPUAllocator();
+  void* p = allocator->raw_allocate(4096);
+  allocator->raw_deallocate(p);
+  const auto x = at::randn({1 << 16});
+  EXPECT_TRUE(at::allclose(at::gelu(x), 0.5 * x * (1 + at::erf(x / std::sqrt(2.0))), 1e-5, 1e-6));
+  auto& device = *devices.front();
+  const auto before = device.memory_stats().in_use_bytes;
+  std::thread compute([&] {  // a thread working for the device, as its worker does
+    device.bind_compute_thread();
+    void* q = c10::GetCPUAllocator()->raw_allocate(1 << 20);
+    EXPECT_GE(device.memory_stats().in_use_bytes, before + (1 << 20));
+    c10::GetCPUAllocator()->raw_deallocate(q);
+    auto y = at::gelu(at::randn({1 << 16}));
+    EXPECT_EQ(y.numel(), 1 << 16);
+  });
+  compute.join();
+  EXPECT_EQ(device.memory_stats().in_use_bytes, before);
+}
+
+}  // namespace
+}  // namespace roundpipe
