@@ -38,6 +38,13 @@ class GradScaler:
         """Unscales the optimizer's gradients now, inside the step function
         (for example before clipping them); the step's ``step()`` does not
         unscale them again. At most once per step."""
+        from .roundpipe import inside_step_function
+
+        if not inside_step_function():
+            raise RuntimeError(
+                "GradScaler.unscale_() runs inside the step function given to RoundPipe.step() (the "
+                "gradients reach the optimizer's copies only there), e.g. "
+                "def step_fn(): scaler.unscale_(opt); clip_grad_norm_(...); scaler.step(opt)")
         self._impl.unscale(self._grads(optimizer))
 
     def step(self, optimizer: torch.optim.Optimizer, *args, **kwargs):

@@ -53,6 +53,25 @@ class OptimizerCtx:
         return False
 
 
+_step_function = threading.local()
+
+
+def in_step_function(step_fn):
+    """`step_fn`, marked while it runs as a step function (on whatever
+    thread runs it): GradScaler.unscale_ is only meaningful there."""
+    def run():
+        _step_function.depth = getattr(_step_function, "depth", 0) + 1
+        try:
+            return step_fn()
+        finally:
+            _step_function.depth -= 1
+    return run
+
+
+def inside_step_function() -> bool:
+    return getattr(_step_function, "depth", 0) > 0
+
+
 def _in_optimizer_ctx() -> bool:
     return getattr(_optimizer_ctx, "depth", 0) > 0
 
@@ -221,7 +240,7 @@ class RoundPipe(PassThroughToModel, nn.Module):
             raise TypeError("step() takes a function that steps the optimizer, e.g. lambda: (opt.step(), opt.zero_grad())")
         if args or kwargs:  # the original's step(step_fn, is_async, *args, **kwargs)
             step_fn = functools.partial(step_fn, *args, **kwargs)
-        self._engine.step(step_fn, bool(is_async))
+        self._engine.step(in_step_function(step_fn), bool(is_async))
 
     def synchronize(self) -> None:
         """Finishes pending steps and transfers, publishes the latest master

@@ -12,7 +12,7 @@ from torch import nn
 from . import _C
 from ._layer_copy import DISPATCH_MARK
 from ._pass_through import PassThroughToModel
-from .roundpipe import RoundPipe
+from .roundpipe import RoundPipe, in_step_function
 from .run_config import RoundPipeRunConfig
 
 # HuggingFace class name -> native preset (the C++ Qwen3/Llama layers).
@@ -233,7 +233,7 @@ class AutoRoundPipe(PassThroughToModel, nn.Module):
                     g = p.grad.to(m.dtype)
                     m.grad = g if m.grad is None else m.grad.add_(g)
                     p.grad = None
-            step_fn()
+            in_step_function(step_fn)()
             for n, m in named:
                 params[n].copy_(m)
 

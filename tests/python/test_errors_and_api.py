@@ -309,10 +309,24 @@ def test_grad_scaler_clipping_recipe_and_the_original_api():
     for p, q in zip(model.parameters(), ref.parameters()):
         assert_adam_weights_close(p, q, steps=3, lr=1e-2)
 
-    # unscale_ twice in one step is an error naming the rule.
-    with pytest.raises(RuntimeError, match="already been called in this step"):
+    # unscale_ outside the step function, or twice in one step, is an error
+    # naming the rule.
+    with pytest.raises(RuntimeError, match="inside the step function"):
         scaler.unscale_(opt)
-        scaler.unscale_(opt)
+    errors = []
+
+    def twice():
+        try:
+            scaler.unscale_(opt)
+            scaler.unscale_(opt)
+        except RuntimeError as e:
+            errors.append(str(e))
+        scaler.step(opt)
+
+    pipe.forward_backward(input_args=(x,), label=y, loss_fn=lambda o, t: scaler.scale(mse(o, t)))
+    pipe.step(twice, is_async=False)
+    scaler.update()
+    assert len(errors) == 1 and "already been called in this step" in errors[0]
 
     s = roundpipe.GradScaler(init_scale=8.0, growth_interval=5)
     assert s.is_enabled() and not roundpipe.GradScaler(enabled=False).is_enabled()
