@@ -128,6 +128,15 @@ def compare(a, b, keep):
     return loss, logits, grads
 
 
+def report(what, ours_run, reference, keep, tol, peaks):
+    """Prints one comparison; whether it is within `tol`."""
+    errors = compare(ours_run, reference, keep)
+    ok = max(errors) <= tol
+    print(f"{what}: loss rel {errors[0]:.1e}, logits rel {errors[1]:.1e}, worst gradient rel "
+          f"{errors[2]:.1e}; peak GiB {peaks} {'OK' if ok else 'FAIL'}", flush=True)
+    return ok
+
+
 def main():
     failed = False
     for name, (inputs, microbatches) in batches().items():
@@ -135,21 +144,13 @@ def main():
                 else torch.ones_like(inputs["input_ids"], dtype=torch.bool))
         hf = transformers_fp32(inputs)
         fp32 = ours(torch.float32, inputs, microbatches)
-        errors = compare(fp32, hf, keep)
-        ok = max(errors) <= FP32_TOL
-        failed |= not ok
-        print(f"{name}, float32 vs transformers: loss rel {errors[0]:.1e}, logits rel {errors[1]:.1e}, "
-              f"worst gradient rel {errors[2]:.1e}; peak GiB ours {fp32[3]:.2f}, transformers "
-              f"{hf[3]:.2f} (with its [T, T] mask) {'OK' if ok else 'FAIL'}", flush=True)
+        failed |= not report(f"{name}, float32 vs transformers", fp32, hf, keep, FP32_TOL,
+                             f"ours {fp32[3]:.2f}, transformers {hf[3]:.2f} (with its [T, T] mask)")
         del hf, fp32
         flash = ours(torch.bfloat16, inputs, microbatches, flash=True)
         exact = ours(torch.bfloat16, inputs, microbatches, flash=False)
-        errors = compare(flash, exact, keep)
-        ok = max(errors) <= BF16_TOL
-        failed |= not ok
-        print(f"{name}, bfloat16 varlen flash vs per-sequence SDPA: loss rel {errors[0]:.1e}, logits rel "
-              f"{errors[1]:.1e}, worst gradient rel {errors[2]:.1e}; peak GiB flash {flash[3]:.2f}, "
-              f"per-sequence {exact[3]:.2f} {'OK' if ok else 'FAIL'}", flush=True)
+        failed |= not report(f"{name}, bfloat16 varlen flash vs per-sequence SDPA", flash, exact, keep,
+                             BF16_TOL, f"flash {flash[3]:.2f}, per-sequence {exact[3]:.2f}")
         torch.cuda.empty_cache()
     sys.exit(1 if failed else 0)
 

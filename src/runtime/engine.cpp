@@ -277,20 +277,10 @@ void Engine::run_backward_pass(const std::shared_ptr<CallState>& call) {
 c10::IValue Engine::forward(const c10::IValue& input, const RunConfig& config) {
   check_caller_thread("forward()");
   const bool training = resolve(config).requires_grad.value();
-  const auto kind = training ? CallKind::kTrainingForward : CallKind::kForward;
   std::shared_ptr<CallState> call;
-  std::vector<c10::IValue> outs;
-  for (int attempt = 0;; ++attempt) {
-    auto failed = std::move(call);
-    call = start_call(input, config, kind, failed.get());
-    dispatch(call, CallPhase::kForward);
-    try {
-      outs = collect(call, call->act.at(num_layers()));
-      break;
-    } catch (const StageError& e) {
-      if (!undo_for_redo(*call, e, attempt)) throw;
-    }
-  }
+  auto outs = run_call(
+      input, config, training ? CallKind::kTrainingForward : CallKind::kForward, call,
+      [](CallState&) {}, [&](CallState & c) -> auto& { return c.act.at(num_layers()); });
   // Buffer writes are committed once the forward's jobs are done: make them
   // visible before returning.
   in_flight_.wait_none();
@@ -320,21 +310,14 @@ ForwardBackwardResult Engine::forward_backward(const c10::IValue& input, const c
   check_caller_thread("forward_backward()");
   TORCH_CHECK(loss_fn, name_, ": forward_backward needs a loss_fn");
   std::shared_ptr<CallState> call;
-  std::vector<c10::IValue> losses;
-  for (int attempt = 0;; ++attempt) {
-    auto failed = std::move(call);
-    call = start_call(input, config, CallKind::kForwardBackward, failed.get());
-    call->loss_fn = loss_fn;
-    call->return_outputs = return_outputs;
-    call->split_labels(label, name_);
-    dispatch(call, CallPhase::kFused);
-    try {
-      losses = collect(call, call->losses);
-      break;
-    } catch (const StageError& e) {
-      if (!undo_for_redo(*call, e, attempt)) throw;
-    }
-  }
+  auto losses = run_call(
+      input, config, CallKind::kForwardBackward, call,
+      [&](CallState& c) {
+        c.loss_fn = loss_fn;
+        c.return_outputs = return_outputs;
+        c.split_labels(label, name_);
+      },
+      [](CallState & c) -> auto& { return c.losses; });
   ROUNDPIPE_TRACE("call %lld: losses collected", static_cast<long long>(call->id));
   // From here the call's backward stages (the last microbatch's included:
   // the losses come before it) run on in the background; the next call,
@@ -363,6 +346,23 @@ ForwardBackwardResult Engine::forward_backward(const c10::IValue& input, const c
     result.output = to_device(result.output, *call->config.output_device);
   }
   return result;
+}
+
+std::vector<c10::IValue> Engine::run_call(
+    const c10::IValue& input, const RunConfig& config, CallKind kind,
+    std::shared_ptr<CallState>& call, const std::function<void(CallState&)>& prepare,
+    const std::function<std::vector<std::shared_ptr<Slot>>&(CallState&)>& results) {
+  for (int attempt = 0;; ++attempt) {
+    auto failed = std::move(call);
+    call = start_call(input, config, kind, failed.get());
+    prepare(*call);
+    dispatch(call, kind == CallKind::kForwardBackward ? CallPhase::kFused : CallPhase::kForward);
+    try {
+      return collect(call, results(*call));
+    } catch (const StageError& e) {
+      if (!undo_for_redo(*call, e, attempt)) throw;
+    }
+  }
 }
 
 // As the original does: a forward_backward whose inputs require grad sends

@@ -90,6 +90,14 @@ class Engine {
   // error on a plan the engine chose. Then its effects are undone and later
   // plans are smaller.
   bool undo_for_redo(CallState& call, const StageError& error, int attempt);
+  // Starts a call of `kind` (`prepare` completing its set-up), dispatches
+  // it and collects the slots `results` picks (its losses, or its outputs);
+  // redone on a smaller plan when it runs out of memory first (Note
+  // [Out-of-memory redo]). `call` is the call that succeeded.
+  std::vector<c10::IValue> run_call(
+      const c10::IValue& input, const RunConfig& config, CallKind kind,
+      std::shared_ptr<CallState>& call, const std::function<void(CallState&)>& prepare,
+      const std::function<std::vector<std::shared_ptr<Slot>>&(CallState&)>& results);
   // forward_backward: the gradients of its inputs that require grad, sent
   // upstream through autograd once its backward is done.
   void send_input_grads_upstream(const std::shared_ptr<CallState>& call, const c10::IValue& input);

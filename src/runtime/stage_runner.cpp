@@ -246,12 +246,12 @@ struct StageRunner {
     layer = l;
     phase = "backward";
     std::optional<MeterScope> metering;
-    const auto params = instances[l]->parameter_leaves();
-    const bool grads_exist = std::all_of(params.begin(), params.end(), [](const at::Tensor& p) {
-      return !p.requires_grad() || p.grad().defined();
-    });
-    if (grads_exist && ctx.layers[l]->meterable() && ctx.timings.wants_backward_bytes(l))
-      metering.emplace();
+    if (ctx.layers[l]->meterable() && ctx.timings.wants_backward_bytes(l)) {
+      const auto params = instances[l]->parameter_leaves();
+      if (std::all_of(params.begin(), params.end(),
+                      [](const at::Tensor& p) { return !p.requires_grad() || p.grad().defined(); }))
+        metering.emplace();
+    }
     auto start = mark();
     backward_through(y, grads);
     intervals.push_back({l, LayerTimings::kBackward, start, mark()});
