@@ -107,10 +107,14 @@ except torch.OutOfMemoryError as e:
 first = len(times) // 2
 steady = times[first:]
 rate = batch * seq * len(steady) / sum(steady)
-plan, described = pipe._engine.auto_plan(True, microbatches, 0, None)
+# (The plan of the calls: the default loss adds up over rows, so the tail
+# may split a microbatch's rows.)
+plan, described = pipe._engine.auto_plan(True, microbatches, 0, None, batch // microbatches)
 predicted = [line for line in described.splitlines() if "peak" in line.lower() or "GiB" in line]
 print(f"{name}: {rate:,.0f} tokens/s (steps {first + 1}..{steps}), loss {float(loss):.4f}, "
       f"measured peak {torch.cuda.max_memory_allocated() / 2**30 if cuda else 0:.2f} GiB allocated / "
       f"{torch.cuda.max_memory_reserved() / 2**30 if cuda else 0:.2f} GiB reserved, budget "
-      f"{cap_gib if cap_gib > 0 else total / 2**30:.1f} GiB; plan {plan}", flush=True)
+      f"{cap_gib if cap_gib > 0 else total / 2**30:.1f} GiB; plan {plan}; "
+      f"{pipe.pipeline_stats()['tail_microbatches_in_row_chunks']} microbatches in row chunks",
+      flush=True)
 print("  predicted: " + described.replace("\n", "\n  "), flush=True)

@@ -33,6 +33,29 @@ class LayerInstance {
 
 class Layer;
 
+// Note [Tail row chunks]
+// A module may say how to split its input into chunks of rows (dim 0 of
+// its batch tensors). It then promises that it and every layer after it
+// treat rows independently: running them on the chunks one after another
+// and concatenating their outputs (tensors of one or more dimensions on
+// dim 0; 0-dim tensors, such as a loss that is a sum over tokens divided by
+// a fixed count, added) gives the whole input's result; and that they draw
+// no random numbers and save nothing for recompute. Where the loss adds up
+// over rows as well (RunConfig::loss_sums_over_rows) and memory is short,
+// the fused tail then runs each microbatch chunk by chunk, keeping one
+// chunk's activations at a time instead of recomputing layers
+// (planner.cpp, stage_runner.cpp). The presets' decoder layers and output
+// adapter do.
+class SplitsInputRows {
+ public:
+  virtual ~SplitsInputRows() = default;
+  // `input` as handed between stages (host tensors) split into chunks of
+  // rows[0], rows[1], ... rows, in order (the rows add up to the input's);
+  // empty where this input cannot be split so.
+  virtual std::vector<c10::IValue> split_input_rows(const c10::IValue& input,
+                                                    const std::vector<int64_t>& rows) const = 0;
+};
+
 // An instance that is a copy of the layer's module(s): binding replaces the
 // data of the copy's own parameter and buffer tensors. Frontends (C++
 // modules, Python modules) derive from it and add forward().
@@ -80,6 +103,9 @@ class Layer {
   // profiler shares: not for a forward that may itself query or start the
   // profiler (Python code).
   virtual bool meterable() const { return true; }
+  // How to split this layer's input by rows, if it can (Note [Tail row
+  // chunks]); nullptr: it cannot.
+  virtual const SplitsInputRows* row_splitter() const { return nullptr; }
 };
 using LayerPtr = std::shared_ptr<Layer>;
 
@@ -98,6 +124,8 @@ class TorchModuleLayer final : public Layer {
   void set_parameter_data(size_t i, const at::Tensor& data) override;
   bool is_training() const override;
   std::unique_ptr<LayerInstance> make_instance() override;
+  // The module's, where it derives from SplitsInputRows.
+  const SplitsInputRows* row_splitter() const override;
 
   // How forward takes its argument, learned at the first call.
   enum class ArgKind : int { kUnknown = 0, kTensor = 1, kIValue = 2 };

@@ -117,6 +117,8 @@ struct PipelineStats {
   double optimizer_publish_seconds = 0;    // publishing weights, readers of the old ones included
   double weight_wait_seconds = 0;          // workers waiting for published weights (all devices)
   double call_start_wait_seconds = 0;      // new calls waiting for earlier calls
+  // Fused-tail microbatches run in chunks of rows (Note [Tail row chunks]).
+  int64_t tail_microbatches_in_row_chunks = 0;
 };
 
 struct ForwardBackwardResult {

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -38,6 +39,11 @@ struct PlanRequest {
   // tail runs as many of its last layers with grad as the limit holds
   // (StageEstimate::layers_with_grad), saving their recompute.
   bool grow_tail_with_grad = false;
+  // With grow_tail_with_grad: the rows of the smallest microbatch, which a
+  // fused tail beginning at or after first_row_split_layer may run in
+  // chunks of rows (Note [Tail row chunks], layer.h); <= 1: no chunks.
+  int tail_rows = 0;
+  int first_row_split_layer = std::numeric_limits<int>::max();
   // The layers' activation_bytes are not measured (yet): the plan keeps
   // half the limit for them.
   bool activations_unmeasured = false;
@@ -70,6 +76,8 @@ struct StageEstimate {
   // many of its last layers run with grad, keeping their activations (the
   // rest are recomputed one at a time); 0 where not set.
   int layers_with_grad = 0;
+  // ... and in how many chunks of rows it runs each microbatch (1: whole).
+  int row_chunks = 1;
 };
 
 struct PlanEstimate {

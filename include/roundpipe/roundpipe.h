@@ -124,8 +124,11 @@ class RoundPipe {
   ExecutePlan default_plan(bool fused) const;
   // The automatic plan for `num_microbatches` with its predicted stage
   // times and memory; throws naming the smallest feasible memory limit.
+  // `tail_rows`: the rows of a microbatch whose loss adds up over rows
+  // (RunConfig::loss_sums_over_rows), which the fused tail may split.
   PlanEstimate auto_plan(bool fused, int num_microbatches, int min_stages = 0,
-                         std::optional<double> memory_limit_gib = std::nullopt) const;
+                         std::optional<double> memory_limit_gib = std::nullopt,
+                         int tail_rows = 0) const;
   std::optional<c10::ScalarType> optim_dtype() const;
   HostMemoryStats host_memory_stats() const;
   PipelineStats pipeline_stats() const;

@@ -45,6 +45,14 @@ struct RunConfig {
   // back to each microbatch's own tensors.
   std::optional<bool> packed_input;         // default: false
   std::optional<ExecutePlan> execute_plan;  // default: ExecutePlan::from_layer_costs
+  // forward_backward: loss_fn's result on a microbatch is the sum of its
+  // results on the microbatch's rows split in chunks, as for a loss_fn that
+  // returns (or scales) a model's own loss that is a sum over tokens divided
+  // by a fixed count (the presets' with labels). Lets the fused tail run a
+  // microbatch chunk by chunk where memory is short (Note [Tail row chunks],
+  // layer.h) instead of recomputing layers. The Python package sets it for
+  // the default loss_fn, roundpipe-train for its loss.
+  std::optional<bool> loss_sums_over_rows;  // default: false
 
   RunConfig& set_requires_grad(bool v) {
     requires_grad = v;
@@ -88,6 +96,10 @@ struct RunConfig {
   }
   RunConfig& set_execute_plan(ExecutePlan v) {
     execute_plan = std::move(v);
+    return *this;
+  }
+  RunConfig& set_loss_sums_over_rows(bool v) {
+    loss_sums_over_rows = v;
     return *this;
   }
 

@@ -220,6 +220,10 @@ class RoundPipe(PassThroughToModel, nn.Module):
         input_kwargs = {} if input_kwargs is None else dict(input_kwargs)
         user_loss = _default_loss_fn if loss_fn is None else loss_fn
         config, value = self._engine_call(run_config, input_args, input_kwargs, fused=True)
+        # The default loss_fn returns the model's loss: where the model's
+        # layers promise that it adds up over rows (the presets'), the
+        # engine may run a microbatch's tail in chunks of rows.
+        config.loss_sums_over_rows = loss_fn is None
         to_user = self._user_microbatch_output
         loss, out = self._engine.forward_backward(
             value, label,
@@ -247,6 +251,13 @@ class RoundPipe(PassThroughToModel, nn.Module):
         weights into the model and adds gradients no step consumed into the
         parameters' ``.grad``. Call before evaluating or saving."""
         self._engine.synchronize()
+
+    def pipeline_stats(self) -> dict:
+        """What the pipeline spent and did so far: the optimizer's updates and
+        their seconds, waits for weights and for earlier calls, and how many
+        fused-tail microbatches ran in chunks of rows (the engine's answer to
+        a short memory budget where the model's loss adds up over rows)."""
+        return dict(self._engine.pipeline_stats())
 
     def optim_parameters(self) -> list:
         """The optimizer's master copies (optim_dtype) of the trainable

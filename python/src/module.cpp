@@ -96,6 +96,8 @@ RunConfig run_config_from(const py::handle& cfg) {
   if (field("pack_output").cast<bool>()) rc.pack_output = true;
   if (field("packed_input").cast<bool>()) rc.packed_input = true;
   if (!field("execute_plan").is_none()) rc.execute_plan = plan_from(field("execute_plan"));
+  const auto sums = py::getattr(cfg, "loss_sums_over_rows", py::none());
+  if (!sums.is_none()) rc.loss_sums_over_rows = sums.cast<bool>();
   return rc;
 }
 
@@ -351,14 +353,31 @@ PYBIND11_MODULE(_C, m) {
                                  names.push_back(self.devices().at(i)->name());
                                return names;
                              })
+      .def("pipeline_stats",
+           [](RoundPipe& self) {
+             const auto s = self.pipeline_stats();
+             py::dict d;
+             d["optimizer_updates"] = s.optimizer_updates;
+             d["optimizer_update_seconds"] = s.optimizer_update_seconds;
+             d["optimizer_grad_wait_seconds"] = s.optimizer_grad_wait_seconds;
+             d["optimizer_publish_seconds"] = s.optimizer_publish_seconds;
+             d["weight_wait_seconds"] = s.weight_wait_seconds;
+             d["call_start_wait_seconds"] = s.call_start_wait_seconds;
+             d["tail_microbatches_in_row_chunks"] = s.tail_microbatches_in_row_chunks;
+             return d;
+           })
       .def("default_plan",
            [](RoundPipe& self, bool fused) { return plan_tuple(self.default_plan(fused)); })
-      .def("auto_plan",
-           [](RoundPipe& self, bool fused, int num_microbatches, int min_stages,
-              std::optional<double> memory_limit) {
-             auto estimate = self.auto_plan(fused, num_microbatches, min_stages, memory_limit);
-             return py::make_tuple(plan_tuple(estimate.plan), estimate.describe());
-           })
+      .def(
+          "auto_plan",
+          [](RoundPipe& self, bool fused, int num_microbatches, int min_stages,
+             std::optional<double> memory_limit, int tail_rows) {
+            auto estimate =
+                self.auto_plan(fused, num_microbatches, min_stages, memory_limit, tail_rows);
+            return py::make_tuple(plan_tuple(estimate.plan), estimate.describe());
+          },
+          py::arg("fused"), py::arg("num_microbatches"), py::arg("min_stages"),
+          py::arg("memory_limit"), py::arg("tail_rows") = 0)
       .def_static("validate_plan", [](py::object plan, int num_layers, bool fused) {
         plan_from(plan).validate(num_layers, fused);
       });

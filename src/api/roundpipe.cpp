@@ -75,8 +75,9 @@ ExecutePlan RoundPipe::default_plan(bool fused) const {
   return engine_->default_plan(fused);
 }
 PlanEstimate RoundPipe::auto_plan(bool fused, int num_microbatches, int min_stages,
-                                  std::optional<double> memory_limit_gib) const {
-  return engine_->auto_plan(fused, num_microbatches, min_stages, memory_limit_gib);
+                                  std::optional<double> memory_limit_gib, int tail_rows) const {
+  return engine_->auto_plan(fused, num_microbatches, min_stages, memory_limit_gib, std::nullopt,
+                            tail_rows);
 }
 std::optional<c10::ScalarType> RoundPipe::optim_dtype() const {
   return engine_->optim_dtype();

@@ -361,7 +361,80 @@ struct MLPImpl : torch::nn::Cloneable<MLPImpl> {
 };
 TORCH_MODULE(MLP);
 
-struct DecoderLayerImpl : torch::nn::Cloneable<DecoderLayerImpl> {
+// The decoder layers' and output adapter's input (the input adapter's
+// output tuple) in chunks of rows (Note [Tail row chunks], layer.h). Only
+// with labels (the output is then the loss, a sum over tokens divided by
+// num_items_in_batch, plus the logits if asked): each chunk gets the
+// microbatch's count as its divisor where none was given, so that the
+// chunks' losses add up to the microbatch's mean. A layout's sequences lie
+// within rows, rows in order: a chunk takes those of its rows, rebased.
+std::vector<c10::IValue> split_decoder_input_rows(const c10::IValue& input,
+                                                  const std::vector<int64_t>& rows) {
+  if (!input.isTuple()) return {};
+  const auto& e = input.toTupleRef().elements();
+  if (e.size() != 7 || !e[0].isTensor() || !e[4].isTensor()) return {};
+  const auto hidden = e[0].toTensor();
+  const auto labels = e[4].toTensor();
+  const int64_t B = hidden.size(0), T = hidden.size(1);
+  if (labels.dim() != 2 || labels.size(0) != B) return {};
+  c10::IValue divisor = e[6];
+  if (!divisor.isDouble()) {
+    const int64_t count = count_loss_tokens(labels);
+    if (count == 0) return {};
+    divisor = static_cast<double>(count);
+  }
+  const auto layout = SequenceLayout::from_ivalue(e[3]);
+  std::vector<int64_t> cu;         // the layout's sequence offsets
+  std::vector<int64_t> row_begin;  // per row (and B): its first sequence
+  if (layout) {
+    if (!layout->token_index.device().is_cpu() || !layout->cu_seqlens.device().is_cpu()) return {};
+    const auto index = layout->token_index.contiguous();
+    const auto offsets = layout->cu_seqlens.to(at::kLong).contiguous();
+    const auto* idx = index.data_ptr<int64_t>();
+    cu.assign(offsets.data_ptr<int64_t>(), offsets.data_ptr<int64_t>() + offsets.numel());
+    const int64_t S = static_cast<int64_t>(cu.size()) - 1;
+    row_begin.assign(B + 1, S);
+    int64_t next_row = B;  // the row of sequence s + 1
+    for (int64_t s = S - 1; s >= 0; --s) {
+      if (cu[s + 1] <= cu[s]) return {};
+      const int64_t row = idx[cu[s]] / T;
+      if (row < 0 || row >= B || row > next_row || idx[cu[s + 1] - 1] / T != row)
+        return {};  // a sequence across rows, or rows out of order
+      for (int64_t r = row; r >= 0 && row_begin[r] > s; --r) row_begin[r] = s;
+      next_row = row;
+    }
+  }
+  std::vector<c10::IValue> chunks;
+  int64_t r0 = 0;
+  for (const int64_t n : rows) {
+    auto rows_of = [&](const c10::IValue& v) -> c10::IValue {
+      if (!v.isTensor()) return v;
+      const auto t = v.toTensor();
+      return t.dim() > 0 && t.size(0) == B ? c10::IValue(t.narrow(0, r0, n)) : v;
+    };
+    c10::IValue chunk_layout;
+    if (layout) {
+      const int64_t s0 = row_begin[r0], s1 = row_begin[r0 + n];
+      SequenceLayout part;
+      part.token_index = layout->token_index.narrow(0, cu[s0], cu[s1] - cu[s0]) - r0 * T;
+      std::vector<int32_t> offsets;
+      for (int64_t s = s0; s <= s1; ++s) {
+        offsets.push_back(static_cast<int32_t>(cu[s] - cu[s0]));
+        if (s > s0) part.max_seqlen = std::max(part.max_seqlen, cu[s] - cu[s - 1]);
+      }
+      part.cu_seqlens = at::tensor(offsets, layout->cu_seqlens.options());
+      chunk_layout = part.to_ivalue();
+    }
+    chunks.push_back(c10::ivalue::Tuple::create(
+        {rows_of(e[0]), rows_of(e[1]), rows_of(e[2]), chunk_layout, rows_of(e[4]), e[5], divisor}));
+    r0 += n;
+  }
+  TORCH_CHECK(r0 == B, "split_decoder_input_rows: the chunks' rows add up to ", r0,
+              ", the input has ", B);
+  return chunks;
+}
+
+struct DecoderLayerImpl : torch::nn::Cloneable<DecoderLayerImpl>, SplitsInputRows {
   CausalLMConfig config;
   int64_t mlp_chunk_tokens;
   int64_t index;  // which layer: its attention window
@@ -396,13 +469,17 @@ struct DecoderLayerImpl : torch::nn::Cloneable<DecoderLayerImpl> {
     return copy_module(
         *this, [&] { return std::make_shared<DecoderLayerImpl>(config, mlp_chunk_tokens, index); });
   }
+  std::vector<c10::IValue> split_input_rows(const c10::IValue& input,
+                                            const std::vector<int64_t>& rows) const override {
+    return split_decoder_input_rows(input, rows);
+  }
 };
 TORCH_MODULE(DecoderLayer);
 
 // Final norm, lm_head and the loss. With tied embeddings the lm_head weight
 // is the input adapter's embedding tensor (registered here as "tied_weight",
 // so RoundPipe sees one parameter used by two layers).
-struct OutputAdapterImpl : torch::nn::Cloneable<OutputAdapterImpl> {
+struct OutputAdapterImpl : torch::nn::Cloneable<OutputAdapterImpl>, SplitsInputRows {
   CausalLMConfig config;
   CausalLMOptions options;
   at::Tensor tied;  // the embedding weight when tied, else undefined
@@ -459,6 +536,10 @@ struct OutputAdapterImpl : torch::nn::Cloneable<OutputAdapterImpl> {
                   .div(*divisor)
             : at::cross_entropy_loss(flat, shifted.reshape({-1}), {}, at::Reduction::Mean, -100);
     return c10::ivalue::Tuple::create({loss, logits});
+  }
+  std::vector<c10::IValue> split_input_rows(const c10::IValue& input,
+                                            const std::vector<int64_t>& rows) const override {
+    return split_decoder_input_rows(input, rows);
   }
 };
 TORCH_MODULE(OutputAdapter);

@@ -22,6 +22,9 @@ AutoPlan::AutoPlan(const std::string& name, const RoundPipeOptions& options, con
       commits_(commits) {
   all_layers_meterable_ = std::all_of(layers.begin(), layers.end(),
                                       [](const LayerPtr& layer) { return layer->meterable(); });
+  first_row_split_layer_ = static_cast<int>(layers.size());
+  while (first_row_split_layer_ > 0 && layers[first_row_split_layer_ - 1]->row_splitter())
+    --first_row_split_layer_;
   // What the smallest device has left now, before this engine's work (0:
   // unlimited), less a tenth (the driver's context, fragmentation, the
   // downloads in flight). Measured at plan time it would exclude what the
@@ -41,7 +44,7 @@ AutoPlan::AutoPlan(const std::string& name, const RoundPipeOptions& options, con
 
 PlanEstimate AutoPlan::estimate(bool fused, int num_microbatches, int min_stages,
                                 std::optional<double> memory_limit_gib, RecomputeGrain grain,
-                                bool grow_tail) const {
+                                bool grow_tail, int tail_rows) const {
   PlanRequest request;
   // The default plan's question (no constraints of the caller's own): the
   // plan in use stays unless a new one is clearly faster.
@@ -86,6 +89,8 @@ PlanEstimate AutoPlan::estimate(bool fused, int num_microbatches, int min_stages
       static_cast<int64_t>(static_cast<double>(request.memory_limit_bytes) * shrink.limit_scale);
   request.layer_grain = grain == RecomputeGrain::kLayer;
   request.grow_tail_with_grad = grow_tail;
+  request.tail_rows = tail_rows;
+  request.first_row_split_layer = first_row_split_layer_;
   // Measured times once every layer has them (with the measured upload
   // rate, in the same unit), else bytes stand in. Until what layers keep
   // for their backward is measured (or where a layer cannot be metered),
@@ -109,9 +114,10 @@ PlanEstimate AutoPlan::estimate(bool fused, int num_microbatches, int min_stages
 // fits the limit and is predicted no slower; else layer grain.
 AutoPlan::Choice AutoPlan::choose(bool fused, int n, int min_stages,
                                   std::optional<double> memory_limit_gib,
-                                  std::optional<RecomputeGrain> grain) const {
+                                  std::optional<RecomputeGrain> grain, int tail_rows) const {
   RecomputeGrain chosen = grain.value_or(RecomputeGrain::kLayer);
-  auto plan = estimate(fused, n, min_stages, memory_limit_gib, chosen, /*grow_tail=*/!grain);
+  auto plan =
+      estimate(fused, n, min_stages, memory_limit_gib, chosen, /*grow_tail=*/!grain, tail_rows);
   bool layer_grain_only = false;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -131,19 +137,20 @@ AutoPlan::Choice AutoPlan::choose(bool fused, int n, int min_stages,
   return {std::move(plan), chosen};
 }
 
-AutoPlan::CallPlan AutoPlan::for_call(bool fused, int n, std::optional<RecomputeGrain> grain) {
+AutoPlan::CallPlan AutoPlan::for_call(bool fused, int n, std::optional<RecomputeGrain> grain,
+                                      int tail_rows) {
   // Read before planning: timings that complete in between make this log
   // say "bytes" once more, and the next call logs the measured plan.
   const bool measured = timings_.complete();
-  auto [plan, chosen] = choose(fused, n, 0, std::nullopt, grain);
+  auto [plan, chosen] = choose(fused, n, 0, std::nullopt, grain, tail_rows);
   {
     std::lock_guard<std::mutex> lock(mu_);
     plans_in_use_[PlanKey{fused, n, chosen}] = plan.plan;
   }
   if (options_.verbose) log(fused, n, measured, plan);
-  const int tail_with_grad =
-      fused && !plan.stages.empty() ? plan.stages.at(plan.plan.forward.size()).layers_with_grad : 0;
-  return {plan.plan, chosen, tail_with_grad};
+  if (!fused || plan.stages.empty()) return {plan.plan, chosen};
+  const auto& tail = plan.stages.at(plan.plan.forward.size());
+  return {plan.plan, chosen, tail.layers_with_grad, tail.row_chunks};
 }
 
 // Note [Out-of-memory redo]

@@ -37,9 +37,11 @@ class AutoPlan {
   // device had left when the engine was made), for calls of
   // `num_microbatches` in `grain` (`grow_tail`: the plan chose layer grain,
   // and may run more of the fused tail with grad, Note [Tail grain]).
+  // `tail_rows`: the rows of the smallest microbatch where the call's loss
+  // adds up over rows (PlanRequest::tail_rows), else 0.
   PlanEstimate estimate(bool fused, int num_microbatches, int min_stages,
                         std::optional<double> memory_limit_gib, RecomputeGrain grain,
-                        bool grow_tail = false) const;
+                        bool grow_tail = false, int tail_rows = 0) const;
   // The plan of a call that brings none, and the grain it runs in: `grain`
   // if the caller chose one, else the plan's choice (Note [Automatic
   // grain]). The plan in use for (fused, microbatches, grain) stays unless
@@ -48,8 +50,10 @@ class AutoPlan {
     ExecutePlan plan;
     RecomputeGrain grain;
     int tail_layers_with_grad = 0;  // Note [Tail grain]; 0: one, in layer grain
+    int tail_row_chunks = 1;        // Note [Tail row chunks]
   };
-  CallPlan for_call(bool fused, int num_microbatches, std::optional<RecomputeGrain> grain);
+  CallPlan for_call(bool fused, int num_microbatches, std::optional<RecomputeGrain> grain,
+                    int tail_rows = 0);
   // The estimate for_call's choice rests on (without the plan cache's
   // bias to the plan in use unless unconstrained), and the grain chosen.
   struct Choice {
@@ -57,7 +61,8 @@ class AutoPlan {
     RecomputeGrain grain;
   };
   Choice choose(bool fused, int num_microbatches, int min_stages,
-                std::optional<double> memory_limit_gib, std::optional<RecomputeGrain> grain) const;
+                std::optional<double> memory_limit_gib, std::optional<RecomputeGrain> grain,
+                int tail_rows = 0) const;
   // A call on `failed` in `grain` (chosen by this plan or not) ran out of
   // memory: later plans are smaller (Note [Out-of-memory redo]).
   void shrink_after_out_of_memory(const ExecutePlan& failed, RecomputeGrain grain,
@@ -76,6 +81,8 @@ class AutoPlan {
   const LayerTimings& timings_;
   const CommitLedger& commits_;
   bool all_layers_meterable_ = true;  // else the planner keeps half the limit for activations
+  // The first layer from which on every layer splits its input by rows.
+  int first_row_split_layer_ = 0;
   // The memory limit of plans without model_memory_limit (0: unlimited).
   int64_t default_memory_limit_bytes_ = 0;
   double upload_bytes_per_second_ = 0;

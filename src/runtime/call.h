@@ -55,6 +55,7 @@ struct CallState {
   RecomputeGrain grain = RecomputeGrain::kStage;
   bool grain_chosen = false;      // by the automatic plan, not the caller
   int tail_layers_with_grad = 0;  // layer grain: of the fused tail (Note [Tail grain]); 0: one
+  int tail_row_chunks = 1;        // the fused tail's chunks per microbatch (Note [Tail row chunks])
   bool preserve_rng = true;
   uint64_t call_seed = 0;
 

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <limits>
 #include <set>
 #include <sstream>
 
@@ -42,6 +43,7 @@ Engine::Engine(std::vector<LayerPtr> layers, RoundPipeOptions options)
           grad_tasks_,
           grads_,
           commits_,
+          stats_,
           [this](const CallState& call, const std::string& stage, const std::string& device) {
             shrink_after_out_of_memory(call, stage, device,
                                        "the microbatch was retried "
@@ -117,10 +119,10 @@ std::vector<std::pair<std::string, at::Tensor>> Engine::optim_named_parameters()
 
 PlanEstimate Engine::auto_plan(bool fused, int num_microbatches, int min_stages,
                                std::optional<double> memory_limit_gib,
-                               std::optional<RecomputeGrain> grain) const {
+                               std::optional<RecomputeGrain> grain, int tail_rows) const {
   return auto_plan_
       .choose(fused, num_microbatches, min_stages, memory_limit_gib,
-              grain ? grain : options_.model_run_config.recompute_grain)
+              grain ? grain : options_.model_run_config.recompute_grain, tail_rows)
       .estimate;
 }
 
@@ -154,6 +156,7 @@ RunConfig Engine::resolve(const RunConfig& config) const {
   if (!out.preserve_rng_state) out.preserve_rng_state = true;
   if (!out.recompute_grain) out.recompute_grain = RecomputeGrain::kStage;
   if (!out.num_microbatch) out.num_microbatch = pool_.size() + 1;
+  if (!out.loss_sums_over_rows) out.loss_sums_over_rows = false;
   return out;
 }
 
@@ -181,18 +184,32 @@ std::shared_ptr<CallState> Engine::start_call(const c10::IValue& input, const Ru
                   static_cast<long long>(call->id), ms_since(start),
                   static_cast<long long>(call->weights_version));
   TORCH_CHECK(call->n >= 1, name_, ": num_microbatch must be at least 1, got ", call->n);
+  const auto microbatches = call->split_input(input, name_);
   if (call->config.execute_plan) {
     call->plan = *call->config.execute_plan;
   } else {
-    auto chosen = auto_plan_.for_call(call->fused, call->n, asked_grain);
+    // Where the loss adds up over rows, the fused tail may split the
+    // smallest microbatch's rows (Note [Tail row chunks], layer.h).
+    int tail_rows = 0;
+    if (call->fused && *call->config.loss_sums_over_rows) {
+      tail_rows = std::numeric_limits<int>::max();
+      for (const auto& m : microbatches) {
+        const auto tensors = flatten_tensors(m);
+        const bool any = std::any_of(tensors.begin(), tensors.end(), [](const at::Tensor& t) {
+          return t.defined() && t.dim() > 0;
+        });
+        tail_rows = any ? std::min<int>(tail_rows, static_cast<int>(batch_size_of(m))) : 0;
+      }
+    }
+    auto chosen = auto_plan_.for_call(call->fused, call->n, asked_grain, tail_rows);
     call->plan = std::move(chosen.plan);
     call->grain = chosen.grain;
     call->grain_chosen = !asked_grain;
     call->tail_layers_with_grad = chosen.tail_layers_with_grad;
+    call->tail_row_chunks = chosen.tail_row_chunks;
     call->config.recompute_grain = chosen.grain;
   }
   call->plan.validate(num_layers(), call->fused);
-  const auto microbatches = call->split_input(input, name_);
   if (call->preserve_rng)
     call->call_seed = redo_of ? redo_of->call_seed : draw_call_seed(*pool_.at(0));
   call->make_slots(num_layers());

@@ -71,7 +71,8 @@ class Engine {
   // automatic choice of its calls).
   PlanEstimate auto_plan(bool fused, int num_microbatches, int min_stages,
                          std::optional<double> memory_limit_gib,
-                         std::optional<RecomputeGrain> grain = std::nullopt) const;
+                         std::optional<RecomputeGrain> grain = std::nullopt,
+                         int tail_rows = 0) const;
   std::optional<c10::ScalarType> optim_dtype() const { return options_.optim_dtype; }
   HostMemoryStats host_memory_stats() const { return weights_.host_memory_stats(); }
   PipelineStats pipeline_stats() const { return stats_.snapshot(); }

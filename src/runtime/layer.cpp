@@ -148,6 +148,10 @@ bool TorchModuleLayer::is_training() const {
   return module_.ptr()->is_training();
 }
 
+const SplitsInputRows* TorchModuleLayer::row_splitter() const {
+  return dynamic_cast<const SplitsInputRows*>(module_.ptr().get());
+}
+
 namespace {
 thread_local bool instance_in_making = false;
 }
@@ -195,6 +199,7 @@ class HomeParametersLayer final : public Layer {
   bool is_training() const override { return inner_->is_training(); }
   std::unique_ptr<LayerInstance> make_instance() override { return inner_->make_instance(); }
   bool meterable() const override { return inner_->meterable(); }
+  const SplitsInputRows* row_splitter() const override { return inner_->row_splitter(); }
 
  private:
   LayerPtr inner_;

@@ -186,6 +186,18 @@ std::vector<LayerCost> costs_from_bytes(const std::vector<int64_t>& layer_bytes,
   return costs;
 }
 
+// The time per call of a plan's estimated stages.
+double iteration_of(const PlanEstimate& e, const PlanRequest& request) {
+  if (e.plan.tail_replicas > 1) {
+    // Each replica uploads the model (links in parallel) and runs its share
+    // of the microbatches; the next call comes once the losses are back.
+    const auto& s = e.stages.front();
+    const int share = (request.num_microbatches + e.plan.tail_replicas - 1) / e.plan.tail_replicas;
+    return s.upload + share * s.compute;
+  }
+  return simulate(e.stages, request);
+}
+
 // Note [Tail grain]
 // In layer grain the fused tail runs its layers without grad, keeping their
 // inputs, then its last layer and the loss with grad, then recomputes the
@@ -197,9 +209,14 @@ std::vector<LayerCost> costs_from_bytes(const std::vector<int64_t>& layer_bytes,
 // parameters, gradients, the largest working memory, the next stage's
 // parameters) and a second copy of the k layers' gradients (their backward
 // computes them apart, so that running out of memory there can be retried:
-// stage_runner.cpp). On a 24 GiB card a 1.7B model's 29-layer tail keeps
-// about a dozen layers' activations this way, a dozen fewer forwards per
-// call.
+// stage_runner.cpp). Where its layers split their input by rows and the
+// loss adds up over rows (Note [Tail row chunks], layer.h), the tail may
+// also run each microbatch in c chunks of rows, holding one chunk's
+// activations at a time: the fewest chunks that keep every layer's
+// activations, else as many as there are rows. On a 24 GiB card a 1.7B
+// model's 29-layer tail over 16K-token microbatches keeps about a dozen
+// layers' activations in one chunk, all of them in two or four. The extra
+// forward of the layers recomputed is added to the tail's predicted time.
 PlanEstimate with_tail_grown(const std::vector<LayerCost>& layers, PlanEstimate e,
                              const PlanRequest& request) {
   const int64_t limit = effective_limit(request);
@@ -210,22 +227,43 @@ PlanEstimate with_tail_grown(const std::vector<LayerCost>& layers, PlanEstimate 
   const auto load = stage_load(layers, tail.range);
   // All the tail holds but the one layer's activations of layer grain.
   const int64_t rest = tail.peak_bytes - load.max_act;
-  int64_t kept = 0, acts = 0, grads = 0;
-  int k = 0;
-  for (int l = tail.range.end - 1; l >= tail.range.begin; --l) {
-    const bool all = l == tail.range.begin;  // then no second copy of gradients
-    const int64_t grown =
-        acts + layers[l].activation_bytes + (all ? 0 : grads + layers[l].grad_bytes);
-    if (k > 0 && rest + std::max(grown, load.max_act) > limit) break;
-    acts += layers[l].activation_bytes;
-    grads += layers[l].grad_bytes;
-    kept = grown;
-    ++k;
+  const int rows = std::max(request.tail_rows, 1);
+  const int max_chunks = tail.range.begin >= request.first_row_split_layer ? rows : 1;
+  int best_k = 0, best_chunks = 1;
+  int64_t best_held = 0;
+  for (int chunks = 1; chunks <= max_chunks; ++chunks) {
+    // A chunk's share of a microbatch's activations: its rows (the first
+    // chunks take the extra rows).
+    const double share = static_cast<double>((rows + chunks - 1) / chunks) / rows;
+    auto part = [&](int64_t bytes) { return static_cast<int64_t>(std::ceil(bytes * share)); };
+    const int64_t one_layer = part(load.max_act);
+    int64_t kept = 0, acts = 0, grads = 0;
+    int k = 0;
+    for (int l = tail.range.end - 1; l >= tail.range.begin; --l) {
+      // With one chunk and every layer with grad, no second copy of gradients.
+      const bool apart = l > tail.range.begin || chunks > 1;
+      const int64_t grown =
+          acts + part(layers[l].activation_bytes) + (apart ? grads + layers[l].grad_bytes : 0);
+      if (k > 0 && rest + std::max(grown, one_layer) > limit) break;
+      acts += part(layers[l].activation_bytes);
+      grads += layers[l].grad_bytes;
+      kept = grown;
+      ++k;
+    }
+    if (k > best_k) {
+      best_k = k;
+      best_chunks = chunks;
+      best_held = std::max(kept, one_layer) - load.max_act;
+    }
+    if (k == tail.range.size()) break;
   }
-  tail.layers_with_grad = k;
-  const int64_t held = std::max(kept, load.max_act) - load.max_act;
-  tail.memory_bytes += held;
-  tail.peak_bytes += held;
+  tail.layers_with_grad = best_k;
+  tail.row_chunks = best_chunks;
+  tail.memory_bytes += best_held;
+  tail.peak_bytes += best_held;
+  for (int l = tail.range.begin; l < tail.range.end - best_k; ++l)
+    tail.compute += std::max(layers[l].forward, 0.0);  // the extra forward
+  e.iteration = iteration_of(e, request);
   return e;
 }
 
@@ -343,15 +381,7 @@ PlanEstimate estimate_plan(const std::vector<LayerCost>& layers, const ExecutePl
   const size_t D = plan.tail_replicas > 1 ? 1 : static_cast<size_t>(request.num_devices);
   for (size_t g = 0; g < S; ++g)
     e.stages[g].peak_bytes = e.stages[g].memory_bytes + e.stages[(g + D) % S].param_bytes;
-  if (plan.tail_replicas > 1) {
-    // Each replica uploads the model (links in parallel) and runs its share
-    // of the microbatches; the next call comes once the losses are back.
-    const auto& s = e.stages.front();
-    const int share = (request.num_microbatches + plan.tail_replicas - 1) / plan.tail_replicas;
-    e.iteration = s.upload + share * s.compute;
-    return e;
-  }
-  e.iteration = simulate(e.stages, request);
+  e.iteration = iteration_of(e, request);
   return e;
 }
 
@@ -368,7 +398,11 @@ std::string PlanEstimate::describe() const {
     out << line;
     if (s.layers_with_grad > 0)
       out << "            its last " << s.layers_with_grad
-          << " layer(s) with grad, the rest recomputed by layer (Note [Tail grain])\n";
+          << " layer(s) with grad, the rest recomputed by layer (Note [Tail grain])"
+          << (s.row_chunks > 1
+                  ? ", each microbatch in " + std::to_string(s.row_chunks) + " chunks of rows"
+                  : std::string())
+          << "\n";
   }
   out << "  plan " << plan.to_string() << ", predicted " << iteration << " per call";
   return out.str();

@@ -20,6 +20,7 @@ RunConfig RunConfig::overriding(const RunConfig& model) const {
   if (pack_output) out.pack_output = pack_output;
   if (packed_input) out.packed_input = packed_input;
   if (execute_plan) out.execute_plan = execute_plan;
+  if (loss_sums_over_rows) out.loss_sums_over_rows = loss_sums_over_rows;
   return out;
 }
 

@@ -8,12 +8,14 @@
 
 #include <algorithm>
 #include <chrono>
+#include <functional>
 #include <map>
 #include <optional>
 #include <sstream>
 #include <unordered_map>
 
 #include "roundpipe/errors.h"
+#include "roundpipe/microbatch.h"
 #include "runtime/allocation_meter.h"
 #include "runtime/autograd_bridge.h"
 #include "runtime/ivalue_tree.h"
@@ -82,6 +84,10 @@ struct StageRunner {
   };
   std::vector<Interval> intervals;
   int shared_from = 0;  // the first layer an interval of layer -1 is shared by
+  // Running a chunk of a microbatch's rows (Note [Tail row chunks]): its
+  // memory is not metered (the plan's figures are per microbatch, and a
+  // chunk's fixed costs would count once per chunk).
+  bool in_row_chunk = false;
 
   StageRunner(const StageContext& c, Job& j, DeviceWorker& w)
       : ctx(c), job(j), worker(w), device(w.device()), call(*j.call) {}
@@ -99,17 +105,21 @@ struct StageRunner {
     Device* dev = &device;
     const LayerRange range{std::max(shared_from, job.range.begin), job.range.end};
     ctx.host_tasks.post(measured.back().end, [measured, timings, dev, range] {
+      // One sample per layer and kind: a microbatch run in chunks of rows
+      // (Note [Tail row chunks]) adds its chunks' times up.
+      std::map<std::pair<int, LayerTimings::Kind>, double> per_layer;
       std::map<int, double> recompute;
       double stage_backward = -1;
       for (const auto& i : measured) {
         const double s = dev->seconds_between(i.start, i.end);
         if (i.layer < 0) {
-          stage_backward = s;
+          stage_backward = std::max(stage_backward, 0.0) + s;
           continue;
         }
-        timings->add(i.layer, i.kind, s);
+        per_layer[{i.layer, i.kind}] += s;
         if (i.kind != LayerTimings::kBackward) recompute[i.layer] += s;
       }
+      for (const auto& [key, s] : per_layer) timings->add(key.first, key.second, s);
       if (stage_backward < 0) return;
       double total = 0;
       for (int l = range.begin; l < range.end; ++l) total += recompute[l];
@@ -220,7 +230,7 @@ struct StageRunner {
     // holds after one is what it keeps for its backward (the planner's
     // activation memory).
     std::optional<MeterScope> metering;
-    if (with_grad && ctx.layers[l]->meterable() && ctx.timings.wants_kept_bytes(l))
+    if (with_grad && !in_row_chunk && ctx.layers[l]->meterable() && ctx.timings.wants_kept_bytes(l))
       metering.emplace();
     auto start = mark();
     auto y = instances[l]->forward(x);
@@ -233,7 +243,7 @@ struct StageRunner {
     check_devices(y, device, l, ctx.layers[l]->type_name());
     int64_t bytes = 0;
     for (const auto& t : flatten_tensors(y)) bytes += t.defined() ? t.nbytes() : 0;
-    ctx.timings.add_output_bytes(l, bytes);
+    if (!in_row_chunk) ctx.timings.add_output_bytes(l, bytes);
     if (kept >= 0) ctx.timings.add_kept_bytes(l, kept, peak, bytes);
     return y;
   }
@@ -246,7 +256,7 @@ struct StageRunner {
     layer = l;
     phase = "backward";
     std::optional<MeterScope> metering;
-    if (ctx.layers[l]->meterable() && ctx.timings.wants_backward_bytes(l)) {
+    if (!in_row_chunk && ctx.layers[l]->meterable() && ctx.timings.wants_backward_bytes(l)) {
       const auto params = instances[l]->parameter_leaves();
       if (std::all_of(params.begin(), params.end(),
                       [](const at::Tensor& p) { return !p.requires_grad() || p.grad().defined(); }))
@@ -328,13 +338,15 @@ struct StageRunner {
   // At layer 0: the caller's inputs that require grad (forward() and
   // forward_backward() alike), kept for the engine to send upstream.
   void send_input_grads(int l, int m, const std::vector<at::Tensor>& leaves) {
+    send_input_gradients(l, m, leaf_grads(leaves));
+  }
+  void send_input_gradients(int l, int m, const std::vector<at::Tensor>& grads) {
     if (l == 0) {
       const auto wanted = call.microbatch_input_requires_grad(m);
       if (!call.training || std::none_of(wanted.begin(), wanted.end(), [](bool w) { return w; }))
         return;
     }
     phase = "download";
-    auto grads = leaf_grads(leaves);
     auto [host, event] = download_flat(device, grads, ctx.weights.host_allocator());
     if (l > 0) {
       CallState::put(*call.grad.at(l)[m], {}, host, event, {});
@@ -532,38 +544,185 @@ struct StageRunner {
     // layer and the loss run with grad, and each earlier layer is recomputed
     // and backpropagated, last first (as run_backward does across stages).
     // The automatic plan may run more than the last layer with grad there
-    // (Note [Tail grain]).
+    // (Note [Tail grain]), and each microbatch in chunks of rows.
     const int with_grad = call.grain == RecomputeGrain::kLayer
                               ? std::clamp(call.tail_layers_with_grad, 1, r.size())
                               : r.size();
     for (int m = job.replica; m < call.n; m += job.replicas) {
       microbatch = m;
       Slot& in = call.wait(call.act.at(r.begin)[m]);
+      if (call.tail_row_chunks > 1 && run_tail_in_chunks(in, with_grad)) continue;
       auto x = load_input(in);
       phase = "activation upload";
       auto [label, label_event] = upload_value(device, call.labels[m], nullptr);
       device.wait(Queue::kCompute, label_event);
       std::vector<at::Tensor> leaves;
       bool results_sent = false;
+      const auto send = [&](const at::Tensor& loss, const c10::IValue& out) {
+        send_results(loss, out.isNone() ? out : download_output(out));
+      };
       retrying_out_of_memory(
           [&] {
             tail_microbatch(x, label, in.rng, lighter_after_out_of_memory ? 1 : with_grad, leaves,
-                            results_sent);
+                            results_sent, send);
           },
-          [&] { tail_microbatch(x, label, in.rng, 1, leaves, results_sent); });
+          [&] { tail_microbatch(x, label, in.rng, 1, leaves, results_sent, send); });
       flush_timings();
       send_input_grads(r.begin, m, leaves);
     }
   }
 
-  // One microbatch of the fused tail: forward, loss (sent back, with the
-  // output, before the backward is enqueued: the caller has them, and may
-  // issue the next call, while this microbatch's backward still runs) and
-  // backward. The last `with_grad` layers run with grad; the others run
-  // without, keeping their inputs, and are recomputed one at a time.
+  // The output of a microbatch (or of a chunk of one) on its way to the host.
+  c10::IValue download_output(const c10::IValue& x) {
+    phase = "download";
+    auto [out, event] = download_value(
+        device, map_tensors(x, [](const at::Tensor& t) { return t.defined() ? t.detach() : t; }),
+        ctx.weights.host_allocator());
+    output_event = event;
+    return out;
+  }
+  EventPtr output_event;
+
+  // The microbatch's loss (on this device) and output (on the host, after
+  // output_event; None unless asked for) to the caller.
+  void send_results(const at::Tensor& loss, const c10::IValue& out) {
+    phase = "download";
+    auto [host_loss, loss_event] =
+        download_flat(device, {loss.detach().reshape({})}, ctx.weights.host_allocator());
+    CallState::put(*call.losses[microbatch], {}, host_loss, loss_event, {});
+    if (call.return_outputs) CallState::put(*call.outputs[microbatch], out, {}, output_event, {});
+  }
+
+  // Note [Tail row chunks] (layer.h): the microbatch's rows in chunks, one
+  // chunk's activations at a time. Each chunk runs as a microbatch of its
+  // own (its gradients computed apart and added once its backward is done,
+  // so that one running out of memory is retried alone); the caller gets
+  // the chunks' losses added and their outputs concatenated once the last
+  // chunk's forward is done, and the stage before gets the chunks' input
+  // gradients concatenated (summed where the chunks share a tensor).
+  // False where the tail's first layer cannot split this input.
+  bool run_tail_in_chunks(Slot& in, int with_grad) {
+    const auto& r = job.range;
+    const auto* splitter = ctx.layers[r.begin]->row_splitter();
+    if (splitter == nullptr) return false;
+    const auto whole = flatten_tensors(in.value);
+    if (std::none_of(whole.begin(), whole.end(),
+                     [](const at::Tensor& t) { return t.defined() && t.dim() > 0; }))
+      return false;
+    const int64_t rows = batch_size_of(in.value);
+    const auto sizes =
+        chunk_sizes(rows, static_cast<int>(std::min<int64_t>(call.tail_row_chunks, rows)));
+    if (sizes.size() < 2) return false;
+    const auto chunks = splitter->split_input_rows(in.value, sizes);
+    if (chunks.empty()) return false;
+    TORCH_CHECK(chunks.size() == sizes.size(), ctx.layers[r.begin]->type_name(),
+                "::split_input_rows returned ", chunks.size(), " chunks for ", sizes.size(),
+                " row counts");
+    bind_instances();
+    const int m = microbatch;
+    std::vector<std::vector<at::Tensor>> grads;  // per chunk: the input gradients
+    at::Tensor loss_sum;
+    std::vector<c10::IValue> outputs;
+    int64_t first_row = 0;
+    for (size_t k = 0; k < chunks.size(); ++k) {
+      in_row_chunk = true;
+      phase = "activation upload";
+      auto [x, event] = upload_value(device, chunks[k], in.event);
+      auto [label, label_event] =
+          upload_value(device, rows_of(call.labels[m], rows, first_row, sizes[k]), nullptr);
+      device.wait(Queue::kCompute, event);
+      device.wait(Queue::kCompute, label_event);
+      first_row += sizes[k];
+      const bool last = k + 1 == chunks.size();
+      std::vector<at::Tensor> leaves;
+      bool results_sent = false;
+      const auto gather = [&](const at::Tensor& loss, const c10::IValue& out) {
+        const auto part = loss.detach().reshape({});
+        loss_sum = loss_sum.defined() ? loss_sum + part : part;
+        if (call.return_outputs) outputs.push_back(download_output(out));
+        if (!last) return;
+        c10::IValue merged;
+        if (call.return_outputs) {
+          output_event->synchronize();  // (the earlier chunks' came before it)
+          merged = merge_row_chunks(outputs);
+        }
+        send_results(loss_sum, merged);
+      };
+      retrying_out_of_memory(
+          [&] {
+            tail_microbatch(x, label, in.rng, lighter_after_out_of_memory ? 1 : with_grad, leaves,
+                            results_sent, gather, /*apart=*/true);
+          },
+          [&] { tail_microbatch(x, label, in.rng, 1, leaves, results_sent, gather, true); });
+      grads.push_back(leaf_grads(leaves));
+    }
+    in_row_chunk = false;
+    flush_timings();
+    // The whole input's gradients: concatenated where the chunks split a
+    // tensor, summed where they share it.
+    std::vector<at::Tensor> merged(whole.size());
+    for (size_t i = 0; i < whole.size(); ++i) {
+      std::vector<at::Tensor> parts;
+      for (const auto& g : grads)
+        if (i < g.size() && g[i].defined()) parts.push_back(g[i]);
+      if (parts.empty()) continue;
+      TORCH_CHECK(parts.size() == grads.size(), "the tail's chunks of microbatch ", m,
+                  " gave a gradient for input tensor ", i, " in some chunks only");
+      if (parts[0].sizes() == whole[i].sizes()) {
+        merged[i] = parts[0];
+        for (size_t k = 1; k < parts.size(); ++k) merged[i] = merged[i] + parts[k];
+      } else {
+        merged[i] = at::cat(parts, 0);
+      }
+    }
+    send_input_gradients(r.begin, m, merged);
+    ctx.stats.count(&PipelineStats::tail_microbatches_in_row_chunks);
+    return true;
+  }
+
+  // Rows [first, first + n) of a label's tensors of `rows` rows; its other
+  // values as they are.
+  static c10::IValue rows_of(const c10::IValue& value, int64_t rows, int64_t first, int64_t n) {
+    return map_tensors(value, [&](const at::Tensor& t) {
+      return t.defined() && t.dim() > 0 && t.size(0) == rows ? t.narrow(0, first, n) : t;
+    });
+  }
+
+  // Chunks' outputs as the whole microbatch's (Note [Tail row chunks]):
+  // tensors of one or more dimensions concatenated on dim 0, 0-dim tensors
+  // added, anything else the first chunk's.
+  static c10::IValue merge_row_chunks(const std::vector<c10::IValue>& outputs) {
+    std::vector<std::vector<at::Tensor>> tensors;
+    for (const auto& o : outputs) tensors.push_back(flatten_tensors(o));
+    std::vector<at::Tensor> merged;
+    for (size_t i = 0; i < tensors[0].size(); ++i) {
+      std::vector<at::Tensor> parts;
+      for (const auto& t : tensors) parts.push_back(t[i]);
+      if (!parts[0].defined()) {
+        merged.push_back(parts[0]);
+      } else if (parts[0].dim() == 0) {
+        auto sum = parts[0].clone();
+        for (size_t k = 1; k < parts.size(); ++k) sum.add_(parts[k]);
+        merged.push_back(sum);
+      } else {
+        merged.push_back(at::cat(parts, 0));
+      }
+    }
+    return replace_tensors(outputs[0], merged);
+  }
+
+  // One microbatch of the fused tail: forward, loss (handed to `results`,
+  // with the output, before the backward is enqueued: the caller has them,
+  // and may issue the next call, while this microbatch's backward still
+  // runs) and backward. The last `with_grad` layers run with grad; the
+  // others run without, keeping their inputs, and are recomputed one at a
+  // time. `apart`: the gradients of the layers with grad are computed apart
+  // and then added (a chunk of rows, Note [Tail row chunks]).
   void tail_microbatch(const c10::IValue& input, const c10::IValue& label,
                        const RngState& rng_start, int with_grad, std::vector<at::Tensor>& leaves,
-                       bool& results_sent) {
+                       bool& results_sent,
+                       const std::function<void(const at::Tensor&, const c10::IValue&)>& results,
+                       bool apart = false) {
     const auto& r = job.range;
     leaves.clear();
     auto lock = device.compute_lock();
@@ -582,22 +741,12 @@ struct StageRunner {
     TORCH_CHECK(loss.device() == device.torch_device(), "loss_fn returned a loss on ",
                 loss.device(), " while running on ", device.name());
     if (!results_sent) {
-      phase = "download";
-      auto [host_loss, loss_event] =
-          download_flat(device, {loss.detach().reshape({})}, ctx.weights.host_allocator());
-      CallState::put(*call.losses[microbatch], {}, host_loss, loss_event, {});
-      if (call.return_outputs) {
-        auto [out, event] = download_value(
-            device,
-            map_tensors(x, [](const at::Tensor& t) { return t.defined() ? t.detach() : t; }),
-            ctx.weights.host_allocator());
-        CallState::put(*call.outputs[microbatch], out, {}, event, {});
-      }
+      results(loss, call.return_outputs ? x : c10::IValue());
       results_sent = true;
     }
     const auto root = loss.reshape({});
     const std::vector<at::Tensor> one{at::ones_like(root)};  // d loss / d loss
-    if (first_with_grad > r.begin && with_grad > 1) {
+    if ((first_with_grad > r.begin || apart) && with_grad > 1) {
       backward_then_accumulate(first_with_grad, root, one, leaves);
     } else {
       backward_began = true;

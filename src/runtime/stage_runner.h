@@ -16,6 +16,7 @@
 #include "runtime/host_tasks.h"
 #include "runtime/layer_instances.h"
 #include "runtime/layer_timings.h"
+#include "runtime/stats_recorder.h"
 #include "runtime/weight_table.h"
 
 namespace roundpipe::detail {
@@ -31,6 +32,7 @@ struct StageContext {
   HostTasks& grad_tasks;  // parameter-gradient sums
   GradientLedger& grads;
   CommitLedger& commits;
+  StatsRecorder& stats;
   // A microbatch that ran out of memory was retried by layer (Note
   // [Out-of-memory retry of a microbatch]): later calls plan smaller.
   std::function<void(const CallState& call, const std::string& stage, const std::string& device)>

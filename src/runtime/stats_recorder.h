@@ -21,10 +21,12 @@ class StatsRecorder {
   void add_since(double PipelineStats::*field, Clock::time_point start) {
     add(field, std::chrono::duration<double>(Clock::now() - start).count());
   }
-  void count_update() {
+  // Adds one to a count.
+  void count(int64_t PipelineStats::*field) {
     std::lock_guard<std::mutex> lock(mu_);
-    ++stats_.optimizer_updates;
+    ++(stats_.*field);
   }
+  void count_update() { count(&PipelineStats::optimizer_updates); }
   PipelineStats snapshot() const {
     std::lock_guard<std::mutex> lock(mu_);
     return stats_;

@@ -217,6 +217,8 @@ TrainSummary run_training(const TrainOptions& args) {
       roundpipe::models::CausalLMOptions().set_dtype(dtype).set_loss_chunk_tokens(args.loss_chunk);
   roundpipe::RunConfig run_config;
   if (args.microbatches > 0) run_config.set_num_microbatch(args.microbatches);
+  // Its loss_fn returns the model's loss, scaled: it adds up over rows.
+  run_config.set_loss_sums_over_rows(true);
   if (!args.recompute.empty()) {
     run_config.set_recompute_grain(args.recompute == "layer" ? roundpipe::RecomputeGrain::kLayer
                                                              : roundpipe::RecomputeGrain::kStage);

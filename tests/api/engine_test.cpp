@@ -795,6 +795,143 @@ TEST(TailGrain, TheTailRunsAsManyLayersWithGradAsTheBudgetHolds) {
       << "no budget ran part of the tail with grad: " << ::testing::PrintToString(seen);
 }
 
+// WideProbe that splits its input by rows (Note [Tail row chunks]), and
+// counts its recomputes and the rows it ran with grad.
+std::atomic<int> recomputes{0};
+struct RowSplitProbeImpl : torch::nn::Cloneable<RowSplitProbeImpl>, SplitsInputRows {
+  torch::nn::Linear up{nullptr}, down{nullptr};
+  RowSplitProbeImpl() { reset(); }
+  void reset() override {
+    up = register_module("up", torch::nn::Linear(4, 32));
+    down = register_module("down", torch::nn::Linear(32, 4));
+  }
+  at::Tensor forward(const at::Tensor& x) {
+    if (c10::GradMode::is_enabled()) ++(doing_recompute() ? recomputes : grad_forwards);
+    // An out-of-memory error at the inject_at-th forward with grad (or
+    // backward) since `probe_count` was reset.
+    const auto when = inject_when.load();
+    if (when == InjectWhen::kWithGrad && c10::GradMode::is_enabled() &&
+        ++probe_count == inject_at && take_injected_oom())
+      throw_injected_oom();
+    auto y = down(torch::tanh(up(x)));
+    if (when == InjectWhen::kBackward && y.requires_grad()) {
+      y.register_hook([](const at::Tensor& g) {
+        if (++probe_count == inject_at && take_injected_oom()) throw_injected_oom();
+        return g;
+      });
+    }
+    return y;
+  }
+  static inline std::atomic<int> probe_count{0};
+  static inline int inject_at = 0;
+  std::vector<c10::IValue> split_input_rows(const c10::IValue& input,
+                                            const std::vector<int64_t>& rows) const override {
+    std::vector<c10::IValue> chunks;
+    int64_t first = 0;
+    for (int64_t n : rows) {
+      chunks.emplace_back(input.toTensor().narrow(0, first, n));
+      first += n;
+    }
+    return chunks;
+  }
+};
+TORCH_MODULE(RowSplitProbe);
+
+// Note [Tail row chunks]: where the loss adds up over rows and the layers
+// split their rows, a budget that holds only some of the tail's layers'
+// activations runs the tail in chunks of rows instead: no layer is
+// recomputed, the results are plain LibTorch's, the device stays within
+// its budget; without loss_sums_over_rows, the same budget recomputes.
+TEST(TailRowChunks, ChunksOfRowsReplaceRecomputeWhereTheLossAddsUp) {
+  const int layers = 8, n = 2, rows = 1024;
+  const auto x = at::randn({rows, 4}, at::detail::createCPUGenerator(1));
+  const auto y = at::randn({rows, 4}, at::detail::createCPUGenerator(2));
+  // A sum over rows divided by a fixed count: chunks' losses add up.
+  const LossFn loss_fn = [](const c10::IValue& out, const c10::IValue& label) {
+    return (out.toTensor() - label.toTensor()).pow(2).sum() / (rows * 4.0);
+  };
+  for (bool sums : {true, false}) {
+    SCOPED_TRACE(sums ? "loss_sums_over_rows" : "a loss of unknown form");
+    auto make = [&] {
+      torch::manual_seed(4);
+      torch::nn::Sequential m;
+      for (int l = 0; l < layers; ++l) m->push_back(RowSplitProbe());
+      return m;
+    };
+    auto model = make(), oracle = make();
+    RoundPipe pipe(model, RoundPipeOptions().set_verbose(true).set_devices("sim:1,mem=448KiB"));
+    const auto config = RunConfig().set_num_microbatch(n).set_loss_sums_over_rows(sums);
+    int last_recomputes = 0;
+    for (int call = 0; call < 4; ++call) {
+      recomputes = 0;
+      const auto loss = pipe.forward_backward(x, y, loss_fn, false, config).loss;
+      pipe.synchronize();
+      last_recomputes = recomputes.load();
+      at::Tensor expected = at::zeros({});
+      const auto xs = microbatches_of(x, n), ys = microbatches_of(y, n);
+      for (int m = 0; m < n; ++m) expected = expected + loss_fn(oracle->forward(xs[m]), ys[m]);
+      EXPECT_TENSOR_NEAR(loss, expected, kTol, "loss of call " << call);
+      expected.backward();
+    }
+    expect_same_state(model, oracle, /*grads=*/true);
+    EXPECT_LE(pipe.devices().at(0)->memory_stats().peak_bytes, 448 * 1024);
+    const auto chunked = pipe.pipeline_stats().tail_microbatches_in_row_chunks;
+    if (sums) {
+      EXPECT_GT(chunked, 0) << "the tail never ran in chunks of rows";
+      EXPECT_EQ(last_recomputes, 0) << "the last call still recomputed layers";
+    } else {
+      EXPECT_EQ(chunked, 0);
+      EXPECT_GT(last_recomputes, 0) << "the budget is too large to show the difference";
+    }
+  }
+}
+
+// An out-of-memory error in a later chunk of rows (its forward, or its
+// backward after earlier chunks left gradients) is retried, and the
+// results are still plain LibTorch's (Note [Out-of-memory retry of a
+// microbatch]).
+TEST(TailRowChunks, RunningOutOfMemoryInAChunkIsRetried) {
+  const int layers = 8, n = 2, rows = 1024;
+  const auto x = at::randn({rows, 4}, at::detail::createCPUGenerator(1));
+  const auto y = at::randn({rows, 4}, at::detail::createCPUGenerator(2));
+  const LossFn loss_fn = [](const c10::IValue& out, const c10::IValue& label) {
+    return (out.toTensor() - label.toTensor()).pow(2).sum() / (rows * 4.0);
+  };
+  for (auto when : {InjectWhen::kWithGrad, InjectWhen::kBackward}) {
+    SCOPED_TRACE(when == InjectWhen::kWithGrad ? "forward" : "backward");
+    auto make = [&] {
+      torch::manual_seed(4);
+      torch::nn::Sequential m;
+      for (int l = 0; l < layers; ++l) m->push_back(RowSplitProbe());
+      return m;
+    };
+    auto model = make(), oracle = make();
+    RoundPipe pipe(model, RoundPipeOptions().set_devices("sim:1,mem=448KiB"));
+    const auto config = RunConfig().set_num_microbatch(n).set_loss_sums_over_rows(true);
+    for (int call = 0; call < 3; ++call) {
+      const bool inject = call == 2;  // once the tail runs in chunks
+      if (inject) {
+        ASSERT_GT(pipe.pipeline_stats().tail_microbatches_in_row_chunks, 0);
+        inject_when = when;
+        RowSplitProbeImpl::probe_count = 0;
+        RowSplitProbeImpl::inject_at = 2 * layers + 3;  // the third chunk's
+        injected_ooms = 1;
+      }
+      const auto loss = pipe.forward_backward(x, y, loss_fn, false, config).loss;
+      pipe.synchronize();
+      if (inject) EXPECT_EQ(injected_ooms.load(), 0) << "the injected error was not raised";
+      injected_ooms = 0;
+      inject_when = InjectWhen::kForward;
+      at::Tensor expected = at::zeros({});
+      const auto xs = microbatches_of(x, n), ys = microbatches_of(y, n);
+      for (int m = 0; m < n; ++m) expected = expected + loss_fn(oracle->forward(xs[m]), ys[m]);
+      EXPECT_TENSOR_NEAR(loss, expected, kTol, "loss of call " << call);
+      expected.backward();
+    }
+    expect_same_state(model, oracle, /*grads=*/true);
+  }
+}
+
 class ChainTest : public ::testing::TestWithParam<std::string> {};
 
 // As the original's: forward_backward sends the gradients of its inputs

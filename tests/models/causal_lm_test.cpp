@@ -5,6 +5,7 @@
 // the loss token-weighted over any number of microbatches; save_pretrained
 // read back by transformers; config errors.
 #include <gtest/gtest.h>
+#include <roundpipe/microbatch.h>
 #include <roundpipe/models/causal_lm.h>
 #include <roundpipe/safetensors.h>
 #include <roundpipe/wrap.h>
@@ -248,6 +249,76 @@ TEST(CausalLMMasks, TheWrappersForwardBackwardIsTokenWeighted) {
   auto no_labels = reference_input(ref);
   no_labels.labels = at::Tensor();
   EXPECT_THROW(wrapped->forward_backward(no_labels), c10::Error);
+}
+
+// The model run on `in` layer by layer, its decoder layers' input split in
+// `chunks` chunks of rows (1: whole): the chunks' losses added, logits
+// concatenated, and the gradients of their sum.
+struct ChunkedRun {
+  at::Tensor loss, logits;
+  std::vector<at::Tensor> grads;
+};
+ChunkedRun run_in_row_chunks(const fs::path& dir, const models::CausalLMInput& in, int chunks) {
+  auto model = models::CausalLM::from_pretrained(dir.string(),
+                                                 models::CausalLMOptions().set_return_logits(true));
+  const auto seq = model.sequential();
+  const auto layers = layers_of(seq);
+  EXPECT_EQ(layers.front()->row_splitter(), nullptr) << "the input adapter does not split";
+  std::vector<torch::nn::AnyModule> modules(seq->begin(), seq->end());
+  std::vector<c10::IValue> parts{modules[0].forward<c10::IValue>(in.to_ivalue())};
+  if (chunks > 1) {
+    for (size_t l = 1; l < layers.size(); ++l)
+      EXPECT_NE(layers[l]->row_splitter(), nullptr) << "layer " << l;
+    parts = layers[1]->row_splitter()->split_input_rows(parts[0],
+                                                        chunk_sizes(in.input_ids.size(0), chunks));
+    EXPECT_EQ(parts.size(), static_cast<size_t>(chunks));
+  }
+  at::Tensor loss;
+  std::vector<at::Tensor> logits;
+  for (auto x : parts) {
+    for (size_t l = 1; l < modules.size(); ++l) x = modules[l].forward<c10::IValue>(x);
+    const auto& e = x.toTupleRef().elements();
+    loss = loss.defined() ? loss + e[0].toTensor() : e[0].toTensor();
+    logits.push_back(e[1].toTensor().detach());
+  }
+  loss.backward();
+  ChunkedRun run{loss.detach(), at::cat(logits), {}};
+  for (const auto& [name, p] : model.hf_state_dict()) run.grads.push_back(p.grad());
+  return run;
+}
+
+// Note [Tail row chunks] (layer.h): the decoder layers' and output
+// adapter's input split by rows and run chunk by chunk gives the whole
+// batch's loss (the chunks' added), logits and gradients, for plain,
+// padded (left, right), packed and sliding-window batches, with and
+// without num_items_in_batch (a chunk then divides by the microbatch's
+// count, not its own).
+TEST(CausalLMRowChunks, ChunksOfRowsGiveTheWholeBatchsResults) {
+  for (const auto& name : kCases) {
+    const auto dir = reference_root() / name;
+    const auto ref = safetensors::load_file((dir / "reference.safetensors").string());
+    auto in = reference_input(ref);
+    if (in.input_ids.size(0) == 1) {  // packed: two rows of documents
+      in.input_ids = at::cat({in.input_ids, in.input_ids.roll(1, 1)});
+      in.labels = at::cat({in.labels, in.labels});
+      in.position_ids = at::cat({in.position_ids, in.position_ids});
+    }
+    const int rows = static_cast<int>(in.input_ids.size(0));
+    for (bool counted : {false, true}) {
+      in.num_items_in_batch.reset();
+      if (counted) in.num_items_in_batch = 3.0 * models::count_loss_tokens(in.labels);
+      const auto whole = run_in_row_chunks(dir, in, 1);
+      for (int chunks : {2, rows}) {
+        SCOPED_TRACE(::testing::Message() << name << ", " << chunks << " chunks"
+                                          << (counted ? ", num_items_in_batch" : ""));
+        const auto part = run_in_row_chunks(dir, in, chunks);
+        EXPECT_TENSOR_NEAR(part.loss, whole.loss, kTol, "loss");
+        EXPECT_TENSOR_NEAR(part.logits, whole.logits, kTol, "logits");
+        for (size_t i = 0; i < whole.grads.size(); ++i)
+          EXPECT_TENSOR_NEAR(part.grads[i], whole.grads[i], kTol, "gradient " << i);
+      }
+    }
+  }
 }
 
 // An all-ones mask, and position_ids 0..T-1, are the same as none: the same

@@ -122,6 +122,46 @@ TEST(Planner, TheTailRunsAsManyLastLayersWithGradAsTheLimitHolds) {
   }
 }
 
+// Note [Tail row chunks]: where one chunk of a microbatch's rows does not
+// keep every tail layer's activations, the tail runs in the fewest chunks
+// of rows that do (and its predicted time drops by the forwards it no
+// longer recomputes); not where the tail begins before the layers that
+// split their rows.
+TEST(Planner, TheTailRunsInTheFewestRowChunksThatKeepEveryLayer) {
+  const auto layers = equal_layers(8, 10 * kMiB, 40 * kMiB);
+  PlanRequest request;
+  request.num_devices = 1;
+  request.fused = true;
+  request.layer_grain = true;
+  request.grow_tail_with_grad = true;
+  request.min_stages = 2;
+  request.memory_limit_bytes = 300 * kMiB;
+  const auto whole = plan_stages(layers, request);
+  const auto& whole_tail = whole.stages.at(whole.plan.forward.size());
+  ASSERT_LT(whole_tail.layers_with_grad, whole_tail.range.size()) << whole.describe();
+  EXPECT_EQ(whole_tail.row_chunks, 1);
+  request.tail_rows = 8;
+  request.first_row_split_layer = 0;
+  const auto chunked = plan_stages(layers, request);
+  const auto& tail = chunked.stages.at(chunked.plan.forward.size());
+  const int n = tail.range.size();
+  EXPECT_EQ(tail.layers_with_grad, n) << chunked.describe();
+  ASSERT_GT(tail.row_chunks, 1) << chunked.describe();
+  EXPECT_LE(tail.peak_bytes, request.memory_limit_bytes) << chunked.describe();
+  EXPECT_LT(chunked.iteration, whole.iteration) << "the recomputed forwards are priced";
+  // The tail holds its parameters, gradients and a second copy of them, the
+  // next stage's parameters, and every layer's activations of one chunk
+  // (of ceil(8 / chunks) rows).
+  const auto acts = [&](int chunks) { return 40 * kMiB * n * ((8 + chunks - 1) / chunks) / 8; };
+  const int64_t fixed = tail.peak_bytes - acts(tail.row_chunks);
+  EXPECT_EQ(fixed, 10 * kMiB * (3 * n + 1)) << chunked.describe();
+  EXPECT_GT(fixed + acts(tail.row_chunks - 1), request.memory_limit_bytes)
+      << "fewer chunks would have kept every layer: " << chunked.describe();
+  request.first_row_split_layer = tail.range.begin + 1;
+  const auto unsplit = plan_stages(layers, request);
+  EXPECT_EQ(unsplit.stages.at(unsplit.plan.forward.size()).row_chunks, 1) << unsplit.describe();
+}
+
 // peak_bytes (what the limit is checked against) adds the parameters of the
 // stage that arrives on the same device while a stage runs: with 2 devices,
 // the one two later in the cyclic order forward..., backward...
