@@ -12,7 +12,11 @@ Prints one line: tokens/s, the plan's predicted peak and the measured peak.
     SHAPE: 1.7B | 4B | llama3-3B;  CAP_GIB: 0 = no cap
     MASK: ones (every tokenizer's output) | padded (a quarter of each row
           left-padded) | none
+  SQUEEZE_GIB=G (environment): before the fourth step, take G GiB of the
+  card for something else (as another program would), so that the plan in
+  use runs out of memory on CUDA and the engine has to recover.
 """
+import os
 import sys
 import time
 
@@ -91,7 +95,12 @@ if mask_kind != "none":
 name = f"{shape} cap {cap_gib:g} GiB, {batch} x {seq} tokens, mask {mask_kind}"
 try:
     times = []
+    squeeze = float(os.environ.get("SQUEEZE_GIB", "0"))
     for step in range(steps):
+        if step == 3 and squeeze > 0 and cuda:
+            pipe.synchronize()  # (the pipeline idle: what it holds is the allocator's cache)
+            blocker = torch.empty(int(squeeze * 2**30), dtype=torch.uint8, device="cuda")
+            print(f"  squeezed: {squeeze:g} GiB taken before step 4", flush=True)
         start = time.perf_counter()
         loss = pipe.forward_backward(input_kwargs=inputs)
         pipe.step(lambda: (optimizer.step(), optimizer.zero_grad()))
