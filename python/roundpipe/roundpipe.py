@@ -103,6 +103,51 @@ class PackedMicrobatches(list):
     def __repr__(self):
         return f"PackedMicrobatches({len(self)} microbatches)"
 
+    # Glue code between chained RoundPipes that computes with packed outputs
+    # (``h = h + block(h)``, ``torch.cat``, ``.shape``) gets them merged as a
+    # call without merge_output=False would have returned them.
+    def merged(self):
+        """The microbatch outputs merged (tensors concatenated on dim 0,
+        0-dim tensors averaged), differentiably."""
+        return _specs.merge_tree(list(self), None)
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        def unpack(v):
+            if isinstance(v, PackedMicrobatches):
+                return v.merged()
+            if isinstance(v, (tuple, list)):
+                return type(v)(unpack(x) for x in v)
+            return v
+
+        return func(*unpack(args), **unpack(kwargs or {}))
+
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(self.merged(), name)
+
+    def __getitem__(self, index):
+        # Microbatch m (an int or slice, as a list); anything else (a
+        # tensor's indexing) applies to the merged output.
+        if isinstance(index, (int, slice)):
+            return list.__getitem__(self, index)
+        return self.merged()[index]
+
+
+def _packed_operator(name):
+    def operator(self, *others):
+        return getattr(self.merged(), name)(
+            *(o.merged() if isinstance(o, PackedMicrobatches) else o for o in others))
+
+    operator.__name__ = name
+    return operator
+
+
+for _name in ("__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__truediv__",
+              "__rtruediv__", "__matmul__", "__rmatmul__", "__pow__", "__neg__"):
+    setattr(PackedMicrobatches, _name, _packed_operator(_name))
+
 
 def _default_loss_fn(output, label):
     loss = getattr(output, "loss", None)
@@ -360,6 +405,24 @@ class RoundPipe(PassThroughToModel, nn.Module):
     def layers(self) -> list:
         """The scheduled layers: the Sequential's children, or the model."""
         return list(self._model) if isinstance(self._model, nn.Sequential) else [self._model]
+
+    @property
+    def layer_size(self) -> list:
+        """Each scheduled layer's parameter and buffer bytes, in GB (the
+        original's attribute); a tensor shared by layers counts in each."""
+        return [sum(t.numel() * t.element_size() for t in
+                    {id(t): t for t in list(layer.parameters()) + list(layer.buffers())}.values()) / 1e9
+                for layer in self.layers]
+
+    @property
+    def model_timer(self):
+        """The original's ModelTimer of this model. The engine measures and
+        smooths the layer times itself (``verbose=True`` or
+        ``ModelTimer.VERBOSE`` logs them with the plan); this object carries
+        the original's class attributes."""
+        from .timer import ModelTimer
+
+        return ModelTimer()
 
     def __getitem__(self, index):
         return self._model[index]

@@ -2,6 +2,7 @@
 experimental automatic wrapping of models without one."""
 from __future__ import annotations
 
+import dataclasses
 import threading
 import warnings
 from typing import Optional
@@ -178,19 +179,25 @@ def _param_bytes(module: nn.Module) -> int:
 
 class AutoRoundPipe(PassThroughToModel, nn.Module):
     """A model that could not become one Sequential, with its large
-    submodules each run by a RoundPipe (one layer each) while the glue code
-    of the original forward and the small modules run on the CPU.
+    submodules each run by a RoundPipe while the glue code of the original
+    forward and the small modules run on the CPU.
 
-    Experimental, as in the original: no ``forward_backward``, no pipeline
-    scheduling across the wrapped parts, and ``step`` runs synchronously
-    (masters in optim_dtype, updated after all gradients are in)."""
+    As in the original: no ``forward_backward`` (train with
+    ``loss.backward()``), no pipeline scheduling across the wrapped parts.
+    ``step`` is asynchronous like RoundPipe's: each part's RoundPipe adds
+    its gradients into its masters on its optimizer thread; once all have,
+    ``step_fn`` runs once over every master (the parts' and the glue's),
+    and each part publishes its new weights while the next iteration runs
+    on the ones before (one update old, as RoundPipe); the glue's new
+    weights are copied in at the next ``step()`` or ``synchronize()``."""
 
     def __init__(self, model: nn.Module, pipes: list, optim_dtype: Optional[torch.dtype]):
         super().__init__()
         object.__setattr__(self, "_model", model)
         object.__setattr__(self, "_pipes", pipes)
         object.__setattr__(self, "_optim_dtype", optim_dtype)
-        object.__setattr__(self, "_masters", None)
+        object.__setattr__(self, "_glue_masters", None)
+        object.__setattr__(self, "_pending", None)  # the glue's last step: (event, failure list)
         object.__setattr__(self, "_lock", threading.Lock())
 
     @property
@@ -201,41 +208,106 @@ class AutoRoundPipe(PassThroughToModel, nn.Module):
         return self._model(*args, **kwargs)
 
     def synchronize(self) -> None:
+        """Finishes every part's pending step and transfers, and copies the
+        glue's latest weights in (as RoundPipe.synchronize)."""
         for pipe in self._pipes:
             pipe.synchronize()
+        self._publish_glue()
 
-    def _trainable(self):
-        return [(n, p) for n, p in self._model.named_parameters() if p.requires_grad]
+    def _glue(self):
+        """The trainable parameters no part's RoundPipe runs: (name, param)."""
+        inside = {id(p) for pipe in self._pipes for p in pipe.original_model.parameters()}
+        return [(n, p) for n, p in self._model.named_parameters()
+                if p.requires_grad and id(p) not in inside]
+
+    def _glue_named_masters(self) -> list:
+        with self._lock:
+            if self._glue_masters is None:
+                masters = []
+                for n, p in self._glue():
+                    dtype = self._optim_dtype or p.dtype
+                    masters.append((n, p, p.detach().to(dtype, copy=True).requires_grad_(True)))
+                object.__setattr__(self, "_glue_masters", masters)
+        return list(self._glue_masters)
 
     def optim_named_parameters(self) -> list:
-        with self._lock:
-            if self._masters is None:
-                masters = []
-                for n, p in self._trainable():
-                    dtype = self._optim_dtype or p.dtype
-                    m = p.detach().to(dtype, copy=True).requires_grad_(True)
-                    masters.append((n, m))
-                object.__setattr__(self, "_masters", masters)
-        return list(self._masters)
+        """(name, master) pairs: each part's RoundPipe's masters (named from
+        the model's root), then the glue's."""
+        named = []
+        for pipe in self._pipes:
+            dot = pipe.name + "." if pipe.name else ""
+            named += [(dot + n, m) for n, m in pipe.optim_named_parameters()]
+        return named + [(n, m) for n, _, m in self._glue_named_masters()]
 
     def optim_parameters(self) -> list:
         return [m for _, m in self.optim_named_parameters()]
 
-    def step(self, step_fn, is_async: bool = True) -> None:
-        """Synchronous: gradients into the masters, step_fn(), weights back."""
-        self.synchronize()
-        named = self.optim_named_parameters()
-        params = dict(self._trainable())
+    def _publish_glue(self) -> None:
+        """Waits for the last step and copies the glue's new weights in."""
+        pending = self._pending
+        if pending is None:
+            return
+        object.__setattr__(self, "_pending", None)
+        done, failure = pending
+        done.wait()
+        if failure:
+            raise failure[0]
         with torch.no_grad():
-            for n, m in named:
-                p = params[n]
-                if p.grad is not None:
-                    g = p.grad.to(m.dtype)
-                    m.grad = g if m.grad is None else m.grad.add_(g)
-                    p.grad = None
-            in_step_function(step_fn)()
-            for n, m in named:
-                params[n].copy_(m)
+            for _, p, m in self._glue_named_masters():
+                p.copy_(m)
+
+    def step(self, step_fn, is_async: bool = True, *args, **kwargs) -> None:
+        """One optimizer step over every master. The parts' gradients go in
+        on their optimizer threads; the glue's are taken now. Async: returns
+        at once (the next iteration runs on the weights before this step);
+        sync: returns with every weight updated."""
+        import functools
+
+        if not callable(step_fn):
+            raise TypeError("step() takes a function that steps the optimizer, e.g. "
+                            "lambda: (opt.step(), opt.zero_grad())")
+        if args or kwargs:
+            step_fn = functools.partial(step_fn, *args, **kwargs)
+        self._publish_glue()
+        glue = self._glue_named_masters()
+        grads = []
+        for _, p, m in glue:
+            grads.append(p.grad)
+            p.grad = None
+        done, failure = threading.Event(), []
+
+        def update():
+            try:
+                with torch.no_grad():
+                    for (_, _, m), g in zip(glue, grads):
+                        if g is not None:
+                            g = g.to(m.dtype)
+                            m.grad = g if m.grad is None else m.grad.add_(g)
+                in_step_function(step_fn)()
+            except BaseException as e:  # noqa: BLE001 - handed to every part and to the caller
+                failure.append(e)
+                raise
+            finally:
+                done.set()
+
+        object.__setattr__(self, "_pending", (done, failure))
+        if not self._pipes:
+            update()
+            self._publish_glue()
+            return
+        # Runs `update` once every part's gradients are in its masters.
+        barrier = threading.Barrier(len(self._pipes), action=update)
+
+        def part_step():
+            try:
+                barrier.wait()
+            except threading.BrokenBarrierError:
+                raise failure[0] if failure else RuntimeError("another part's step failed")
+
+        for pipe in self._pipes:
+            pipe.step(part_step, is_async=True)
+        if not is_async:
+            self.synchronize()
 
 
 def _skipped(module, path, skip) -> bool:
@@ -264,11 +336,13 @@ def _wrap_whole(module, path, pipes, kwargs, configs):
 def _auto_wrap(module, lower, upper, skip, pipes, kwargs, configs, path=""):
     """Gives each large part of `module` a RoundPipe, first match wins:
     skipped modules stay as they are; an nn.Sequential becomes one
-    multi-layer RoundPipe; a module of at most `upper` bytes (or without
-    children to descend into) one single-layer RoundPipe; else its children
-    are visited (a ModuleList's items each become one; they are not chained
-    through unmerged microbatches as in the original, whose packed outputs
-    keep the output's structure). Parts under `lower` bytes stay on the
+    multi-layer RoundPipe; a ModuleList's items become one each, chained as
+    in the original: every item but the last returns its microbatches
+    unmerged (merge_output=False, unless override_config says otherwise),
+    which the next item takes as they are (glue code that computes with
+    them gets them merged: PackedMicrobatches); a module of at most `upper`
+    bytes (or without children to descend into) one single-layer RoundPipe;
+    else its children are visited. Parts under `lower` bytes stay on the
     CPU. `configs`: id(module) -> its RoundPipeRunConfig (override_config)."""
     size = _param_bytes(module)
     if size < lower or _skipped(module, path, skip):
@@ -276,6 +350,15 @@ def _auto_wrap(module, lower, upper, skip, pipes, kwargs, configs, path=""):
     join = lambda name: f"{path}.{name}" if path else name  # noqa: E731
     if isinstance(module, nn.Sequential):
         _wrap_whole(module, path, pipes, kwargs, configs)
+        return
+    if isinstance(module, nn.ModuleList):
+        items = [(n, c) for n, c in module.named_children() if not _skipped(c, join(n), skip)]
+        for i, (name, child) in enumerate(items):
+            chained = dict(configs)
+            if i + 1 < len(items) and id(child) not in configs:
+                base = kwargs.get("model_run_config") or RoundPipeRunConfig()
+                chained[id(child)] = dataclasses.replace(base, merge_output=False)
+            _wrap_whole(child, join(name), pipes, kwargs, chained)
         return
     children = [(n, c) for n, c in module.named_children() if _param_bytes(c) > 0]
     if size <= upper or not children:
