@@ -136,7 +136,7 @@ class _Transposed(torch.nn.Module):
 
 class _WithCount(torch.nn.Module):
     def forward(self, h):
-        return h, torch.tensor(float(h.shape[0]))
+        return h, torch.tensor(float(h.shape[0]), device=h.device)  # (a layer makes its tensors where it runs)
 
 
 def test_the_originals_split_and_merge_specs(devices):
