@@ -135,6 +135,15 @@ class PackedMicrobatches(list):
         return self.merged()[index]
 
 
+def __getattr__(name):
+    # The original defines AutoRoundPipe in this module (roundpipe.roundpipe).
+    if name == "AutoRoundPipe":
+        from .wrap import AutoRoundPipe
+
+        return AutoRoundPipe
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def _packed_operator(name):
     def operator(self, *others):
         return getattr(self.merged(), name)(
@@ -270,9 +279,25 @@ class RoundPipe(PassThroughToModel, nn.Module):
         # engine may run a microbatch's tail in chunks of rows.
         config.loss_sums_over_rows = loss_fn is None
         to_user = self._user_microbatch_output
-        loss, out = self._engine.forward_backward(
-            value, label,
-            lambda output, lbl: user_loss(to_user(output), lbl), return_outputs, config)
+        # A loss_fn may return a sequence of losses (as the original's): the
+        # backward is through their sum, and the call returns each one's
+        # sum over the microbatches.
+        parts, parts_lock = [], threading.Lock()
+
+        def microbatch_loss(output, lbl):
+            loss = user_loss(to_user(output), lbl)
+            if isinstance(loss, (list, tuple)):
+                if not loss or not all(isinstance(t, torch.Tensor) and t.numel() == 1 for t in loss):
+                    raise TypeError("loss_fn returned a sequence: it must hold single-element loss tensors")
+                values = torch.stack([t.detach().reshape(()).float() for t in loss]).cpu()
+                with parts_lock:
+                    parts.append(values)
+                return functools.reduce(lambda a, b: a + b, [t.reshape(()) for t in loss])
+            return loss
+
+        loss, out = self._engine.forward_backward(value, label, microbatch_loss, return_outputs, config)
+        if parts:
+            loss = list(torch.stack(parts).sum(0).unbind())
         if return_outputs:
             return loss, self._user_output(out, config)
         return loss

@@ -227,3 +227,37 @@ def test_the_timer_switch_logs_the_measured_layers(capfd):
     pipe.synchronize()
     err = capfd.readouterr().err
     assert "plan for" in err and "forward" in err, err
+
+
+def test_the_originals_import_paths():
+    from roundpipe.batch import RoundPipePackedData
+    from roundpipe.models import SUPPORTED_MODELS
+    from roundpipe.roundpipe import AutoRoundPipe
+    from roundpipe.timer import ModelTimer
+
+    assert AutoRoundPipe is roundpipe.AutoRoundPipe
+    assert RoundPipePackedData is roundpipe.PackedMicrobatches
+    assert set(SUPPORTED_MODELS) >= {"Qwen3ForCausalLM", "LlamaForCausalLM"}
+    assert ModelTimer.SMOOTH_RATE == 0.9
+
+
+def test_a_loss_fn_returning_a_sequence_backpropagates_their_sum_and_returns_each_sum(devices):
+    torch.manual_seed(3)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 2))
+    plain = copy.deepcopy(model)
+    pipe = RoundPipe(model, devices=devices, model_run_config=RoundPipeRunConfig(num_microbatch=2))
+    x, y = torch.randn(8, 4), torch.randn(8, 2)
+
+    def two_losses(out, label):
+        return [torch.nn.functional.mse_loss(out, label), out.abs().mean()]
+
+    losses = pipe.forward_backward(input_args=(x,), label=y, loss_fn=two_losses)
+    pipe.synchronize()
+    assert isinstance(losses, list) and len(losses) == 2
+    expected = [sum(f(plain(a), b) for a, b in zip(x.chunk(2), y.chunk(2)))
+                for f in (torch.nn.functional.mse_loss, lambda o, _: o.abs().mean())]
+    (expected[0] + expected[1]).backward()
+    for got, want in zip(losses, expected):
+        assert_close(got, want.detach(), 1e-5)
+    for p, q in zip(model.parameters(), plain.parameters()):
+        assert_close(p.grad, q.grad, 1e-5)
