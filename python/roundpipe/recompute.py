@@ -17,6 +17,15 @@ def doing_recompute() -> bool:
     return _C.doing_recompute()
 
 
+class NotInRecomputeError(RuntimeError, AssertionError):
+    """get_recompute_data() outside a recompute. A RuntimeError, and an
+    AssertionError as the original raises there."""
+
+
 def get_recompute_data() -> tuple:
-    """In a recompute: what the forward saved (a tuple), on this device."""
+    """In a recompute: what the forward saved (a tuple), on this device,
+    or None where the forward saved nothing. Elsewhere NotInRecomputeError."""
+    if not _C.doing_recompute():
+        raise NotInRecomputeError("get_recompute_data() is only valid during a recompute "
+                                  "(check doing_recompute() first)")
     return _C.get_recompute_data()

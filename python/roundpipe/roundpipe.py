@@ -246,6 +246,11 @@ class RoundPipe(PassThroughToModel, nn.Module):
         autograd: ``loss.backward()`` runs the backward stages."""
         config, value = self._engine_call(roundpipe_run_config, args, kwargs, fused=False)
         training = config.requires_grad if config.requires_grad is not None else torch.is_grad_enabled()
+        if training and not torch.is_grad_enabled():
+            raise RuntimeError(
+                f"{self.name}: requires_grad=True in the run config while autograd is off "
+                "(torch.no_grad() or inference mode): the outputs could not join a graph. Call it with "
+                "grad enabled, or leave requires_grad unset")
         if training and config.merge_output is not None and not config.pack_output:
             # A custom merge (a function or spec tree) differentiates as it
             # is: the microbatch outputs come back each connected to

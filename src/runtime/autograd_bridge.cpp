@@ -6,6 +6,7 @@
 #include <ATen/ops/empty.h>
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/autograd/engine.h>
 
 #include "runtime/ivalue_tree.h"
 
@@ -43,6 +44,13 @@ struct PipelineFunction : public torch::autograd::Function<PipelineFunction> {
     auto capsule = ctx->saved_data["call"].toCapsule();
     auto* handle = static_cast<CallHandle*>(capsule.get());
     auto& call = *handle->call;
+    // As with reentrant checkpointing: the backward stages add every
+    // trainable parameter's gradient into .grad, which a backward asked for
+    // some inputs' gradients only would not expect.
+    TORCH_CHECK(torch::autograd::Engine::get_default_engine().is_checkpoint_valid(), handle->name,
+                ": torch.autograd.grad() and backward(inputs=...) cannot run through a RoundPipe "
+                "(as with reentrant checkpointing): its backward stages accumulate the gradient of "
+                "every trainable parameter. Call .backward() on the loss.");
     TORCH_CHECK(!call.backward_done, handle->name,
                 ": backward ran twice through the same outputs; RoundPipe frees a call's saved "
                 "activations after its backward. Run forward again.");

@@ -9,11 +9,9 @@ Tolerance: fp32 on both sides, microbatch sums in another order: 1e-5
 relative on losses and gradients."""
 import pytest
 import torch
-from torch import nn
-
-from roundpipe import ModelExecutePlan, RoundPipe, RoundPipeRunConfig
-
 from conftest import assert_close
+from roundpipe import ModelExecutePlan, RoundPipe, RoundPipeRunConfig
+from torch import nn
 
 BUDGET = "sim:2,mem=600KiB"  # a single stage (parameters + gradients 544 KB + activations) does not fit
 

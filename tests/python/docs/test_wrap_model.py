@@ -1,14 +1,14 @@
-"""Automatic wrapping of a model with no preset that cannot become one
-Sequential: AutoRoundPipe matches the plain model in forward and training."""
+"""The original's wrap-model page: wrap_model_to_roundpipe on models without a
+preset (thresholds, nested Sequentials, skip_modules, override_config, the
+preset fallbacks); AutoRoundPipe on other models is in
+test_wrap_model_auto_roundpipe.py, the presets in ../test_hf_presets.py."""
 import copy
 
-import torch
-from torch import nn
-
 import roundpipe
-from roundpipe import AutoRoundPipe, RoundPipe, wrap_model_to_roundpipe
-
+import torch
 from conftest import ADAM_EPS, assert_adam_weights_close, assert_close
+from roundpipe import AutoRoundPipe, RoundPipe, wrap_model_to_roundpipe
+from torch import nn
 
 
 class Block(nn.Module):

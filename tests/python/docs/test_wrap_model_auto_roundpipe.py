@@ -10,14 +10,12 @@ weights within the Adam bound of conftest (steps * lr * GRAD_ERROR / eps)."""
 import copy
 
 import pytest
-import torch
-from torch import nn
-
 import roundpipe
+import torch
+from conftest import ADAM_EPS, assert_adam_weights_close, assert_close
 from roundpipe import AutoRoundPipe, wrap_model_to_roundpipe
 from roundpipe.roundpipe import PackedMicrobatches
-
-from conftest import ADAM_EPS, assert_adam_weights_close, assert_close
+from torch import nn
 
 
 class UNetLike(nn.Module):

@@ -1,10 +1,59 @@
-"""roundpipe.optim.Adam (the C++ kernel) against torch.optim.Adam/AdamW."""
+"""The original's optimizer page: roundpipe.optim.Adam (the C++ kernel) against
+torch.optim.Adam/AdamW with its full signature, OptimizerCtx,
+optim_parameters / optim_named_parameters."""
 import copy
+import warnings
 
 import pytest
-import torch
-
 import roundpipe
+import torch
+from conftest import make_model
+from roundpipe import (
+    OptimizerCtx,
+    RoundPipe,
+)
+
+
+def test_optimizer_ctx_gives_masters():
+    model = make_model(dtype=torch.bfloat16)
+    pipe = RoundPipe(model, optim_dtype=torch.float32)
+    assert all(p.dtype == torch.bfloat16 for p in pipe.parameters())
+    with OptimizerCtx():
+        params = list(pipe.parameters())
+        opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    assert all(p.dtype == torch.float32 for p in params)
+    assert [id(p) for p in params] == [id(p) for p in pipe.optim_parameters()]
+    assert len(opt.param_groups[0]["params"]) == len(params)
+
+
+def test_optim_named_parameters_takes_prefix_and_remove_duplicate():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 4))
+    model[2].weight = model[0].weight  # tied: one master
+    pipe = RoundPipe(model, devices="sim:1")
+    plain = pipe.optim_named_parameters()
+    assert [n for n, _ in plain] == ["0.weight", "0.bias", "2.bias"]
+    assert [n for n, _ in pipe.optim_named_parameters(prefix="net")] == [
+        "net.0.weight", "net.0.bias", "net.2.bias"]
+    every = dict(pipe.optim_named_parameters(remove_duplicate=False))
+    assert sorted(every) == ["0.bias", "0.weight", "2.bias", "2.weight"]
+    assert every["2.weight"] is every["0.weight"]
+
+
+def test_adam_takes_the_original_signature():
+    params = [torch.nn.Parameter(torch.randn(3))]
+    with pytest.warns(UserWarning, match="foreach and fused are ignored"):
+        roundpipe.optim.Adam(params, foreach=True, fused=True)
+    with pytest.raises(AssertionError, match="capturable"):
+        roundpipe.optim.Adam(params, capturable=True)
+    with pytest.raises(AssertionError, match="differentiable"):
+        roundpipe.optim.Adam(params, differentiable=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt = roundpipe.optim.Adam(params, lr=torch.tensor([0.1]), betas=(torch.tensor([0.8]), 0.9))
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.1)
+    assert opt.param_groups[0]["betas"][0] == pytest.approx(0.8)
+    roundpipe.optim.AdamW(params, foreach=None, fused=None)
+
 
 CONFIGS = [
     dict(),

@@ -1,95 +1,97 @@
-"""Pytrees through layers, the microbatch split/merge rules, custom split and
-merge functions, and packed outputs feeding a next RoundPipe."""
-import collections
-import dataclasses
+"""The original's custom-microbatch-split page: the automatic split (uneven,
+replicated leaves), split_input / split_label / merge_output as functions
+and as torch.distributed.pipelining specs, packed outputs feeding a next
+RoundPipe, and errors."""
+import copy
 
 import pytest
 import torch
+from conftest import assert_close, mse
+from roundpipe import PackedMicrobatches, RoundPipe, RoundPipeRunConfig
 from torch import nn
 
-from roundpipe import PackedMicrobatches, RoundPipe, RoundPipeRunConfig
 
-from conftest import assert_close
-
-Pair = collections.namedtuple("Pair", ["hidden", "tag"])
-
-
-@dataclasses.dataclass
-class Note:
-    text: str
+class _Transposed(torch.nn.Module):
+    def forward(self, x, scale=1.0):
+        return x.t() * scale
 
 
-class ToDict(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.lin = nn.Linear(4, 4)
-
-    def forward(self, x, mask=None, note=None):
-        return {"h": self.lin(x), "mask": mask, "note": note, "n": 3, "scale": 0.5}
+class _WithCount(torch.nn.Module):
+    def forward(self, h):
+        return h, torch.tensor(float(h.shape[0]), device=h.device)  # (a layer makes its tensors where it runs)
 
 
-class FromDict(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.lin = nn.Linear(4, 4)
+def test_the_originals_split_and_merge_specs(devices):
+    from torch.distributed.pipelining.microbatch import TensorChunkSpec, _CustomReducer, _Replicate
 
-    def forward(self, d):
-        assert isinstance(d["note"], Note) and d["n"] == 3
-        h = self.lin(d["h"]) * d["scale"]
-        if d["mask"] is not None:
-            h = h * d["mask"]
-        return Pair(h, d["note"].text)
-
-
-class FromPair(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.lin = nn.Linear(4, 2)
-
-    def forward(self, p):
-        assert isinstance(p, Pair), type(p)
-        return collections.OrderedDict(out=self.lin(p.hidden), tag=p.tag, mean=self.lin(p.hidden).mean())
-
-
-def test_pytrees_pass_between_layers(devices):
-    model = nn.Sequential(ToDict(), FromDict(), FromPair())
-    pipe = RoundPipe(model, devices=devices, model_run_config=RoundPipeRunConfig(num_microbatch=3))
-    x, mask = torch.randn(7, 4), (torch.rand(7, 1) > 0.3).float()
-    with torch.no_grad():
-        out = pipe(x, mask=mask, note=Note("hi"))
-        ref = model[2](model[1](model[0](x, mask=mask, note=Note("hi"))))
-    assert isinstance(out, collections.OrderedDict)
-    assert out["tag"] == "hi"
-    assert_close(out["out"], ref["out"])
-    # 0-dim outputs are averaged over the microbatches (sizes 3, 2, 2).
-    chunks = [ref["out"][:3], ref["out"][3:5], ref["out"][5:]]
-    assert_close(out["mean"], torch.stack([c.mean() for c in chunks]).mean())
-
-
-def test_hf_output_dataclasses_are_pytrees(devices):
-    from transformers.modeling_outputs import CausalLMOutputWithPast
-
-    class Out(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.lin = nn.Linear(4, 5)
-
-        def forward(self, x):
-            logits = self.lin(x)
-            return CausalLMOutputWithPast(loss=logits.pow(2).mean(), logits=logits)
-
-    model = nn.Sequential(Out())
+    torch.manual_seed(1)
+    lin = torch.nn.Linear(4, 3)
+    model = torch.nn.Sequential(_Transposed(), lin, _WithCount())
+    plain = copy.deepcopy(lin)
+    x = torch.randn(4, 6)  # the batch is dim 1
+    expected = plain(x.t() * 0.5)
+    config = RoundPipeRunConfig(
+        num_microbatch=2,
+        split_input=((TensorChunkSpec(1),), {"scale": _Replicate}),
+        merge_output=(TensorChunkSpec(0), _CustomReducer(torch.tensor(0.0), lambda a, b: a + b)))
     pipe = RoundPipe(model, devices=devices)
-    x = torch.randn(6, 4)
-    out = pipe(x)
-    assert isinstance(out, CausalLMOutputWithPast)
-    assert out.logits.shape == (6, 5)
-    out.loss.backward()  # the merged loss is connected to autograd
+    with torch.no_grad():
+        out, count = pipe(x, scale=0.5, roundpipe_run_config=config)
+    assert_close(out, expected)
+    assert count.item() == 6.0  # summed, not averaged
+
+    # The original's split_input function format: (args_list, kwargs_list).
+    def split(args, kwargs, n):
+        parts = torch.tensor_split(args[0], n, 1)
+        return [(p,) for p in parts], [dict(kwargs) for _ in parts]
+
+    with torch.no_grad():
+        out, _ = pipe(x, scale=0.5, roundpipe_run_config=RoundPipeRunConfig(
+            num_microbatch=3, split_input=split, merge_output=(TensorChunkSpec(0), _Replicate)))
+    assert_close(out, expected)
+
+    # split_label as a spec tree: the target split, the weight replicated.
+    seq = torch.nn.Sequential(torch.nn.Linear(4, 3))
+    plain_seq = copy.deepcopy(seq)
+    pipe2 = RoundPipe(seq, devices=devices)
+    xs, ys = torch.randn(6, 4), torch.randn(6, 3)
+    loss = pipe2.forward_backward(
+        input_args=(xs,), label=(ys, 2.0), loss_fn=lambda o, lbl: mse(o, lbl[0]) * lbl[1],
+        run_config=RoundPipeRunConfig(num_microbatch=2, split_label=(TensorChunkSpec(0), _Replicate)))
+    pipe2.synchronize()
+    expected_loss = sum(mse(plain_seq(a), b) * 2.0 for a, b in zip(xs.chunk(2), ys.chunk(2)))
+    expected_loss.backward()
+    assert_close(loss, expected_loss)
+    for p, q in zip(seq.parameters(), plain_seq.parameters()):
+        assert_close(p.grad, q.grad)
+    with pytest.raises(TypeError, match="split_label"):
+        RoundPipeRunConfig(split_label=3)
+
+
+def test_a_custom_merge_is_differentiated_through(devices):
+    from torch.distributed.pipelining.microbatch import TensorChunkSpec
+
+    torch.manual_seed(2)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 3))
+    plain = copy.deepcopy(model)
+    pipe = RoundPipe(model, devices=devices)
+    x = torch.randn(6, 4, requires_grad=True)
+    xp = x.detach().clone().requires_grad_(True)
+    for merge, plain_merge in [
+            (lambda outs: torch.cat(outs) * 2.0, lambda outs: torch.cat(outs) * 2.0),
+            (TensorChunkSpec(0), None)]:
+        config = RoundPipeRunConfig(num_microbatch=2, merge_output=merge)
+        out = pipe(x, roundpipe_run_config=config)
+        out = out[0] if isinstance(out, tuple) else out
+        out.square().sum().backward()
+        parts = [plain(p) for p in xp.chunk(2)]
+        ref = plain_merge(parts) if plain_merge else torch.cat(parts)
+        ref.square().sum().backward()
+        assert_close(out, ref)
     pipe.synchronize()
-    assert model[0].lin.weight.grad is not None
-    # forward_backward's default loss_fn takes output.loss
-    loss = pipe.forward_backward(input_args=(x,))
-    assert loss.dim() == 0
+    assert_close(x.grad, xp.grad)
+    for p, q in zip(model.parameters(), plain.parameters()):
+        assert_close(p.grad, q.grad)
 
 
 def test_uneven_split_and_replication(devices):
@@ -109,21 +111,6 @@ def test_uneven_split_and_replication(devices):
         out = pipe(torch.arange(8.0).view(8, 1), torch.zeros(5), 7)
     assert sorted(seen) == sorted([(3, 5, 7), (3, 5, 7), (2, 5, 7)])  # earlier chunks larger; others replicated
     assert_close(out, torch.arange(8.0).view(8, 1))
-
-
-def test_non_tensor_outputs_must_agree(devices):
-    class Differ(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.lin = nn.Linear(1, 1)
-
-        def forward(self, x):
-            return self.lin(x), int(x[0, 0].item())
-
-    pipe = RoundPipe(Differ(), devices=devices)
-    with pytest.raises(RuntimeError, match="differs between microbatches"):
-        with torch.no_grad():
-            pipe(torch.arange(6.0).view(6, 1))
 
 
 def test_batch_smaller_than_microbatches_is_a_clear_error(devices):

@@ -1,15 +1,46 @@
-"""A Python nn.Sequential trained through RoundPipe matches plain PyTorch."""
+"""The original's training-loop page (RoundPipe's forward, forward +
+.backward(), forward_backward, step sync and async, synchronize, gradient
+accumulation, mixed-precision masters, chained RoundPipes), against plain
+PyTorch."""
 import copy
 
 import pytest
-import torch
-
 import roundpipe
+import torch
+from conftest import ADAM_EPS, assert_adam_weights_close, assert_close, make_model, mse
 from roundpipe import ModelExecutePlan, RoundPipe, RoundPipeRunConfig
 
-from conftest import ADAM_EPS, assert_adam_weights_close, assert_close, make_model, mse
+
+def test_step_passes_extra_arguments_to_the_step_function(devices):
+    pipe = RoundPipe(make_model(), devices=devices)
+    seen = []
+    x, y = torch.randn(6, 4), torch.randn(6, 3)
+    pipe.forward_backward(input_args=(x,), label=y, loss_fn=mse)
+    pipe.step(lambda a, b=0: seen.append((a, b)), False, 3, b=4)
+    pipe.synchronize()
+    assert seen == [(3, 4)]
 
 
+def test_a_loss_fn_returning_a_sequence_backpropagates_their_sum_and_returns_each_sum(devices):
+    torch.manual_seed(3)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 2))
+    plain = copy.deepcopy(model)
+    pipe = RoundPipe(model, devices=devices, model_run_config=RoundPipeRunConfig(num_microbatch=2))
+    x, y = torch.randn(8, 4), torch.randn(8, 2)
+
+    def two_losses(out, label):
+        return [torch.nn.functional.mse_loss(out, label), out.abs().mean()]
+
+    losses = pipe.forward_backward(input_args=(x,), label=y, loss_fn=two_losses)
+    pipe.synchronize()
+    assert isinstance(losses, list) and len(losses) == 2
+    expected = [sum(f(plain(a), b) for a, b in zip(x.chunk(2), y.chunk(2)))
+                for f in (torch.nn.functional.mse_loss, lambda o, _: o.abs().mean())]
+    (expected[0] + expected[1]).backward()
+    for got, want in zip(losses, expected):
+        assert_close(got, want.detach(), 1e-5)
+    for p, q in zip(model.parameters(), plain.parameters()):
+        assert_close(p.grad, q.grad, 1e-5)
 def batch(n=6):
     return torch.randn(n, 4), torch.randn(n, 3)
 
@@ -220,3 +251,36 @@ def test_chained_roundpipes_train_like_the_whole_model(devices):
     for ours, plain in [(encoder, plain_encoder), (decoder, plain_decoder)]:
         for p, q in zip(ours.parameters(), plain.parameters()):
             assert_close(p.grad, q.grad)
+
+
+def test_what_the_call_semantics_refuse(devices):
+    """forward with requires_grad=True while autograd is off is a
+    RuntimeError; forward_backward's loss is a detached CPU tensor and its
+    outputs carry no grad."""
+    pipe = RoundPipe(make_model(), devices=devices)
+    x, y = torch.randn(6, 4), torch.randn(6, 3)
+    with torch.no_grad(), pytest.raises(RuntimeError, match="autograd is off"):
+        pipe(x, roundpipe_run_config=RoundPipeRunConfig(requires_grad=True))
+    loss, out = pipe.forward_backward(input_args=(x,), label=y, loss_fn=mse, return_outputs=True)
+    assert loss.device.type == "cpu" and not loss.requires_grad
+    assert not out.requires_grad
+    pipe.synchronize()
+
+
+def test_autograd_grad_and_backward_inputs_are_refused_as_with_reentrant_checkpointing(devices):
+    """The backward stages accumulate every parameter's gradient, which
+    torch.autograd.grad() and backward(inputs=...) would not expect: both
+    raise RuntimeError (as the original's), and a plain .backward() after
+    them still works."""
+    model = make_model()
+    pipe = RoundPipe(model, devices=devices)
+    x = torch.randn(6, 4, requires_grad=True)
+    with pytest.raises(RuntimeError, match="autograd.grad"):
+        torch.autograd.grad(pipe(x).sum(), x)
+    with pytest.raises(RuntimeError, match="autograd.grad"):
+        pipe(x).sum().backward(inputs=[x])
+    pipe.synchronize()
+    assert all(p.grad is None for p in model.parameters())
+    pipe(x).sum().backward()
+    pipe.synchronize()
+    assert all(p.grad is not None for p in model.parameters())
