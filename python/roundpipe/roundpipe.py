@@ -4,6 +4,7 @@ from __future__ import annotations
 import functools
 import threading
 import types
+import warnings
 import weakref
 from typing import Any, Callable, Optional
 
@@ -156,6 +157,14 @@ def _packed_operator(name):
 for _name in ("__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__truediv__",
               "__rtruediv__", "__matmul__", "__rmatmul__", "__pow__", "__neg__"):
     setattr(PackedMicrobatches, _name, _packed_operator(_name))
+
+
+def _warn_model_parameters():
+    # As the original's: an optimizer built on these would step the model's
+    # own tensors, which RoundPipe overwrites with its masters' values.
+    warnings.warn("RoundPipe.parameters() outside OptimizerCtx gives the model's parameters; an "
+                  "optimizer must take optim_parameters() (or be built inside `with OptimizerCtx():`)",
+                  UserWarning, stacklevel=3)
 
 
 def _default_loss_fn(output, label):
@@ -359,11 +368,13 @@ class RoundPipe(PassThroughToModel, nn.Module):
     def parameters(self, recurse: bool = True):
         if _in_optimizer_ctx():
             return iter(self.optim_parameters())
+        _warn_model_parameters()
         return self._model.parameters(recurse)
 
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
         if _in_optimizer_ctx():
             return iter([(prefix + ("." if prefix else "") + n, p) for n, p in self.optim_named_parameters()])
+        _warn_model_parameters()
         return self._model.named_parameters(prefix, recurse, remove_duplicate)
 
     def buffers(self, recurse: bool = True):

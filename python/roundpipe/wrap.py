@@ -87,6 +87,7 @@ class CausalLMRoundPipe(RoundPipe):
         labels = kwargs.get("labels")
         if not isinstance(labels, torch.Tensor):
             return {}
+        labels = _loss_labels(labels, kwargs.get("shift_labels"), kwargs.get("ignore_index", -100))
         items = kwargs.get("num_items_in_batch")
         if items is None:
             if labels.dim() != 2:
@@ -125,13 +126,15 @@ class CausalLMRoundPipe(RoundPipe):
         if kwargs.pop("use_cache", None) or kwargs.pop("past_key_values", None) is not None:
             warnings.warn("the preset keeps no KV cache: use_cache and past_key_values are ignored",
                           UserWarning, stacklevel=3)
+        labels = _loss_labels(labels, kwargs.pop("shift_labels", None), kwargs.pop("ignore_index", -100))
         kwargs.pop("cache_position", None)  # positions come from position_ids (default: 0..T-1)
         kwargs.pop("return_dict", None)  # the output is always a CausalLMOutputWithPast
         unknown = [k for k, v in kwargs.items() if not (v is None or v is False or (type(v) is int and v == 0))]
         if unknown:
             raise TypeError(f"the causal LM preset does not take {unknown}; it takes input_ids or inputs_embeds, "
                             "attention_mask, labels, position_ids, return_logits, num_items_in_batch, "
-                            "logits_to_keep (and ignores use_cache, past_key_values, cache_position)")
+                            "ignore_index, shift_labels, logits_to_keep (and ignores use_cache, "
+                            "past_key_values, cache_position)")
         # An all-ones mask masks nothing: leave it out here, on the CPU, so the
         # devices never look at it (with position_ids it stays: transformers
         # then does not split packed documents, and neither do we).
@@ -151,6 +154,27 @@ class CausalLMRoundPipe(RoundPipe):
         if isinstance(output, torch.Tensor) and output.dim() == 0:
             return CausalLMOutputWithPast(loss=output)
         return CausalLMOutputWithPast(logits=output)
+
+
+def _loss_labels(labels, shift_labels, ignore_index):
+    """transformers' loss keywords as the preset's labels (which it shifts
+    left by one, -100 ignored): `ignore_index` values become -100, and
+    `shift_labels` (already shifted: position t's target) moves one right.
+    Since the preset never gives the last position a target, shift_labels
+    must leave it ignored."""
+    if not isinstance(ignore_index, int):
+        raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
+    if shift_labels is not None and labels is not None:
+        if not isinstance(shift_labels, torch.Tensor) or shift_labels.dim() != 2:
+            raise TypeError("shift_labels must be a [batch, sequence] tensor of token ids")
+        if bool((shift_labels[:, -1] != ignore_index).any()):
+            raise ValueError("shift_labels gives the last position a target, which the preset's loss "
+                             "never has (it predicts position t + 1 from t within the sequence): set "
+                             f"shift_labels[:, -1] = {ignore_index}, or pass unshifted labels")
+        labels = torch.cat([torch.full_like(shift_labels[:, :1], ignore_index), shift_labels[:, :-1]], 1)
+    if labels is not None and ignore_index != -100:
+        labels = labels.masked_fill(labels == ignore_index, -100)
+    return labels
 
 
 def _keep_logits(out, logits_to_keep):

@@ -289,6 +289,28 @@ def test_num_items_in_batch_is_taken_as_given():
     assert_close(loss, expected, TOL)
 
 
+def test_the_loss_keywords_ignore_index_and_shift_labels_are_transformers():
+    """The original passes transformers' loss keywords through: a custom
+    ignore_index, and pre-shifted labels (shift_labels, their last position
+    ignored), give transformers' loss and gradients; a last position with a
+    target is refused with the fix."""
+    inputs = masked_batch("right")
+    labels = inputs["labels"].masked_fill(inputs["labels"] == -100, -1)
+    shifted = torch.cat([inputs["labels"][:, 1:], torch.full_like(labels[:, :1], -100)], 1)
+    for extra in (dict(labels=labels, ignore_index=-1), dict(shift_labels=shifted)):
+        hf = tiny_qwen3()
+        oracle = copy.deepcopy(hf)
+        pipe = wrap_model_to_roundpipe(hf, devices="sim:2", model_run_config=RoundPipeRunConfig(num_microbatch=2))
+        loss = pipe.forward_backward(input_kwargs=dict(inputs, **extra))
+        pipe.synchronize()
+        expected = oracle(**dict(inputs, **extra)).loss
+        expected.backward()
+        assert_close(loss, expected.detach(), TOL)
+        grads_close(hf, oracle)
+    with pytest.raises(ValueError, match="last position"):
+        pipe.forward_backward(input_kwargs=dict(inputs, shift_labels=inputs["labels"]))
+
+
 def test_a_short_budget_runs_the_tail_in_chunks_of_rows_with_transformers_results():
     """Where a simulated card holds only some of the tail's activations, the
     default loss (the model's, which adds up over rows) lets the engine run

@@ -17,10 +17,15 @@ from roundpipe import (
 def test_optimizer_ctx_gives_masters():
     model = make_model(dtype=torch.bfloat16)
     pipe = RoundPipe(model, optim_dtype=torch.float32)
-    assert all(p.dtype == torch.bfloat16 for p in pipe.parameters())
-    with OptimizerCtx():
-        params = list(pipe.parameters())
-        opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    # Outside the context: the model's parameters, with the original's
+    # warning that an optimizer must not take them.
+    with pytest.warns(UserWarning, match="OptimizerCtx"):
+        assert all(p.dtype == torch.bfloat16 for p in pipe.parameters())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with OptimizerCtx():
+            params = list(pipe.parameters())
+            opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
     assert all(p.dtype == torch.float32 for p in params)
     assert [id(p) for p in params] == [id(p) for p in pipe.optim_parameters()]
     assert len(opt.param_groups[0]["params"]) == len(params)
