@@ -159,6 +159,21 @@ for _name in ("__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__
     setattr(PackedMicrobatches, _name, _packed_operator(_name))
 
 
+def _call_site() -> str:
+    """The original's default name: file:line of the code that made the
+    RoundPipe (the first frame outside this package)."""
+    import os
+    import sys
+
+    package = os.path.dirname(os.path.abspath(__file__))
+    frame = sys._getframe(1)
+    while frame is not None and os.path.dirname(os.path.abspath(frame.f_code.co_filename)) == package:
+        frame = frame.f_back
+    if frame is None:
+        return "RoundPipe"
+    return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
+
+
 def _warn_model_parameters():
     # As the original's: an optimizer built on these would step the model's
     # own tensors, which RoundPipe overwrites with its masters' values.
@@ -241,7 +256,7 @@ class RoundPipe(PassThroughToModel, nn.Module):
         object.__setattr__(self, "_model_run_config", model_run_config)
         object.__setattr__(self, "_optim_dtype", optim_dtype)
         object.__setattr__(self, "_engine", _C.Engine(
-            _layers, optim_dtype, name or "RoundPipe", pin_model, devices or "",
+            _layers, optim_dtype, name or _call_site(), pin_model, devices or "",
             model_memory_limit, bool(verbose or ModelTimer.VERBOSE)))
         object.__setattr__(self, "_names", self._original_names())
         object.__setattr__(self, "training", model.training)

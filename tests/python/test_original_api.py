@@ -51,3 +51,9 @@ def test_the_originals_import_paths():
     assert ModelTimer.SMOOTH_RATE == 0.9
 
 
+
+
+def test_the_default_name_is_the_call_site():
+    pipe = RoundPipe(torch.nn.Sequential(torch.nn.Linear(2, 2)), devices="sim:1")
+    assert pipe.name.startswith("test_original_api.py:"), pipe.name
+    assert RoundPipe(torch.nn.Sequential(torch.nn.Linear(2, 2)), name="mine").name == "mine"
