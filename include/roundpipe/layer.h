@@ -54,6 +54,9 @@ class SplitsInputRows {
   // empty where this input cannot be split so.
   virtual std::vector<c10::IValue> split_input_rows(const c10::IValue& input,
                                                     const std::vector<int64_t>& rows) const = 0;
+  // Whether this module may be run in row chunks now (false, e.g., while
+  // it draws random numbers).
+  virtual bool splits_rows() const { return true; }
 };
 
 // An instance that is a copy of the layer's module(s): binding replaces the

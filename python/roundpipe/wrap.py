@@ -328,8 +328,17 @@ class AutoRoundPipe(PassThroughToModel, nn.Module):
             except threading.BrokenBarrierError:
                 raise failure[0] if failure else RuntimeError("another part's step failed")
 
-        for pipe in self._pipes:
-            pipe.step(part_step, is_async=True)
+        try:
+            for pipe in self._pipes:
+                pipe.step(part_step, is_async=True)
+        except BaseException as e:
+            # A part refused the step (an earlier call of it failed): the
+            # parts already queued must not wait for it.
+            failure.append(e)
+            barrier.abort()
+            done.set()
+            object.__setattr__(self, "_pending", None)
+            raise
         if not is_async:
             self.synchronize()
 

@@ -34,16 +34,40 @@ namespace {
 // Weights are allocated uninitialised: a new model is initialised by
 // CausalLM's constructor (as transformers does), a loaded one overwritten,
 // and a RoundPipe instance rebound to device copies.
+// One factor of a LoRA adapter: a bare weight ("lora_A.weight").
+struct LoraFactorImpl : torch::nn::Cloneable<LoraFactorImpl> {
+  int64_t rows, cols;
+  at::Tensor weight;
+  LoraFactorImpl(int64_t r, int64_t c) : rows(r), cols(c) { reset(); }
+  void reset() override { weight = register_parameter("weight", at::empty({rows, cols})); }
+};
+TORCH_MODULE(LoraFactor);
+
+// A projection, with a LoRA adapter where `lora.rank` > 0 (LoraOptions).
 struct LinearImpl : torch::nn::Cloneable<LinearImpl> {
   int64_t in, out;
   bool has_bias;
+  LoraOptions lora;
   at::Tensor weight, bias;
-  LinearImpl(int64_t i, int64_t o, bool b) : in(i), out(o), has_bias(b) { reset(); }
+  LoraFactor lora_A{nullptr}, lora_B{nullptr};
+  LinearImpl(int64_t i, int64_t o, bool b, LoraOptions l = {})
+      : in(i), out(o), has_bias(b), lora(std::move(l)) {
+    reset();
+  }
   void reset() override {
     weight = register_parameter("weight", at::empty({out, in}));
     if (has_bias) bias = register_parameter("bias", at::empty({out}));
+    if (lora.rank > 0) {
+      lora_A = register_module("lora_A", LoraFactor(lora.rank, in));
+      lora_B = register_module("lora_B", LoraFactor(out, lora.rank));
+    }
   }
-  at::Tensor forward(const at::Tensor& x) { return at::linear(x, weight, bias); }
+  at::Tensor forward(const at::Tensor& x) {
+    auto y = at::linear(x, weight, bias);
+    if (lora.rank == 0) return y;
+    const auto h = lora.dropout > 0 ? at::dropout(x, lora.dropout, is_training()) : x;
+    return y + at::linear(at::linear(h, lora_A->weight), lora_B->weight) * lora.scaling();
+  }
 };
 TORCH_MODULE(Linear);
 
@@ -215,8 +239,9 @@ struct InputAdapterImpl : torch::nn::Cloneable<InputAdapterImpl> {
 };
 TORCH_MODULE(InputAdapter);
 
-Linear make_linear(int64_t in, int64_t out, bool bias) {
-  return Linear(in, out, bias);
+Linear make_linear(int64_t in, int64_t out, bool bias, const LoraOptions& lora = {},
+                   const std::string& projection = "") {
+  return Linear(in, out, bias, lora.targets_projection(projection) ? lora : LoraOptions{});
 }
 
 // Submodule and parameter names follow transformers', so that the state dict
@@ -226,17 +251,25 @@ struct AttentionImpl : torch::nn::Cloneable<AttentionImpl> {
   int64_t window;  // sliding window; 0: full causal attention
   Linear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, o_proj{nullptr};
   RMSNorm q_norm{nullptr}, k_norm{nullptr};
-  AttentionImpl(CausalLMConfig c, int64_t w) : config(std::move(c)), window(w) { reset(); }
+  LoraOptions lora;
+  AttentionImpl(CausalLMConfig c, int64_t w, LoraOptions l)
+      : config(std::move(c)), window(w), lora(std::move(l)) {
+    reset();
+  }
   void reset() override {
     const auto& c = config;
-    q_proj = register_module(
-        "q_proj", make_linear(c.hidden_size, c.num_attention_heads * c.head_dim, c.attention_bias));
-    k_proj = register_module(
-        "k_proj", make_linear(c.hidden_size, c.num_key_value_heads * c.head_dim, c.attention_bias));
-    v_proj = register_module(
-        "v_proj", make_linear(c.hidden_size, c.num_key_value_heads * c.head_dim, c.attention_bias));
-    o_proj = register_module(
-        "o_proj", make_linear(c.num_attention_heads * c.head_dim, c.hidden_size, c.attention_bias));
+    q_proj =
+        register_module("q_proj", make_linear(c.hidden_size, c.num_attention_heads * c.head_dim,
+                                              c.attention_bias, lora, "q_proj"));
+    k_proj =
+        register_module("k_proj", make_linear(c.hidden_size, c.num_key_value_heads * c.head_dim,
+                                              c.attention_bias, lora, "k_proj"));
+    v_proj =
+        register_module("v_proj", make_linear(c.hidden_size, c.num_key_value_heads * c.head_dim,
+                                              c.attention_bias, lora, "v_proj"));
+    o_proj =
+        register_module("o_proj", make_linear(c.num_attention_heads * c.head_dim, c.hidden_size,
+                                              c.attention_bias, lora, "o_proj"));
     if (c.qk_norm) {
       q_norm = register_module("q_norm", RMSNorm(c.head_dim, c.rms_norm_eps));
       k_norm = register_module("k_norm", RMSNorm(c.head_dim, c.rms_norm_eps));
@@ -338,15 +371,16 @@ struct MLPImpl : torch::nn::Cloneable<MLPImpl> {
   CausalLMConfig config;
   Linear gate_proj{nullptr}, up_proj{nullptr}, down_proj{nullptr};
   int64_t chunk_tokens = 0;  // > 0: longer inputs go by TokenChunkedMLP
-  explicit MLPImpl(CausalLMConfig c) : config(std::move(c)) { reset(); }
+  LoraOptions lora;
+  MLPImpl(CausalLMConfig c, LoraOptions l) : config(std::move(c)), lora(std::move(l)) { reset(); }
   void reset() override {
     const auto& c = config;
-    gate_proj =
-        register_module("gate_proj", make_linear(c.hidden_size, c.intermediate_size, c.mlp_bias));
-    up_proj =
-        register_module("up_proj", make_linear(c.hidden_size, c.intermediate_size, c.mlp_bias));
-    down_proj =
-        register_module("down_proj", make_linear(c.intermediate_size, c.hidden_size, c.mlp_bias));
+    gate_proj = register_module("gate_proj", make_linear(c.hidden_size, c.intermediate_size,
+                                                         c.mlp_bias, lora, "gate_proj"));
+    up_proj = register_module(
+        "up_proj", make_linear(c.hidden_size, c.intermediate_size, c.mlp_bias, lora, "up_proj"));
+    down_proj = register_module("down_proj", make_linear(c.intermediate_size, c.hidden_size,
+                                                         c.mlp_bias, lora, "down_proj"));
   }
   at::Tensor forward(const at::Tensor& x) {
     // With or without grad: without, the function keeps nothing and its
@@ -441,14 +475,20 @@ struct DecoderLayerImpl : torch::nn::Cloneable<DecoderLayerImpl>, SplitsInputRow
   Attention self_attn{nullptr};
   MLP mlp{nullptr};
   RMSNorm input_layernorm{nullptr}, post_attention_layernorm{nullptr};
-  DecoderLayerImpl(CausalLMConfig c, int64_t mlp_chunk, int64_t layer)
-      : config(std::move(c)), mlp_chunk_tokens(mlp_chunk), index(layer) {
+  LoraOptions lora;
+  DecoderLayerImpl(CausalLMConfig c, int64_t mlp_chunk, int64_t layer, LoraOptions l)
+      : config(std::move(c)), mlp_chunk_tokens(mlp_chunk), index(layer), lora(std::move(l)) {
     reset();
   }
   void reset() override {
-    self_attn = register_module("self_attn", Attention(config, config.attention_window(index)));
-    mlp = register_module("mlp", MLP(config));
-    mlp->chunk_tokens = mlp_chunk_tokens;
+    self_attn =
+        register_module("self_attn", Attention(config, config.attention_window(index), lora));
+    mlp = register_module("mlp", MLP(config, lora));
+    // (The token-chunked MLP takes the base weights only.)
+    const bool mlp_lora = lora.rank > 0 && (lora.targets_projection("gate_proj") ||
+                                            lora.targets_projection("up_proj") ||
+                                            lora.targets_projection("down_proj"));
+    mlp->chunk_tokens = mlp_lora ? 0 : mlp_chunk_tokens;
     input_layernorm =
         register_module("input_layernorm", RMSNorm(config.hidden_size, config.rms_norm_eps));
     post_attention_layernorm = register_module("post_attention_layernorm",
@@ -466,13 +506,16 @@ struct DecoderLayerImpl : torch::nn::Cloneable<DecoderLayerImpl>, SplitsInputRow
   }
   std::shared_ptr<torch::nn::Module> clone(
       const std::optional<c10::Device>& device = std::nullopt) const override {
-    return copy_module(
-        *this, [&] { return std::make_shared<DecoderLayerImpl>(config, mlp_chunk_tokens, index); });
+    return copy_module(*this, [&] {
+      return std::make_shared<DecoderLayerImpl>(config, mlp_chunk_tokens, index, lora);
+    });
   }
   std::vector<c10::IValue> split_input_rows(const c10::IValue& input,
                                             const std::vector<int64_t>& rows) const override {
     return split_decoder_input_rows(input, rows);
   }
+  // LoRA dropout draws random numbers: a row chunk would draw others.
+  bool splits_rows() const override { return lora.rank == 0 || lora.dropout == 0; }
 };
 TORCH_MODULE(DecoderLayer);
 
@@ -597,6 +640,22 @@ c10::IValue CausalLMInput::to_ivalue() const {
   return c10::ivalue::Tuple::create(std::move(elements));
 }
 
+double LoraOptions::scaling() const {
+  return use_rslora ? alpha / std::sqrt(static_cast<double>(rank)) : alpha / rank;
+}
+
+bool LoraOptions::targets_projection(const std::string& projection) const {
+  if (rank <= 0 || projection.empty()) return false;
+  if (targets.empty()) return true;
+  return std::find(targets.begin(), targets.end(), projection) != targets.end() ||
+         std::find(targets.begin(), targets.end(), "all-linear") != targets.end();
+}
+
+bool CausalLM::is_lora_name(const std::string& hf_name) {
+  return hf_name.find(".lora_A.") != std::string::npos ||
+         hf_name.find(".lora_B.") != std::string::npos;
+}
+
 int64_t count_loss_tokens(const at::Tensor& labels) {
   TORCH_CHECK(labels.dim() == 2, "labels must be [batch, sequence], got ", labels.sizes());
   return labels.narrow(1, 1, labels.size(1) - 1).ne(-100).sum().item<int64_t>();
@@ -607,14 +666,27 @@ CausalLM::CausalLM(CausalLMConfig config, CausalLMOptions options)
   InputAdapter input(config_);
   sequential_->push_back(input);
   for (int64_t i = 0; i < config_.num_hidden_layers; ++i)
-    sequential_->push_back(DecoderLayer(config_, options_.mlp_chunk_tokens, i));
+    sequential_->push_back(DecoderLayer(config_, options_.mlp_chunk_tokens, i, options_.lora));
   sequential_->push_back(OutputAdapter(
       config_, options_, config_.tie_word_embeddings ? input->embed_tokens->weight : at::Tensor()));
   c10::NoGradGuard no_grad;
+  const auto& lora = options_.lora;
+  if (lora.rank > 0) {
+    static const std::set<std::string> known = {"q_proj",    "k_proj",  "v_proj",    "o_proj",
+                                                "gate_proj", "up_proj", "down_proj", "all-linear"};
+    for (const auto& t : lora.targets)
+      TORCH_CHECK(known.count(t), "LoRA target '", t, "' is not a projection of the ",
+                  config_.model_type,
+                  " preset: name q_proj, k_proj, v_proj, o_proj, gate_proj, "
+                  "up_proj, down_proj, or all-linear");
+    TORCH_CHECK(lora.dropout >= 0 && lora.dropout < 1, "LoRA dropout must be in [0, 1), got ",
+                lora.dropout);
+  }
   if (!options_.init_weights) {
     // Uninitialised, in the model dtype, memory untouched (rotary tables stay fp32).
     for (auto& p : sequential_->parameters())
       p.set_data(at::empty(p.sizes(), p.options().dtype(options_.dtype)));
+    init_lora();
     return;
   }
   // transformers' initialisation for new weights: normal(0, 0.02), norms 1.
@@ -628,11 +700,32 @@ CausalLM::CausalLM(CausalLMConfig config, CausalLMOptions options)
   }
   sequential_->to(options_.dtype);
   input->inv_freq.set_data(inverse_frequencies(config_));  // rotary tables stay fp32
+  init_lora();
   if (options_.pin_memory) {
     // Tied weights are one tensor: pin each once.
     std::set<const c10::TensorImpl*> done;
     for (auto& p : sequential_->parameters()) {
       if (done.insert(p.unsafeGetTensorImpl()).second) p.set_data(p.pin_memory());
+    }
+  }
+}
+
+// LoRA adapters start as peft's: A as nn.Linear's weight (kaiming-uniform,
+// a = sqrt(5): uniform(+-1/sqrt(in))), B zero, so the model starts as the
+// base; every other parameter is frozen.
+void CausalLM::init_lora() {
+  if (options_.lora.rank <= 0) return;
+  c10::NoGradGuard no_grad;
+  for (auto& item : sequential_->named_parameters()) {
+    auto& p = item.value();
+    const auto& name = item.key();
+    if (name.find("lora_A.") != std::string::npos) {
+      const double bound = 1.0 / std::sqrt(static_cast<double>(p.size(1)));
+      p.set_data(at::empty(p.sizes(), p.options().dtype(options_.dtype)).uniform_(-bound, bound));
+    } else if (name.find("lora_B.") != std::string::npos) {
+      p.set_data(at::zeros(p.sizes(), p.options().dtype(options_.dtype)));
+    } else {
+      p.requires_grad_(false);
     }
   }
 }
@@ -681,6 +774,7 @@ CausalLM CausalLM::from_pretrained(const std::string& dir, CausalLMOptions optio
   };
   c10::NoGradGuard no_grad;
   for (auto& [name, p] : model.hf_state_dict()) {
+    if (is_lora_name(name)) continue;  // an adapter, not the base model's
     auto t = tensor_named(name);
     TORCH_CHECK(t.sizes() == p.sizes(), dir, ": '", name, "' has shape ", t.sizes(),
                 " in the checkpoint but the config gives ", p.sizes());
@@ -710,6 +804,7 @@ void CausalLM::save_pretrained(const std::string& dir, int64_t max_shard_bytes) 
         std::vector<safetensors::NamedTensors> shards(1);
         int64_t shard_bytes = 0, total = 0;
         for (auto& [name, t] : hf_state_dict()) {
+          if (is_lora_name(name)) continue;  // the base model's weights only
           if (shard_bytes > 0 && shard_bytes + static_cast<int64_t>(t.nbytes()) > max_shard_bytes) {
             shards.emplace_back();
             shard_bytes = 0;

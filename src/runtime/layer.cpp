@@ -149,7 +149,8 @@ bool TorchModuleLayer::is_training() const {
 }
 
 const SplitsInputRows* TorchModuleLayer::row_splitter() const {
-  return dynamic_cast<const SplitsInputRows*>(module_.ptr().get());
+  const auto* splitter = dynamic_cast<const SplitsInputRows*>(module_.ptr().get());
+  return splitter != nullptr && splitter->splits_rows() ? splitter : nullptr;
 }
 
 namespace {

@@ -321,6 +321,79 @@ TEST(CausalLMRowChunks, ChunksOfRowsGiveTheWholeBatchsResults) {
   }
 }
 
+// LoRA on the presets (LoraOptions): the adapters start as the base model
+// (B = 0: transformers' loss), only they train, and through RoundPipe their
+// gradients are plain LibTorch's on the same model; base weights get no
+// gradient and no optimizer copy. With LoRA dropout the layers do not split
+// rows (it draws random numbers).
+TEST(CausalLMLora, OnlyTheAdaptersTrainLikePlainLibTorch) {
+  const auto dir = reference_root() / "qwen3_left_padded";
+  const auto ref = safetensors::load_file((dir / "reference.safetensors").string());
+  auto in = reference_input(ref);
+  in.num_items_in_batch = static_cast<double>(models::count_loss_tokens(in.labels));
+  const LossFn loss_of = [](const c10::IValue& out, const c10::IValue&) { return out.toTensor(); };
+  for (const std::vector<std::string>& targets :
+       {std::vector<std::string>{}, std::vector<std::string>{"q_proj", "v_proj", "down_proj"}}) {
+    SCOPED_TRACE(targets.empty() ? "all-linear" : "q, v, down");
+    const auto options = models::CausalLMOptions().set_lora(
+        models::LoraOptions().set_rank(4).set_alpha(16).set_targets(targets));
+    auto model = models::CausalLM::from_pretrained(dir.string(), options);
+    auto plain = models::CausalLM::from_pretrained(dir.string(), options);
+    {
+      c10::NoGradGuard no_grad;
+      EXPECT_TENSOR_NEAR(plain.sequential()->forward<c10::IValue>(in.to_ivalue()).toTensor(),
+                         ref.get("loss"), kTol, "loss with fresh adapters (the base model's)");
+      // Non-zero B (the same in both), so that A's gradients show too.
+      auto theirs = plain.hf_state_dict();
+      auto ours = model.hf_state_dict();
+      for (size_t i = 0; i < ours.size(); ++i) {
+        if (ours[i].first.find(".lora_B.") == std::string::npos) {
+          theirs[i].second.copy_(ours[i].second);  // A's random start, and the base
+          continue;
+        }
+        auto values = at::randn(ours[i].second.sizes(), at::detail::createCPUGenerator(i));
+        ours[i].second.copy_(values);
+        theirs[i].second.copy_(values);
+      }
+    }
+    size_t adapters = 0;
+    for (const auto& [name, p] : model.hf_state_dict()) {
+      const bool lora = models::CausalLM::is_lora_name(name);
+      adapters += lora;
+      EXPECT_EQ(p.requires_grad(), lora) << name;
+    }
+    EXPECT_EQ(adapters, 2 * 3 * (targets.empty() ? 7 : 3)) << "3 layers";
+    RoundPipe pipe(model.sequential(), RoundPipeOptions().set_devices("sim:2"));
+    EXPECT_EQ(pipe.optim_parameters().size(), adapters) << "masters for the adapters only";
+    const auto result = pipe.forward_backward(in.to_ivalue(), c10::IValue(), loss_of, false,
+                                              RunConfig().set_num_microbatch(2));
+    pipe.synchronize();
+    auto loss = plain.sequential()->forward<c10::IValue>(in.to_ivalue()).toTensor();
+    loss.backward();
+    EXPECT_GT(std::abs(loss.item<double>() - ref.get("loss").item<double>()), 1e-3)
+        << "the adapters change nothing";
+    EXPECT_TENSOR_NEAR(result.loss, loss, kTol, "loss");
+    const auto theirs = plain.hf_state_dict();
+    const auto ours = model.hf_state_dict();
+    for (size_t i = 0; i < ours.size(); ++i) {
+      if (!models::CausalLM::is_lora_name(ours[i].first)) {
+        EXPECT_FALSE(ours[i].second.grad().defined()) << ours[i].first;
+        continue;
+      }
+      EXPECT_TENSOR_NEAR(ours[i].second.grad(), theirs[i].second.grad(), kTol,
+                         "gradient of " << ours[i].first);
+    }
+  }
+  auto dropping = models::CausalLM::from_pretrained(
+      dir.string(),
+      models::CausalLMOptions().set_lora(models::LoraOptions().set_rank(2).set_dropout(0.1)));
+  EXPECT_EQ(layers_of(dropping.sequential())[1]->row_splitter(), nullptr);
+  EXPECT_THROW(models::CausalLM::from_pretrained(
+                   dir.string(), models::CausalLMOptions().set_lora(
+                                     models::LoraOptions().set_rank(2).set_targets({"lm_head"}))),
+               c10::Error);
+}
+
 // An all-ones mask, and position_ids 0..T-1, are the same as none: the same
 // path, the same numbers to the bit.
 TEST(CausalLMMasks, AllOnesMaskAndPlainPositionsTakeTheUnmaskedPath) {

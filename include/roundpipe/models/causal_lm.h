@@ -43,6 +43,45 @@
 
 namespace roundpipe::models {
 
+// LoRA (low-rank adapters, as peft's LoraConfig) on the named projections
+// of every decoder layer: y = x W^T + b + scaling * dropout(x) A^T B^T with
+// A [rank, in] initialised as nn.Linear's weight (kaiming-uniform) and B
+// [out, rank] at zero, scaling = alpha / rank (alpha / sqrt(rank) with
+// use_rslora). Every other parameter is frozen (requires_grad false), as
+// peft does. Names follow peft: "...q_proj.lora_A.weight".
+struct LoraOptions {
+  int64_t rank = 0;  // 0: no LoRA
+  double alpha = 8;  // peft's lora_alpha default
+  double dropout = 0;
+  bool use_rslora = false;
+  // Projections: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj,
+  // down_proj; empty or {"all-linear"}: all of them (never lm_head).
+  std::vector<std::string> targets;
+
+  double scaling() const;
+  bool targets_projection(const std::string& projection) const;
+  LoraOptions& set_rank(int64_t v) {
+    rank = v;
+    return *this;
+  }
+  LoraOptions& set_alpha(double v) {
+    alpha = v;
+    return *this;
+  }
+  LoraOptions& set_dropout(double v) {
+    dropout = v;
+    return *this;
+  }
+  LoraOptions& set_use_rslora(bool v) {
+    use_rslora = v;
+    return *this;
+  }
+  LoraOptions& set_targets(std::vector<std::string> v) {
+    targets = std::move(v);
+    return *this;
+  }
+};
+
 struct CausalLMOptions {
   c10::ScalarType dtype = c10::kFloat;  // weights and compute dtype
   bool return_logits = false;
@@ -77,6 +116,11 @@ struct CausalLMOptions {
   }
   CausalLMOptions& set_init_weights(bool v) {
     init_weights = v;
+    return *this;
+  }
+  LoraOptions lora;  // rank 0: none
+  CausalLMOptions& set_lora(LoraOptions v) {
+    lora = std::move(v);
     return *this;
   }
 };
@@ -124,6 +168,8 @@ class CausalLM {
   torch::nn::Sequential& sequential() { return sequential_; }
   // The weights under their HuggingFace names (tied lm_head omitted).
   std::vector<std::pair<std::string, at::Tensor>> hf_state_dict() const;
+  // Whether a HuggingFace name is a LoRA parameter (not in a base checkpoint).
+  static bool is_lora_name(const std::string& hf_name);
   // The HuggingFace name of parameter `name` of layer `layer`.
   std::string hf_name(size_t layer, const std::string& name) const;
 
@@ -131,6 +177,7 @@ class CausalLM {
   CausalLMConfig config_;
   CausalLMOptions options_;
   torch::nn::Sequential sequential_;
+  void init_lora();
 };
 
 // Whether `name` is a weight file of a HuggingFace checkpoint
