@@ -35,6 +35,11 @@ if ! .venv/bin/python -c 'import transformers, sys; sys.exit(transformers.__vers
   echo "[setup] installing transformers==5.17.0 into .venv (test oracle for the model presets)"
   .venv/bin/python -m pip install -q transformers==5.17.0 safetensors
 fi
+# The LoRA tests compare with peft (on transformers, CPU).
+if ! .venv/bin/python -c 'import peft, sys; sys.exit(peft.__version__ != "0.21.2")' 2>/dev/null; then
+  echo "[setup] installing peft==0.21.2 into .venv (test oracle for LoRA on the presets)"
+  .venv/bin/python -m pip install -q peft==0.21.2 "torch==2.11.0" "transformers==5.17.0"
+fi
 # The Python package builds with scikit-build-core against the .venv's torch
 # (pip install --no-build-isolation .); its tests run with pytest.
 if ! .venv/bin/python -c 'import scikit_build_core, pytest' 2>/dev/null; then

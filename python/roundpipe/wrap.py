@@ -52,15 +52,15 @@ class CausalLMRoundPipe(RoundPipe):
     """
 
     def __init__(self, model: nn.Module, return_logits: bool = False, loss_chunk_tokens: int = 2048, **kwargs):
-        dtypes = {p.dtype for p in model.parameters()}
+        hf, parameters, lora = _peft_view(model)
+        dtypes = {p.dtype for n, p in parameters.items() if ".lora_" not in n}
         if len(dtypes) != 1:
-            raise ValueError(f"the {type(model).__name__} preset needs one parameter dtype, found {sorted(map(str, dtypes))}; "
+            raise ValueError(f"the {type(hf).__name__} preset needs one parameter dtype, found {sorted(map(str, dtypes))}; "
                              "convert the model with .to(dtype) first")
         if any(p.device.type != "cpu" for p in model.parameters()):
             raise ValueError("load the model on the CPU (RoundPipe moves layers to the GPUs itself)")
-        layers = _C.preset_layers(model.config.to_json_string(), dtypes.pop(),
-                                  dict(model.named_parameters(remove_duplicate=False)),
-                                  bool(return_logits), int(loss_chunk_tokens))
+        layers = _C.preset_layers(hf.config.to_json_string(), dtypes.pop(), parameters,
+                                  bool(return_logits), int(loss_chunk_tokens), lora)
         super().__init__(model, _layers=layers, **kwargs)
 
     def forward(self, *args, logits_to_keep=0, **kwargs):
@@ -154,6 +154,68 @@ class CausalLMRoundPipe(RoundPipe):
         if isinstance(output, torch.Tensor) and output.dim() == 0:
             return CausalLMOutputWithPast(loss=output)
         return CausalLMOutputWithPast(logits=output)
+
+
+def _hf_model_of(model: nn.Module) -> nn.Module:
+    """The HuggingFace model inside peft's wrappers (a PeftModel, a
+    LoraModel), or the model itself."""
+    if type(model).__name__.startswith("PeftModel") and hasattr(model, "base_model"):
+        model = model.base_model
+    if type(model).__name__ == "LoraModel" and hasattr(model, "model"):
+        model = model.model
+    return model
+
+
+def _peft_view(model: nn.Module):
+    """(the HuggingFace model, its parameters under the preset's names, the
+    LoRA options or None) of a causal LM, plain or with peft's LoRA layers
+    (a PeftModel, a LoraModel, or the model inside LoraModel(...).model).
+    peft's names map to the preset's: "q_proj.base_layer.weight" ->
+    "q_proj.weight", "q_proj.lora_A.<adapter>.weight" ->
+    "q_proj.lora_A.weight". What the preset cannot compute is an error."""
+    import math
+
+    hf = _hf_model_of(model)
+    lora_layers = [(n, m) for n, m in hf.named_modules() if hasattr(m, "lora_A") and hasattr(m, "base_layer")]
+    if any(hasattr(m, "original_module") and hasattr(m, "modules_to_save") for m in hf.modules()):
+        raise NotImplementedError("peft's modules_to_save (a trainable copy of a whole module) is not supported "
+                                  "by the preset: leave modules_to_save unset")
+    if not lora_layers:
+        return hf, dict(hf.named_parameters(remove_duplicate=False)), None
+    active = {a for _, m in lora_layers for a in m.active_adapters}
+    if len(active) != 1:
+        raise NotImplementedError(f"the preset runs one active LoRA adapter, the model has {sorted(active)}")
+    adapter = active.pop()
+    specs, targets = set(), set()
+    for name, m in lora_layers:
+        if m.use_dora.get(adapter, False):
+            raise NotImplementedError("DoRA (use_dora=True) is not supported by the preset: use plain LoRA")
+        drop = m.lora_dropout[adapter]
+        r, alpha, scaling = m.r[adapter], m.lora_alpha[adapter], m.scaling[adapter]
+        rslora = r > 1 and math.isclose(scaling, alpha / math.sqrt(r))
+        if not (rslora or math.isclose(scaling, alpha / r)):
+            raise NotImplementedError(f"{name}: LoRA scaling {scaling} is neither alpha / r nor alpha / sqrt(r)")
+        specs.add((r, float(alpha), float(getattr(drop, "p", 0.0)), rslora))
+        targets.add(name.rsplit(".", 1)[-1])
+    projections = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    if not targets <= projections:
+        raise NotImplementedError(f"LoRA on {sorted(targets - projections)}: the preset takes it on the decoder "
+                                  f"layers' projections {sorted(projections)}")
+    if len(specs) != 1:
+        raise NotImplementedError("LoRA with different ranks, alphas or dropouts per module (rank_pattern, "
+                                  "alpha_pattern) is not supported by the preset")
+    if len(lora_layers) != hf.config.num_hidden_layers * len(targets):
+        raise NotImplementedError("LoRA on some decoder layers only (layers_to_transform) is not supported by the "
+                                  "preset: adapt every layer")
+    rank, alpha, dropout, rslora = specs.pop()
+    parameters = {}
+    for n, t in hf.named_parameters(remove_duplicate=False):
+        n = n.replace(".base_layer.", ".")
+        n = n.replace(f".lora_A.{adapter}.", ".lora_A.").replace(f".lora_B.{adapter}.", ".lora_B.")
+        parameters[n] = t
+    dtype = lora_layers[0][1].lora_A[adapter].weight.dtype
+    return hf, parameters, dict(rank=rank, alpha=alpha, dropout=dropout, use_rslora=rslora,
+                                targets=sorted(targets), dtype=dtype)
 
 
 def _loss_labels(labels, shift_labels, ignore_index):
@@ -442,7 +504,7 @@ def wrap_model_to_roundpipe(
             configs[id(key)] = value
         else:
             setattr(model.config, key, value)
-    preset = PRESETS.get(type(model).__name__)
+    preset = PRESETS.get(type(_hf_model_of(model)).__name__)
     if use_sequential_preset is True and preset is None:
         raise NotImplementedError(
             f"no preset for {type(model).__name__}; presets exist for {sorted(PRESETS)}. Pass "

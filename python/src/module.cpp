@@ -244,13 +244,23 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "preset_layers",
       [](const std::string& config_json, at::ScalarType dtype, py::dict hf_parameters,
-         bool return_logits, int64_t loss_chunk_tokens) {
+         bool return_logits, int64_t loss_chunk_tokens, py::object lora) {
         auto config = models::CausalLMConfig::from_json_string(config_json, "the model's config");
+        models::LoraOptions adapters;
+        if (!lora.is_none()) {  // {rank, alpha, dropout, use_rslora, targets, dtype}
+          adapters.rank = lora["rank"].cast<int64_t>();
+          adapters.alpha = lora["alpha"].cast<double>();
+          adapters.dropout = lora["dropout"].cast<double>();
+          adapters.use_rslora = lora["use_rslora"].cast<bool>();
+          adapters.targets = lora["targets"].cast<std::vector<std::string>>();
+          adapters.dtype = lora["dtype"].cast<at::ScalarType>();
+        }
         models::CausalLM skeleton(config, models::CausalLMOptions()
                                               .set_dtype(dtype)
                                               .set_return_logits(return_logits)
                                               .set_loss_chunk_tokens(loss_chunk_tokens)
-                                              .set_init_weights(false));
+                                              .set_init_weights(false)
+                                              .set_lora(adapters));
         std::vector<LayerPtr> layers;
         size_t index = 0;
         for (const auto& child : *skeleton.sequential()) {
@@ -268,7 +278,7 @@ PYBIND11_MODULE(_C, m) {
         return layers;
       },
       py::arg("config_json"), py::arg("dtype"), py::arg("hf_parameters"), py::arg("return_logits"),
-      py::arg("loss_chunk_tokens"));
+      py::arg("loss_chunk_tokens"), py::arg("lora") = py::none());
 
   py::class_<RoundPipe, EnginePtr>(m, "Engine")
       .def(py::init([](std::vector<LayerPtr> layers, std::optional<at::ScalarType> optim_dtype,

@@ -65,8 +65,10 @@ struct LinearImpl : torch::nn::Cloneable<LinearImpl> {
   at::Tensor forward(const at::Tensor& x) {
     auto y = at::linear(x, weight, bias);
     if (lora.rank == 0) return y;
-    const auto h = lora.dropout > 0 ? at::dropout(x, lora.dropout, is_training()) : x;
-    return y + at::linear(at::linear(h, lora_A->weight), lora_B->weight) * lora.scaling();
+    auto h = x.to(lora_A->weight.scalar_type());
+    if (lora.dropout > 0) h = at::dropout(h, lora.dropout, is_training());
+    const auto delta = at::linear(at::linear(h, lora_A->weight), lora_B->weight) * lora.scaling();
+    return y + delta.to(y.scalar_type());
   }
 };
 TORCH_MODULE(Linear);
@@ -719,11 +721,12 @@ void CausalLM::init_lora() {
   for (auto& item : sequential_->named_parameters()) {
     auto& p = item.value();
     const auto& name = item.key();
+    const auto dtype = options_.lora.dtype.value_or(options_.dtype);
     if (name.find("lora_A.") != std::string::npos) {
       const double bound = 1.0 / std::sqrt(static_cast<double>(p.size(1)));
-      p.set_data(at::empty(p.sizes(), p.options().dtype(options_.dtype)).uniform_(-bound, bound));
+      p.set_data(at::empty(p.sizes(), p.options().dtype(dtype)).uniform_(-bound, bound));
     } else if (name.find("lora_B.") != std::string::npos) {
-      p.set_data(at::zeros(p.sizes(), p.options().dtype(options_.dtype)));
+      p.set_data(at::zeros(p.sizes(), p.options().dtype(dtype)));
     } else {
       p.requires_grad_(false);
     }

@@ -54,6 +54,9 @@ struct LoraOptions {
   double alpha = 8;  // peft's lora_alpha default
   double dropout = 0;
   bool use_rslora = false;
+  // The adapters' dtype (default: the model's). peft keeps adapters of a
+  // half-precision model in float32: the adapter path then computes in it.
+  std::optional<c10::ScalarType> dtype;
   // Projections: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj,
   // down_proj; empty or {"all-linear"}: all of them (never lm_head).
   std::vector<std::string> targets;
