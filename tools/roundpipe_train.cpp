@@ -55,6 +55,15 @@ int main(int argc, char** argv) {
   app.add_flag("--sync-step", a.sync_step, "synchronous optimizer step (default: asynchronous)");
   app.add_option("--loss-chunk", a.loss_chunk,
                  "tokens per chunk of the fused linear + cross-entropy");
+  app.add_option("--lora-rank", a.lora_rank,
+                 "LoRA: adapters of this rank, every other weight frozen (0: full fine-tuning)");
+  app.add_option("--lora-alpha", a.lora_alpha, "LoRA: alpha (scaling = alpha / rank)");
+  app.add_option("--lora-dropout", a.lora_dropout, "LoRA: dropout on the adapters' input");
+  app.add_option("--lora-targets", a.lora_targets,
+                 "LoRA: all-linear, or projections (q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,"
+                 "down_proj), comma-separated");
+  app.add_flag("--merge", a.merge,
+               "LoRA: write the merged full weights instead of the adapter (peft's layout)");
   app.add_option("--log-every", a.log_every, "steps between progress lines");
   app.add_option("--seed", a.seed, "random seed");
   CLI11_PARSE(app, argc, argv);

@@ -786,6 +786,61 @@ CausalLM CausalLM::from_pretrained(const std::string& dir, CausalLMOptions optio
   return model;
 }
 
+void CausalLM::save_adapter(const std::string& dir, const std::string& base_model) const {
+  const auto& lora = options_.lora;
+  TORCH_CHECK(lora.rank > 0,
+              "save_adapter: the model has no LoRA adapters (CausalLMOptions::lora)");
+  std::vector<std::string> targets;
+  for (const char* t :
+       {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"})
+    if (lora.targets_projection(t)) targets.emplace_back(t);
+  nlohmann::ordered_json config = {
+      {"peft_type", "LORA"},
+      {"task_type", "CAUSAL_LM"},
+      {"base_model_name_or_path",
+       base_model.empty() ? nlohmann::ordered_json() : nlohmann::ordered_json(base_model)},
+      {"r", lora.rank},
+      {"lora_alpha", lora.alpha},
+      {"lora_dropout", lora.dropout},
+      {"use_rslora", lora.use_rslora},
+      {"target_modules", targets},
+      {"bias", "none"},
+      {"fan_in_fan_out", false},
+      {"inference_mode", true},
+      {"init_lora_weights", true},
+      {"modules_to_save", nullptr},
+      {"use_dora", false}};
+  safetensors::NamedTensors tensors;
+  for (const auto& [name, t] : hf_state_dict())
+    if (is_lora_name(name))
+      tensors.emplace_back("base_model.model." + name, t.detach().contiguous());
+  const std::set<std::string> ours = {"adapter_config.json", "adapter_model.safetensors"};
+  write_files_into_directory(
+      dir,
+      [&](const std::string& tmp_dir) {
+        const fs::path tmp(tmp_dir);
+        std::ofstream(tmp / "adapter_config.json") << config.dump(2);
+        safetensors::save_file((tmp / "adapter_model.safetensors").string(), tensors,
+                               {{"format", "pt"}});
+      },
+      [&](const std::string& name) { return ours.count(name) > 0; });
+}
+
+void CausalLM::merge_lora() {
+  const auto& lora = options_.lora;
+  if (lora.rank <= 0) return;
+  c10::NoGradGuard no_grad;
+  for (const auto& module : sequential_->modules(/*include_self=*/false)) {
+    auto* linear = dynamic_cast<LinearImpl*>(module.get());
+    if (linear == nullptr || linear->lora.rank == 0) continue;
+    const auto& A = linear->lora_A->weight;
+    const auto& B = linear->lora_B->weight;
+    const auto delta = at::matmul(B.to(at::kFloat), A.to(at::kFloat)) * lora.scaling();
+    linear->weight.copy_(linear->weight.to(at::kFloat) + delta);
+    B.zero_();
+  }
+}
+
 bool is_weight_file(const std::string& name) {
   static const std::regex shard(R"(model-[0-9]+-of-[0-9]+\.safetensors)");
   return name == "model.safetensors" || name == "model.safetensors.index.json" ||

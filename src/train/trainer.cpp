@@ -18,6 +18,7 @@
 #include <map>
 #include <numeric>
 #include <random>
+#include <sstream>
 
 #include "io/atomic_directory.h"
 
@@ -189,6 +190,12 @@ void validate(const TrainOptions& a) {
   check(a.train_examples >= 1, "--train-examples", "at least 1", text(a.train_examples));
   check(a.eval_examples >= 0, "--eval-examples", ">= 0", text(a.eval_examples));
   check(a.loss_chunk >= 1, "--loss-chunk", "at least 1", text(a.loss_chunk));
+  check(a.lora_rank >= 0, "--lora-rank", ">= 0 (0: no LoRA)", text(a.lora_rank));
+  check(std::isfinite(a.lora_alpha) && a.lora_alpha > 0, "--lora-alpha", "a positive number",
+        text(a.lora_alpha));
+  check(a.lora_dropout >= 0 && a.lora_dropout < 1, "--lora-dropout", "in [0, 1)",
+        text(a.lora_dropout));
+  check(!a.merge || a.lora_rank > 0, "--merge", "only with --lora-rank", "set without LoRA");
   check(a.digits >= 1 && a.digits <= 9, "--digits", "between 1 and 9", text(a.digits));
   check(a.length >= 1, "--length", "at least 1", text(a.length));
   check(std::isfinite(a.lr) && a.lr > 0, "--lr", "a positive number", text(a.lr));
@@ -215,6 +222,19 @@ TrainSummary run_training(const TrainOptions& args) {
   const auto dtype = dtype_from_string(args.dtype);
   auto model_options =
       roundpipe::models::CausalLMOptions().set_dtype(dtype).set_loss_chunk_tokens(args.loss_chunk);
+  if (args.lora_rank > 0) {
+    std::vector<std::string> targets;
+    std::stringstream list(args.lora_targets);
+    for (std::string t; std::getline(list, t, ',');)
+      if (!t.empty()) targets.push_back(t);
+    // Adapters in float32 on a half-precision base, as peft keeps them.
+    model_options.set_lora(roundpipe::models::LoraOptions()
+                               .set_rank(args.lora_rank)
+                               .set_alpha(args.lora_alpha)
+                               .set_dropout(args.lora_dropout)
+                               .set_targets(targets));
+    model_options.lora.dtype = c10::kFloat;
+  }
   roundpipe::RunConfig run_config;
   if (args.microbatches > 0) run_config.set_num_microbatch(args.microbatches);
   // Its loss_fn returns the model's loss, scaled: it adds up over rows.
@@ -435,7 +455,16 @@ TrainSummary run_training(const TrainOptions& args) {
   summary.tokens_per_second = tokens / std::max(seconds, 1e-9);
   summary.final_loss = loss_avg;
   try {
-    wrapped->save_pretrained(paths.output);
+    if (args.lora_rank > 0 && !args.merge) {
+      pipe.synchronize();
+      wrapped->model().save_adapter(paths.output, args.model);
+    } else {
+      if (args.lora_rank > 0) {
+        pipe.synchronize();
+        wrapped->model().merge_lora();
+      }
+      wrapped->save_pretrained(paths.output);
+    }
   } catch (const std::exception& e) {
     // The trained model must not be lost: keep it as a training checkpoint.
     const std::string why = error_message(e);

@@ -459,3 +459,78 @@ TEST(TrainData, TasksAreDeterministicAndCorrect) {
 
 }  // namespace
 }  // namespace roundpipe::testing
+
+namespace roundpipe::testing {
+namespace {
+
+// The loss of `ids` (labels = ids) from transformers + peft: the base
+// checkpoint with the adapter in `adapter` ("" for none), by the test's
+// Python (peft and transformers, scripts/setup.sh).
+double python_loss(const std::string& base, const std::string& adapter, const std::string& tag) {
+  const std::string script = temp(tag + ".py"), out = temp(tag + ".txt");
+  {
+    std::ofstream py(script);
+    py << "import sys, torch, transformers\n"
+       << "model = transformers.AutoModelForCausalLM.from_pretrained(sys.argv[1]).float()\n"
+       << "if sys.argv[2]:\n"
+       << "    import peft\n"
+       << "    model = peft.PeftModel.from_pretrained(model, sys.argv[2])\n"
+       << "ids = (torch.arange(24).reshape(2, 12) * 7 + 3) % 259\n"
+       << "with torch.no_grad():\n"
+       << "    print(float(model(input_ids=ids, labels=ids).loss), file=open(sys.argv[3], 'w'))\n";
+  }
+  const std::string cmd = std::string(ROUNDPIPE_PYTHON) + " " + script + " " + base + " '" +
+                          adapter + "' " + out + " > " + out + ".log 2>&1";
+  EXPECT_EQ(std::system(cmd.c_str()), 0) << "see " << out << ".log";
+  double loss = NAN;
+  std::ifstream(out) >> loss;
+  return loss;
+}
+
+// roundpipe-train with --lora-rank: only the adapters train; the output is
+// an adapter in peft's layout that peft loads onto the base checkpoint,
+// and --merge writes merged full weights that transformers loads, with the
+// same model (the same loss) as base + adapter.
+TEST(Trainer, LoraWritesAPeftAdapterOrMergedWeights) {
+  const std::string base = temp("lora_base");
+  fs::remove_all(base);
+  {
+    torch::manual_seed(3);
+    models::CausalLM model(models::CausalLMConfig::from_json_file(
+        std::string(ROUNDPIPE_SOURCE_DIR) + "/configs/qwen3-tiny/config.json"));
+    model.save_pretrained(base);
+  }
+  auto options = [&](const std::string& name, bool merge) {
+    auto o = tiny(name);
+    o.model = base;
+    o.steps = 6;
+    o.lr = 1e-2;
+    o.lora_rank = 4;
+    o.lora_alpha = 8;
+    o.lora_targets = "q_proj,v_proj,down_proj";
+    o.merge = merge;
+    o.sync_step = true;
+    o.overwrite = true;
+    return o;
+  };
+  const auto adapter = options("lora_adapter", false), merged = options("lora_merged", true);
+  train::run_training(adapter);
+  train::run_training(merged);
+  EXPECT_TRUE(fs::exists(adapter.output + "/adapter_model.safetensors"));
+  EXPECT_TRUE(fs::exists(adapter.output + "/adapter_config.json"));
+  EXPECT_FALSE(fs::exists(adapter.output + "/model.safetensors"));
+  EXPECT_TRUE(fs::exists(merged.output + "/model.safetensors"));
+  const auto keys = safetensors::load_file(adapter.output + "/adapter_model.safetensors");
+  EXPECT_EQ(keys.tensors.size(), 2u * 3 * 4) << "A and B of 3 projections in 4 layers";
+  const double base_loss = python_loss(base, "", "lora_base_loss");
+  const double adapted = python_loss(base, adapter.output, "lora_adapted_loss");
+  const double whole = python_loss(merged.output, "", "lora_merged_loss");
+  EXPECT_GT(std::abs(adapted - base_loss), 1e-3) << "training changed nothing";
+  EXPECT_NEAR(adapted, whole, 1e-4 * std::abs(whole));
+  auto merge_without_lora = tiny("bad");
+  merge_without_lora.merge = true;
+  EXPECT_THROW(train::validate(merge_without_lora), c10::Error);
+}
+
+}  // namespace
+}  // namespace roundpipe::testing

@@ -164,6 +164,14 @@ class CausalLM {
   // other files in `dir` are left alone, except the weight files of an
   // earlier save that this one does not overwrite.
   void save_pretrained(const std::string& dir, int64_t max_shard_bytes = int64_t{5} << 30) const;
+  // The LoRA adapters in peft's layout (adapter_config.json,
+  // adapter_model.safetensors with keys "base_model.model.<name>"), which
+  // peft's PeftModel.from_pretrained loads onto the base model; other files
+  // in `dir` are left alone. `base_model` names the base for peft.
+  void save_adapter(const std::string& dir, const std::string& base_model = "") const;
+  // Folds the adapters into the base weights (W += scaling * B A) and zeroes
+  // B, so that save_pretrained writes the fine-tuned model whole.
+  void merge_lora();
 
   const CausalLMConfig& config() const { return config_; }
   int64_t vocab_size() const { return config_.vocab_size; }

@@ -21,6 +21,13 @@ struct TrainOptions {
   int microbatches = 0, digits = 2, length = 4;
   double lr = 3e-4, weight_decay = 0.01;
   bool resume = false, sync_step = false;
+  // LoRA (lora_rank > 0): adapters on lora_targets ("all-linear" or
+  // projection names, comma-separated); the output is the adapter in
+  // peft's layout, or with merge the merged full weights.
+  int64_t lora_rank = 0;
+  double lora_alpha = 16, lora_dropout = 0;
+  std::string lora_targets = "all-linear";
+  bool merge = false;
   // Pack a step's examples into rows (train::pack) instead of one padded
   // example a row (train::collate); either way the loss is the mean over
   // the step's labelled tokens.
