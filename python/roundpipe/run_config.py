@@ -66,6 +66,10 @@ class RoundPipeRunConfig:
                             "tree, True (automatic, as None) or False")
         if self.execute_plan is not None and not isinstance(self.execute_plan, ModelExecutePlan):
             raise TypeError("execute_plan must be a ModelExecutePlan")
+        if self.execute_plan is not None:  # as the original: later edits of the plan do not leak in
+            import copy
+
+            self.execute_plan = copy.deepcopy(self.execute_plan)
 
 
 def _as_range(r) -> tuple:

@@ -4,7 +4,7 @@ import copy
 
 import torch
 from conftest import assert_close, make_model
-from roundpipe import RoundPipe, RoundPipeRunConfig
+from roundpipe import ModelExecutePlan, RoundPipe, RoundPipeRunConfig
 
 
 def test_merge_output_true_is_automatic_and_beats_a_model_level_false(devices):
@@ -60,3 +60,11 @@ def test_each_field_is_the_calls_else_the_models_else_the_default(devices):
     reference(x).square().sum().backward()
     for p, q in zip(layered.original_model.parameters(), reference.parameters()):
         assert_close(p.grad, q.grad, 1e-5)
+
+
+def test_the_execute_plan_is_copied():
+    plan = ModelExecutePlan()
+    plan.fwd_plan = [range(0, 2)]
+    config = RoundPipeRunConfig(execute_plan=plan)
+    plan.fwd_plan.append(range(2, 3))
+    assert config.execute_plan is not plan and config.execute_plan.fwd_plan == [range(0, 2)]
