@@ -758,7 +758,10 @@ std::vector<std::pair<std::string, at::Tensor>> CausalLM::hf_state_dict() const 
 
 CausalLM CausalLM::from_pretrained(const std::string& dir, CausalLMOptions options) {
   auto config = CausalLMConfig::from_json_file((fs::path(dir) / "config.json").string());
-  CausalLM model(config, options);
+  const bool map = options.map_weights && !options.pin_memory;
+  // Mapped: the weights are about to be replaced by the file's pages, so
+  // they are allocated untouched (no resident memory) instead of initialised.
+  CausalLM model(config, map ? CausalLMOptions(options).set_init_weights(false) : options);
   const auto files = weight_files(dir);
   std::map<std::string, safetensors::File> loaded;
   auto tensor_named = [&](const std::string& name) -> at::Tensor {
@@ -781,7 +784,11 @@ CausalLM CausalLM::from_pretrained(const std::string& dir, CausalLMOptions optio
     auto t = tensor_named(name);
     TORCH_CHECK(t.sizes() == p.sizes(), dir, ": '", name, "' has shape ", t.sizes(),
                 " in the checkpoint but the config gives ", p.sizes());
-    p.copy_(t);
+    if (map && t.scalar_type() == p.scalar_type()) {
+      p.set_data(t);  // the mapped pages themselves
+    } else {
+      p.copy_(t);
+    }
   }
   return model;
 }

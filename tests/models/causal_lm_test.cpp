@@ -13,6 +13,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <regex>
 
 #include "models/attention.h"
 #include "test_util.h"
@@ -700,6 +701,72 @@ TEST(WrapModel, PresetChoicesAndUnknownTypes) {
                                           RoundPipeOptions().set_devices("sim:1")));
             }),
             "(wrapped)");
+}
+
+}  // namespace
+}  // namespace roundpipe::testing
+
+namespace roundpipe::testing {
+namespace {
+
+// This process's anonymous resident memory (Linux), in KiB.
+int64_t anonymous_kib() {
+  std::ifstream rollup("/proc/self/smaps_rollup");
+  std::string key;
+  int64_t value = 0;
+  while (rollup >> key) {
+    if (key == "Anonymous:") {
+      rollup >> value;
+      return value;
+    }
+    rollup.ignore(1 << 20, '\n');
+  }
+  return -1;
+}
+
+// CausalLMOptions::map_weights: the weights are the checkpoint's mapped
+// pages (file pages, not anonymous memory), equal to a copied load; a
+// copied load grows anonymous memory by the checkpoint's size (which shows
+// that the measure sees it).
+TEST(CausalLMCheckpoint, MappedWeightsAreTheFilesPagesNotACopy) {
+  if (anonymous_kib() < 0) GTEST_SKIP() << "no /proc/self/smaps_rollup";
+  // The tiny config, wider: a checkpoint of 30+ MiB.
+  std::ifstream file(std::string(ROUNDPIPE_SOURCE_DIR) + "/configs/qwen3-tiny/config.json");
+  std::string json((std::istreambuf_iterator<char>(file)), std::istreambuf_iterator<char>());
+  json = std::regex_replace(json, std::regex(R"("hidden_size": 128)"), R"("hidden_size": 512)");
+  json = std::regex_replace(json, std::regex(R"("intermediate_size": 384)"),
+                            R"("intermediate_size": 2048)");
+  json = std::regex_replace(json, std::regex(R"("head_dim": 32)"), R"("head_dim": 128)");
+  const auto config = models::CausalLMConfig::from_json_string(json, "the test's config");
+  const auto dir = fs::temp_directory_path() / ("roundpipe_mapped_" + std::to_string(::getpid()));
+  int64_t checkpoint_kib = 0;
+  {
+    torch::manual_seed(0);
+    models::CausalLM model(config);
+    model.save_pretrained(dir.string());
+    checkpoint_kib = static_cast<int64_t>(fs::file_size(dir / "model.safetensors")) / 1024;
+  }
+  ASSERT_GT(checkpoint_kib, 30 * 1024);
+  const auto ids = at::arange(16).reshape({2, 8});
+  at::Tensor mapped_logits, copied_logits;
+  {
+    const int64_t before = anonymous_kib();
+    auto mapped = models::CausalLM::from_pretrained(
+        dir.string(), models::CausalLMOptions().set_map_weights(true));
+    c10::NoGradGuard no_grad;
+    mapped_logits = mapped.sequential()->forward<c10::IValue>(c10::IValue(ids)).toTensor();
+    EXPECT_LT(anonymous_kib() - before, checkpoint_kib / 4)
+        << "the mapped weights were copied into anonymous memory";
+  }
+  {
+    const int64_t before = anonymous_kib();
+    auto copied = models::CausalLM::from_pretrained(dir.string());
+    c10::NoGradGuard no_grad;
+    copied_logits = copied.sequential()->forward<c10::IValue>(c10::IValue(ids)).toTensor();
+    EXPECT_GT(anonymous_kib() - before, checkpoint_kib / 2) << "the measure does not see a copy";
+  }
+  EXPECT_TRUE(at::equal(mapped_logits, copied_logits));
+  fs::remove_all(dir);
 }
 
 }  // namespace

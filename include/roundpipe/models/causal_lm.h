@@ -121,6 +121,17 @@ struct CausalLMOptions {
     init_weights = v;
     return *this;
   }
+  // from_pretrained: the checkpoint's memory-mapped pages become the weights
+  // where the dtype matches (no copy: the weights stay file pages, which the
+  // kernel may drop and read again, instead of anonymous memory; the mapping
+  // is private, so a write copies its page and never reaches the file). For
+  // models larger than host memory with pin_model "off" (frozen weights under
+  // LoRA are never written). Ignored with pin_memory.
+  bool map_weights = false;
+  CausalLMOptions& set_map_weights(bool v) {
+    map_weights = v;
+    return *this;
+  }
   LoraOptions lora;  // rank 0: none
   CausalLMOptions& set_lora(LoraOptions v) {
     lora = std::move(v);
