@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import functools
+import os
+import sys
 import threading
 import types
 import warnings
@@ -162,9 +164,6 @@ for _name in ("__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__
 def _call_site() -> str:
     """The original's default name: file:line of the code that made the
     RoundPipe (the first frame outside this package)."""
-    import os
-    import sys
-
     package = os.path.dirname(os.path.abspath(__file__))
     frame = sys._getframe(1)
     while frame is not None and os.path.dirname(os.path.abspath(frame.f_code.co_filename)) == package:

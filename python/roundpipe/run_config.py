@@ -1,6 +1,7 @@
 """Run settings (per call > per model > default) and execute plans."""
 from __future__ import annotations
 
+import copy
 import dataclasses
 from typing import Any, Callable, Optional, Sequence, Union
 
@@ -67,8 +68,6 @@ class RoundPipeRunConfig:
         if self.execute_plan is not None and not isinstance(self.execute_plan, ModelExecutePlan):
             raise TypeError("execute_plan must be a ModelExecutePlan")
         if self.execute_plan is not None:  # as the original: later edits of the plan do not leak in
-            import copy
-
             self.execute_plan = copy.deepcopy(self.execute_plan)
 
 

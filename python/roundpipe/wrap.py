@@ -3,6 +3,8 @@ experimental automatic wrapping of models without one."""
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 import threading
 import warnings
 from typing import Optional
@@ -173,8 +175,6 @@ def _peft_view(model: nn.Module):
     peft's names map to the preset's: "q_proj.base_layer.weight" ->
     "q_proj.weight", "q_proj.lora_A.<adapter>.weight" ->
     "q_proj.lora_A.weight". What the preset cannot compute is an error."""
-    import math
-
     hf = _hf_model_of(model)
     lora_layers = [(n, m) for n, m in hf.named_modules() if hasattr(m, "lora_A") and hasattr(m, "base_layer")]
     if any(hasattr(m, "original_module") and hasattr(m, "modules_to_save") for m in hf.modules()):
@@ -347,8 +347,6 @@ class AutoRoundPipe(PassThroughToModel, nn.Module):
         on their optimizer threads; the glue's are taken now. Async: returns
         at once (the next iteration runs on the weights before this step);
         sync: returns with every weight updated."""
-        import functools
-
         if not callable(step_fn):
             raise TypeError("step() takes a function that steps the optimizer, e.g. "
                             "lambda: (opt.step(), opt.zero_grad())")

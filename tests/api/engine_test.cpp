@@ -837,39 +837,50 @@ struct RowSplitProbeImpl : torch::nn::Cloneable<RowSplitProbeImpl>, SplitsInputR
 };
 TORCH_MODULE(RowSplitProbe);
 
+// What both TailRowChunks tests train: 8 RowSplitProbes on 1024 rows, in 2
+// microbatches, with a loss that adds up over rows (a sum divided by a
+// fixed count); and the plain LibTorch loss of the same call.
+struct RowChunksCase {
+  static constexpr int kLayers = 8, kMicrobatches = 2, kRows = 1024;
+  const at::Tensor x = at::randn({kRows, 4}, at::detail::createCPUGenerator(1));
+  const at::Tensor y = at::randn({kRows, 4}, at::detail::createCPUGenerator(2));
+  const LossFn loss_fn = [](const c10::IValue& out, const c10::IValue& label) {
+    return (out.toTensor() - label.toTensor()).pow(2).sum() / (kRows * 4.0);
+  };
+  static torch::nn::Sequential model() {
+    torch::manual_seed(4);
+    torch::nn::Sequential m;
+    for (int l = 0; l < kLayers; ++l) m->push_back(RowSplitProbe());
+    return m;
+  }
+  at::Tensor plain_loss(torch::nn::Sequential& oracle) const {
+    at::Tensor loss = at::zeros({});
+    const auto xs = microbatches_of(x, kMicrobatches), ys = microbatches_of(y, kMicrobatches);
+    for (int m = 0; m < kMicrobatches; ++m) loss = loss + loss_fn(oracle->forward(xs[m]), ys[m]);
+    return loss;
+  }
+};
+
 // Note [Tail row chunks]: where the loss adds up over rows and the layers
 // split their rows, a budget that holds only some of the tail's layers'
 // activations runs the tail in chunks of rows instead: no layer is
 // recomputed, the results are plain LibTorch's, the device stays within
 // its budget; without loss_sums_over_rows, the same budget recomputes.
 TEST(TailRowChunks, ChunksOfRowsReplaceRecomputeWhereTheLossAddsUp) {
-  const int layers = 8, n = 2, rows = 1024;
-  const auto x = at::randn({rows, 4}, at::detail::createCPUGenerator(1));
-  const auto y = at::randn({rows, 4}, at::detail::createCPUGenerator(2));
-  // A sum over rows divided by a fixed count: chunks' losses add up.
-  const LossFn loss_fn = [](const c10::IValue& out, const c10::IValue& label) {
-    return (out.toTensor() - label.toTensor()).pow(2).sum() / (rows * 4.0);
-  };
+  const RowChunksCase c;
   for (bool sums : {true, false}) {
     SCOPED_TRACE(sums ? "loss_sums_over_rows" : "a loss of unknown form");
-    auto make = [&] {
-      torch::manual_seed(4);
-      torch::nn::Sequential m;
-      for (int l = 0; l < layers; ++l) m->push_back(RowSplitProbe());
-      return m;
-    };
-    auto model = make(), oracle = make();
+    auto model = RowChunksCase::model(), oracle = RowChunksCase::model();
     RoundPipe pipe(model, RoundPipeOptions().set_verbose(true).set_devices("sim:1,mem=448KiB"));
-    const auto config = RunConfig().set_num_microbatch(n).set_loss_sums_over_rows(sums);
+    const auto config =
+        RunConfig().set_num_microbatch(RowChunksCase::kMicrobatches).set_loss_sums_over_rows(sums);
     int last_recomputes = 0;
     for (int call = 0; call < 4; ++call) {
       recomputes = 0;
-      const auto loss = pipe.forward_backward(x, y, loss_fn, false, config).loss;
+      const auto loss = pipe.forward_backward(c.x, c.y, c.loss_fn, false, config).loss;
       pipe.synchronize();
       last_recomputes = recomputes.load();
-      at::Tensor expected = at::zeros({});
-      const auto xs = microbatches_of(x, n), ys = microbatches_of(y, n);
-      for (int m = 0; m < n; ++m) expected = expected + loss_fn(oracle->forward(xs[m]), ys[m]);
+      const auto expected = c.plain_loss(oracle);
       EXPECT_TENSOR_NEAR(loss, expected, kTol, "loss of call " << call);
       expected.backward();
     }
@@ -891,40 +902,28 @@ TEST(TailRowChunks, ChunksOfRowsReplaceRecomputeWhereTheLossAddsUp) {
 // results are still plain LibTorch's (Note [Out-of-memory retry of a
 // microbatch]).
 TEST(TailRowChunks, RunningOutOfMemoryInAChunkIsRetried) {
-  const int layers = 8, n = 2, rows = 1024;
-  const auto x = at::randn({rows, 4}, at::detail::createCPUGenerator(1));
-  const auto y = at::randn({rows, 4}, at::detail::createCPUGenerator(2));
-  const LossFn loss_fn = [](const c10::IValue& out, const c10::IValue& label) {
-    return (out.toTensor() - label.toTensor()).pow(2).sum() / (rows * 4.0);
-  };
+  const RowChunksCase c;
   for (auto when : {InjectWhen::kWithGrad, InjectWhen::kBackward}) {
     SCOPED_TRACE(when == InjectWhen::kWithGrad ? "forward" : "backward");
-    auto make = [&] {
-      torch::manual_seed(4);
-      torch::nn::Sequential m;
-      for (int l = 0; l < layers; ++l) m->push_back(RowSplitProbe());
-      return m;
-    };
-    auto model = make(), oracle = make();
+    auto model = RowChunksCase::model(), oracle = RowChunksCase::model();
     RoundPipe pipe(model, RoundPipeOptions().set_devices("sim:1,mem=448KiB"));
-    const auto config = RunConfig().set_num_microbatch(n).set_loss_sums_over_rows(true);
+    const auto config =
+        RunConfig().set_num_microbatch(RowChunksCase::kMicrobatches).set_loss_sums_over_rows(true);
     for (int call = 0; call < 3; ++call) {
       const bool inject = call == 2;  // once the tail runs in chunks
       if (inject) {
         ASSERT_GT(pipe.pipeline_stats().tail_microbatches_in_row_chunks, 0);
         inject_when = when;
         RowSplitProbeImpl::probe_count = 0;
-        RowSplitProbeImpl::inject_at = 2 * layers + 3;  // the third chunk's
+        RowSplitProbeImpl::inject_at = 2 * RowChunksCase::kLayers + 3;  // the third chunk's
         injected_ooms = 1;
       }
-      const auto loss = pipe.forward_backward(x, y, loss_fn, false, config).loss;
+      const auto loss = pipe.forward_backward(c.x, c.y, c.loss_fn, false, config).loss;
       pipe.synchronize();
       if (inject) EXPECT_EQ(injected_ooms.load(), 0) << "the injected error was not raised";
       injected_ooms = 0;
       inject_when = InjectWhen::kForward;
-      at::Tensor expected = at::zeros({});
-      const auto xs = microbatches_of(x, n), ys = microbatches_of(y, n);
-      for (int m = 0; m < n; ++m) expected = expected + loss_fn(oracle->forward(xs[m]), ys[m]);
+      const auto expected = c.plain_loss(oracle);
       EXPECT_TENSOR_NEAR(loss, expected, kTol, "loss of call " << call);
       expected.backward();
     }
