@@ -27,6 +27,8 @@ namespace roundpipe {
 enum class Queue : int { kParamUpload = 0, kActUpload = 1, kCompute = 2, kDownload = 3 };
 const char* queue_name(Queue q);
 
+class StagingRing;
+
 // A point in one queue's order. Always recorded before it is shared.
 class Event {
  public:
@@ -96,10 +98,15 @@ class Device {
   // kActUpload). The copies are ordered after `after` (may be null), not
   // after the compute queue: the new tensors' memory is free of earlier
   // compute use by construction. Returns the device tensors and the event
-  // that completes when they are written.
-  virtual std::pair<std::vector<at::Tensor>, EventPtr> upload(Queue queue,
-                                                              const std::vector<at::Tensor>& host,
-                                                              const EventPtr& after) = 0;
+  // that completes when they are written. `staging` (parameter uploads):
+  // sources that are not pinned go through its pinned slots (Note [Staging
+  // ring] in src/device/staging_ring.h); its chunks are at most a slot.
+  std::pair<std::vector<at::Tensor>, EventPtr> upload(Queue queue,
+                                                      const std::vector<at::Tensor>& host,
+                                                      const EventPtr& after,
+                                                      StagingRing* staging = nullptr) {
+    return upload_impl(queue, host, after, staging);
+  }
   // Copies device tensors produced by the compute queue so far into new host
   // tensors on kDownload: made by `allocate` when given, else by the backend
   // (pinned where it supports that).
@@ -131,6 +138,9 @@ class Device {
   virtual bool supports_pinned_memory() const = 0;
 
  protected:
+  virtual std::pair<std::vector<at::Tensor>, EventPtr> upload_impl(
+      Queue queue, const std::vector<at::Tensor>& host, const EventPtr& after,
+      StagingRing* staging) = 0;
   // Backends call these from upload() / download().
   void count_upload(Queue queue, const std::vector<at::Tensor>& tensors) {
     uploaded_[queue == Queue::kParamUpload ? 0 : 1] += bytes_of(tensors);

@@ -53,6 +53,11 @@ std::unique_ptr<WrappedCausalLM> wrap_model_to_roundpipe(const std::string& chec
       spec.rfind("sim", 0) != 0 && cuda_device_count() > 0) {
     model_options.pin_memory = true;
   }
+  // With pin_model=off the weights stay pageable: the checkpoint's own
+  // mapped pages serve (page cache, which the kernel may drop and read
+  // again), so a model larger than host memory trains. register pins what
+  // was loaded in place: it loads a copy.
+  if (options.roundpipe.pin_model == PinMode::kOff) model_options.map_weights = true;
   return std::make_unique<WrappedCausalLM>(
       models::CausalLM::from_pretrained(checkpoint_dir, model_options), options.roundpipe);
 }

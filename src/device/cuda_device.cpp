@@ -18,6 +18,7 @@
 #include <string>
 #include <thread>
 
+#include "device/staging_ring.h"
 #include "roundpipe/device.h"
 
 namespace roundpipe {
@@ -111,9 +112,10 @@ class CudaDevice final : public Device {
     cuda_event->block(stream(queue));
   }
 
-  std::pair<std::vector<at::Tensor>, EventPtr> upload(Queue queue,
-                                                      const std::vector<at::Tensor>& host,
-                                                      const EventPtr& after) override {
+  std::pair<std::vector<at::Tensor>, EventPtr> upload_impl(Queue queue,
+                                                           const std::vector<at::Tensor>& host,
+                                                           const EventPtr& after,
+                                                           StagingRing* staging) override {
     std::vector<at::Tensor> dst;
     dst.reserve(host.size());
     {
@@ -137,9 +139,21 @@ class CudaDevice final : public Device {
       if (queue == Queue::kParamUpload) {
         // Copies of at most kParamUploadChunkBytes: between two of them the
         // copy engine can serve the activation-upload stream.
-        for (const auto& chunk : copy_chunks(dst, host, kParamUploadChunkBytes)) {
+        const int64_t chunk_bytes = staging
+                                        ? std::min(kParamUploadChunkBytes, staging->slot_bytes())
+                                        : kParamUploadChunkBytes;
+        for (const auto& chunk : copy_chunks(dst, host, chunk_bytes)) {
           count_param_chunk(chunk);
-          for (const auto& [d, s] : chunk) d.copy_(s, /*non_blocking=*/true);
+          const bool pageable = staging && std::any_of(chunk.begin(), chunk.end(), [](auto& c) {
+                                  return !c.second.is_pinned();
+                                });
+          if (!pageable) {
+            for (const auto& [d, s] : chunk) d.copy_(s, /*non_blocking=*/true);
+            continue;
+          }
+          auto staged = staging->stage(chunk);
+          for (const auto& [d, s] : staged.chunk) d.copy_(s, /*non_blocking=*/true);
+          staging->release(staged.slot, record(queue));
         }
       } else {
         for (size_t i = 0; i < dst.size(); ++i) dst[i].copy_(host[i], /*non_blocking=*/true);

@@ -17,6 +17,7 @@
 #include <thread>
 #include <unordered_map>
 
+#include "device/staging_ring.h"
 #include "roundpipe/device.h"
 
 namespace roundpipe {
@@ -329,9 +330,10 @@ class SimDevice final : public Device {
     }
   }
 
-  std::pair<std::vector<at::Tensor>, EventPtr> upload(Queue queue,
-                                                      const std::vector<at::Tensor>& host,
-                                                      const EventPtr& after) override {
+  std::pair<std::vector<at::Tensor>, EventPtr> upload_impl(Queue queue,
+                                                           const std::vector<at::Tensor>& host,
+                                                           const EventPtr& after,
+                                                           StagingRing* staging) override {
     TORCH_CHECK(queue == Queue::kParamUpload || queue == Queue::kActUpload,
                 "upload runs on an upload queue, not ", queue_name(queue));
     std::vector<at::Tensor> dst;
@@ -340,9 +342,20 @@ class SimDevice final : public Device {
     count_upload(queue, host);
     wait(queue, after);
     if (queue == Queue::kParamUpload) {
-      // One queue task per chunk, as the CUDA backend issues one copy each.
-      for (auto& chunk : copy_chunks(dst, host, options_.param_chunk_bytes)) {
+      // One queue task per chunk, as the CUDA backend issues one copy each;
+      // with a staging ring, from its slot (nothing is pinned here: every
+      // chunk goes through it).
+      const int64_t chunk_bytes = staging
+                                      ? std::min(options_.param_chunk_bytes, staging->slot_bytes())
+                                      : options_.param_chunk_bytes;
+      for (auto& chunk : copy_chunks(dst, host, chunk_bytes)) {
         count_param_chunk(chunk);
+        int slot = -1;
+        if (staging) {
+          auto staged = staging->stage(chunk);
+          chunk = std::move(staged.chunk);
+          slot = staged.slot;
+        }
         copy_queue(queue).push(
             [chunk = std::move(chunk), this] {  // the slices keep the storages alive
               std::vector<at::Tensor> to, from;
@@ -353,6 +366,7 @@ class SimDevice final : public Device {
               copy_all(to, from);
             },
             true);
+        if (slot >= 0) staging->release(slot, record(queue));
       }
     } else {
       copy_queue(queue).push([dst, host, this] { copy_all(dst, host); }, true);

@@ -16,20 +16,18 @@
 #include <vector>
 
 namespace roundpipe {
-namespace {
 
-class Pool {
- public:
-  explicit Pool(int threads) {
+struct ThreadPool::State {
+  explicit State(int threads, bool low_priority) {
     for (int t = 0; t < threads; ++t) {
-      workers_.emplace_back([this] {
-        lower_priority();
+      workers_.emplace_back([this, low_priority] {
+        if (low_priority) lower_priority();
         loop();
       });
     }
     size_ = threads;
   }
-  ~Pool() {
+  ~State() {
     {
       std::lock_guard<std::mutex> lock(mu_);
       stop_ = true;
@@ -51,15 +49,14 @@ class Pool {
       ++generation_;
       cv_.notify_all();
     }
-    // The caller only waits: the work runs on the pool's threads, at the
-    // lower priority.
+    // The caller only waits: the work runs on the pool's threads (at the
+    // lower priority, for the optimizer's pool).
     std::unique_lock<std::mutex> lock(mu_);
     done_cv_.wait(lock, [&] { return active_ == 0; });
     fn_ = nullptr;
     if (error_) std::rethrow_exception(error_);
   }
 
- private:
   void work() {
     for (;;) {
       const int64_t i = next_.fetch_add(1);
@@ -113,11 +110,26 @@ class Pool {
   std::exception_ptr error_;
 };
 
-Pool& pool() {
-  static Pool instance(parallel_threads());
-  return instance;
+ThreadPool::ThreadPool(int threads, bool low_priority)
+    : state_(std::make_unique<State>(std::max(1, threads), low_priority)) {}
+ThreadPool::~ThreadPool() = default;
+int ThreadPool::size() const {
+  return state_->size();
+}
+void ThreadPool::run(int64_t count, const std::function<void(int64_t)>& fn) {
+  if (count <= 0) return;
+  if (count == 1) {
+    fn(0);
+    return;
+  }
+  state_->run(count, fn);
 }
 
+namespace {
+ThreadPool& pool() {
+  static ThreadPool instance(parallel_threads(), /*low_priority=*/true);
+  return instance;
+}
 }  // namespace
 
 int parallel_threads() {
@@ -126,11 +138,6 @@ int parallel_threads() {
 }
 
 void parallel_for_each(int64_t count, const std::function<void(int64_t)>& fn) {
-  if (count <= 0) return;
-  if (count == 1) {
-    fn(0);
-    return;
-  }
   pool().run(count, fn);
 }
 

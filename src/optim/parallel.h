@@ -5,12 +5,31 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 
 namespace roundpipe {
 
-// Runs fn(i) for i in [0, count) on the pool's threads (dynamic scheduling:
-// each thread takes the next index). Returns when all are done; rethrows the
-// first exception. Calls from several threads are serialised.
+// Persistent threads that run fn(i) for i in [0, count) (dynamic
+// scheduling: each thread takes the next index). run() returns when all are
+// done and rethrows the first exception; calls from several threads are
+// serialised. `low_priority`: the threads run at nice +10 (the optimizer's,
+// so that a worker waking to launch kernels gets its core at once).
+class ThreadPool {
+ public:
+  ThreadPool(int threads, bool low_priority);
+  ~ThreadPool();
+  ThreadPool(const ThreadPool&) = delete;
+  ThreadPool& operator=(const ThreadPool&) = delete;
+  int size() const;
+  void run(int64_t count, const std::function<void(int64_t)>& fn);
+
+ private:
+  struct State;
+  std::unique_ptr<State> state_;
+};
+
+// Runs fn(i) for i in [0, count) on the optimizer's ThreadPool
+// (parallel_threads() threads at low priority).
 void parallel_for_each(int64_t count, const std::function<void(int64_t)>& fn);
 
 // Threads in the pool: $ROUNDPIPE_CPU_THREADS, else at::get_num_threads().

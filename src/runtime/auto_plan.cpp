@@ -1,13 +1,17 @@
 // The engine's automatic plan: see auto_plan.h.
 #include "runtime/auto_plan.h"
 
+#include "device/staging_ring.h"
+
 #include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 
 namespace roundpipe::detail {
 
@@ -212,10 +216,19 @@ double AutoPlan::probe_upload_rate() const {
                           1 << 20, 64 << 20),
       budget > 0 ? std::max<int64_t>(budget / 8, 1) : int64_t{64} << 20);
   // Pinned as the homes are (not from the arena, which then holds the
-  // model alone).
-  const bool pinned = options_.pin_model != PinMode::kOff && device.supports_pinned_memory();
+  // model alone). Pageable homes are uploaded through a staging ring, whose
+  // CPU copies count: that probe is timed on the host, from enqueuing the
+  // upload to its completion.
+  const bool staged = weights_.pageable_homes();
+  const bool pinned = !staged && device.supports_pinned_memory();
   auto host = at::empty({bytes}, at::TensorOptions().dtype(at::kByte).pinned_memory(pinned));
   host.zero_();
+  std::unique_ptr<StagingRing> ring;
+  if (staged) {
+    ring = std::make_unique<StagingRing>(
+        kStagingSlots, staging_slot_bytes(weights_.host_memory_stats().model_state_bytes),
+        device.supports_pinned_memory(), kStagingThreads);
+  }
   // The copy alone, timed on its queue, the fastest of three after one
   // that pays for allocation. A probe that fails leaves the rate unknown
   // (0: uploads count as free), it does not fail the engine.
@@ -224,11 +237,15 @@ double AutoPlan::probe_upload_rate() const {
     for (int i = 0; i < 4; ++i) {
       for (Queue q : {Queue::kCompute, Queue::kDownload, Queue::kParamUpload})
         device.record(q)->synchronize();
+      const auto wall_start = std::chrono::steady_clock::now();
       auto start = device.record_timing_mark(Queue::kParamUpload);
-      auto [copy, done] = device.upload(Queue::kParamUpload, {host}, nullptr);
+      auto [copy, done] = device.upload(Queue::kParamUpload, {host}, nullptr, ring.get());
       auto end = device.record_timing_mark(Queue::kParamUpload);
       done->synchronize();  // (rethrows a failed copy)
-      const double s = device.seconds_between(start, end);
+      const double s =
+          staged
+              ? std::chrono::duration<double>(std::chrono::steady_clock::now() - wall_start).count()
+              : device.seconds_between(start, end);
       if (i > 0) seconds = seconds > 0 ? std::min(seconds, s) : s;
     }
   } catch (const std::exception& e) {

@@ -7,6 +7,11 @@ namespace roundpipe::detail {
 
 DeviceWorker::DeviceWorker(WorkerContext& context, DevicePtr device)
     : context_(context), device_(std::move(device)) {
+  if (context_.weights.pageable_homes()) {
+    staging_ = std::make_unique<StagingRing>(
+        kStagingSlots, staging_slot_bytes(context_.weights.host_memory_stats().model_state_bytes),
+        device_->supports_pinned_memory(), kStagingThreads);
+  }
   thread_ = std::thread([this] {
     set_engine_thread(context_.owner);
     device_->bind_compute_thread();
@@ -139,8 +144,9 @@ void DeviceWorker::upload(Job& job) {
       weights.wait_available(job.param_ids, version, [&] { return job.call->aborted.load(); });
   context_.stats.add_since(&PipelineStats::weight_wait_seconds, start);
   if (!available) return;  // the call failed: nothing to run
-  auto [copies, event] = device_->upload(
-      Queue::kParamUpload, weights.tensors_to_upload(job.param_ids, version), nullptr);
+  auto [copies, event] =
+      device_->upload(Queue::kParamUpload, weights.tensors_to_upload(job.param_ids, version),
+                      nullptr, staging_.get());
   ROUNDPIPE_TRACE("call %lld: parameter upload of %s enqueued (after %.1f ms)",
                   static_cast<long long>(job.call->id), job.describe().c_str(), ms_since(start));
   job.device_params = std::move(copies);

@@ -13,6 +13,7 @@
 #include <string>
 #include <thread>
 
+#include "device/staging_ring.h"
 #include "roundpipe/device.h"
 #include "runtime/call.h"
 #include "runtime/host_tasks.h"
@@ -58,6 +59,9 @@ class DeviceWorker {
 
   WorkerContext& context_;
   DevicePtr device_;
+  // Pinned slots for pageable parameter uploads (Note [Staging ring]), when
+  // the homes may be pageable.
+  std::unique_ptr<StagingRing> staging_;
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<std::shared_ptr<Job>> jobs_;     // front: the running job

@@ -9,8 +9,11 @@
 
 #include <algorithm>
 #include <cstring>
-#include <set>
+#include <fstream>
+#include <sstream>
 #include <unordered_map>
+
+#include <unistd.h>
 
 #include "optim/parallel.h"
 
@@ -94,6 +97,62 @@ void move_homes_into(HostArena& arena, std::vector<ParamEntry>& params,
   }
 }
 
+// The address ranges of this process's file mappings (/proc/self/maps
+// lines with an inode), sorted.
+std::vector<std::pair<uintptr_t, uintptr_t>> file_mappings() {
+  std::vector<std::pair<uintptr_t, uintptr_t>> out;
+  std::ifstream maps("/proc/self/maps");
+  for (std::string line; std::getline(maps, line);) {
+    std::istringstream fields(line);
+    std::string range, perms, offset, dev;
+    uint64_t inode = 0;
+    fields >> range >> perms >> offset >> dev >> inode;
+    const auto dash = range.find('-');
+    if (inode == 0 || dash == std::string::npos) continue;
+    out.emplace_back(std::stoull(range.substr(0, dash), nullptr, 16),
+                     std::stoull(range.substr(dash + 1), nullptr, 16));
+  }
+  return out;
+}
+
+// pin_model=register: pins the pages the homes occupy, in place. Ranges
+// are whole pages, and overlapping ones (small allocations sharing a page)
+// are merged into one registration: pinning overlapping ranges fails.
+// Homes in a file mapping (a memory-mapped checkpoint) are left pageable
+// and go through the staging ring: pinning a private file mapping would
+// copy each page into anonymous memory (pinning it read-only keeps the
+// file's page, which a later write would silently stop being).
+void register_in_place(const std::vector<ParamEntry>& params, std::vector<void*>& registered) {
+  const auto page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
+  const auto files = file_mappings();
+  auto in_file = [&](uintptr_t begin, uintptr_t end) {
+    return std::any_of(files.begin(), files.end(),
+                       [&](const auto& f) { return begin < f.second && f.first < end; });
+  };
+  std::vector<std::pair<uintptr_t, uintptr_t>> ranges;
+  for (const auto& entry : params) {
+    const auto& home = entry.home;
+    if (home.numel() == 0 || home.is_pinned()) continue;
+    const auto begin = reinterpret_cast<uintptr_t>(home.storage().data());
+    const uintptr_t end = begin + home.storage().nbytes();
+    if (in_file(begin, end)) continue;
+    ranges.emplace_back(begin / page * page, (end + page - 1) / page * page);
+  }
+  std::sort(ranges.begin(), ranges.end());
+  std::vector<std::pair<uintptr_t, uintptr_t>> merged;
+  for (const auto& r : ranges) {
+    if (!merged.empty() && r.first < merged.back().second) {
+      merged.back().second = std::max(merged.back().second, r.second);
+    } else {
+      merged.push_back(r);
+    }
+  }
+  for (const auto& [begin, end] : merged) {
+    void* data = reinterpret_cast<void*>(begin);
+    if (register_host_memory(data, end - begin)) registered.push_back(data);
+  }
+}
+
 }  // namespace
 
 WeightTable::WeightTable(const std::vector<LayerPtr>& layers, PinMode pin, bool can_pin,
@@ -164,13 +223,12 @@ WeightTable::WeightTable(const std::vector<LayerPtr>& layers, PinMode pin, bool 
       return arena->empty(sizes, dtype);
     };
   } else if (pin == PinMode::kRegister && can_pin) {
-    std::set<void*> seen;
-    for (auto& entry : params_) {
-      void* data = entry.home.storage().mutable_data();
-      if (entry.home.is_pinned() || !seen.insert(data).second) continue;
-      if (register_host_memory(data, entry.home.storage().nbytes())) registered_.push_back(data);
-    }
+    register_in_place(params_, registered_);
   }
+  // Homes that may be pageable go through a staging ring (Note [Staging
+  // ring]): all of them with off; with register, those that could not be
+  // pinned and the unpinned staging copies an async step swaps in.
+  pageable_homes_ = pin == PinMode::kOff || (pin == PinMode::kRegister && can_pin);
 }
 
 WeightTable::~WeightTable() {

@@ -73,6 +73,9 @@ class WeightTable {
   // Where downloads go: the arena with pin_model=alloc, else empty (the
   // backend's own memory).
   const HostAllocator& host_allocator() const { return host_allocator_; }
+  // Whether uploads may read pageable homes (pin_model=off; register, where
+  // pinning can fail): they then go through a staging ring.
+  bool pageable_homes() const { return pageable_homes_; }
 
   // Versions (Note [Weight versions]).
   void add_reads(const std::vector<int>& ids, int64_t version);
@@ -120,6 +123,7 @@ class WeightTable {
   std::unique_ptr<HostArena> arena_;
   HostAllocator host_allocator_;
   std::vector<void*> registered_;  // host memory pinned in place (pin_model=register)
+  bool pageable_homes_ = false;
   int64_t model_state_bytes_ = 0;
   // Guards every entry's versions, reads and staging state (and the swap
   // of a staging copy into its home).

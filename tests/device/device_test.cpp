@@ -7,6 +7,7 @@
 
 #include <thread>
 
+#include "device/staging_ring.h"
 #include "test_util.h"
 
 namespace roundpipe::testing {
@@ -155,6 +156,34 @@ TEST(SimDevice, ParameterUploadsGoInChunks) {
   EXPECT_LE(stats.largest_param_copy_bytes, 64 * 1024);
   // 421,200 bytes in chunks of 65,536: 7 copies.
   EXPECT_EQ(stats.param_upload_copies, 7);
+}
+
+// Pageable parameter uploads through a ring of two small slots (Note
+// [Staging ring]): more chunks than slots, so each slot is refilled only
+// after the copy that read it; a strided source is staged through copy_.
+TEST_P(DeviceTest, PageableParameterUploadsGoThroughTheStagingRing) {
+  auto device = make_devices(GetParam()).front();
+  StagingRing ring(2, 64 * 1024, device->supports_pinned_memory(), 2);
+  std::vector<at::Tensor> host = {at::randn({5000}).requires_grad_(), at::randn({100000}),
+                                  at::randn({40, 30}).t(), at::randn({300})};
+  int64_t bytes = 0;
+  for (const auto& t : host) bytes += static_cast<int64_t>(t.nbytes());
+  for (int round = 0; round < 3; ++round) {  // the slots' memory is reused every round
+    auto [dev, up] = device->upload(Queue::kParamUpload, host, nullptr, &ring);
+    up->synchronize();
+    for (size_t i = 0; i < host.size(); ++i)
+      EXPECT_TRUE(at::equal(dev[i].cpu(), host[i])) << "tensor " << i << " round " << round;
+    for (auto& t : host) t = t + 1;  // the next round's values differ
+  }
+  EXPECT_EQ(ring.staged_bytes(), 3 * bytes);
+  EXPECT_LE(device->transfer_stats().largest_param_copy_bytes, 64 * 1024);
+  if (device->supports_pinned_memory()) {  // pinned sources are copied from where they are
+    auto pinned = at::randn({1000}).pin_memory();
+    auto [dev, up] = device->upload(Queue::kParamUpload, {pinned}, nullptr, &ring);
+    up->synchronize();
+    EXPECT_TRUE(at::equal(dev[0].cpu(), pinned));
+    EXPECT_EQ(ring.staged_bytes(), 3 * bytes);
+  }
 }
 
 TEST(DeviceSpec, ParsesSimSpecs) {
