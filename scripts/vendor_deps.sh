@@ -22,3 +22,7 @@ for v in 3.10 3.12 3.13; do
   "${PYTHON:-$root/.venv/bin/python}" -m pip download -q --only-binary=:all: --python-version "$v" \
     --dest "$root/.deps/wheels" "scikit-build-core>=0.10" pytest || true
 done
+# peft for the LoRA benchmark and tests (pure Python, and what it needs that
+# an environment with torch and transformers may lack).
+"${PYTHON:-$root/.venv/bin/python}" -m pip download -q --no-deps --only-binary=:all: \
+  --dest "$root/.deps/wheels" peft==0.21.2 accelerate psutil

@@ -132,6 +132,11 @@ class RoundPipe {
   std::optional<c10::ScalarType> optim_dtype() const;
   HostMemoryStats host_memory_stats() const;
   PipelineStats pipeline_stats() const;
+  // For benchmarks of pin_model: uploads every layer's weights once to the
+  // first device from where they live, as stage jobs do (pinned, or through
+  // the staging ring), and returns the bytes per second, wall clock. Waits
+  // for the pipeline to be idle first (synchronize()).
+  double measure_weight_upload_rate();
 
  private:
   std::unique_ptr<detail::Engine> engine_;

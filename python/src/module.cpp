@@ -376,6 +376,8 @@ PYBIND11_MODULE(_C, m) {
              d["tail_microbatches_in_row_chunks"] = s.tail_microbatches_in_row_chunks;
              return d;
            })
+      .def("measure_weight_upload_rate", &RoundPipe::measure_weight_upload_rate,
+           py::call_guard<py::gil_scoped_release>())
       .def("default_plan",
            [](RoundPipe& self, bool fused) { return plan_tuple(self.default_plan(fused)); })
       .def(

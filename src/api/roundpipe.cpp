@@ -88,6 +88,9 @@ HostMemoryStats RoundPipe::host_memory_stats() const {
 PipelineStats RoundPipe::pipeline_stats() const {
   return engine_->pipeline_stats();
 }
+double RoundPipe::measure_weight_upload_rate() {
+  return engine_->measure_weight_upload_rate();
+}
 
 }  // namespace roundpipe
 

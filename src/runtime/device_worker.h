@@ -47,6 +47,8 @@ class DeviceWorker {
 
   void submit(std::shared_ptr<Job> job);
   Device& device() { return *device_; }
+  // The ring its parameter uploads go through (null: the homes are pinned).
+  StagingRing* staging() { return staging_.get(); }
   // Waits until the uploader has enqueued the job's parameter upload (the
   // compute queue then waits for job.params_ready on the device); rethrows
   // the upload's error; throws CallAborted when its call failed meanwhile.

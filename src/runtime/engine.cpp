@@ -522,6 +522,38 @@ void Engine::synchronize() {
   }
 }
 
+double Engine::measure_weight_upload_rate() {
+  synchronize();
+  auto& worker = *workers_.at(0);
+  auto& device = worker.device();
+  // Layer by layer from where the weights live, as stage jobs upload them
+  // (through the staging ring where they may be pageable), at most two
+  // layers' copies held on the device.
+  const auto start = std::chrono::steady_clock::now();
+  int64_t bytes = 0;
+  std::vector<EventPtr> done;
+  std::vector<std::vector<at::Tensor>> held;
+  for (int l = 0; l < num_layers(); ++l) {
+    std::vector<at::Tensor> host;
+    for (int id : weights_.layer_param_ids(l)) {
+      host.push_back(weights_.home(id));
+      bytes += static_cast<int64_t>(host.back().nbytes());
+    }
+    if (done.size() >= 2) {
+      done.front()->synchronize();
+      done.erase(done.begin());
+      held.erase(held.begin());
+    }
+    auto [copies, event] = device.upload(Queue::kParamUpload, host, nullptr, worker.staging());
+    done.push_back(event);
+    held.push_back(std::move(copies));
+  }
+  for (auto& event : done) event->synchronize();
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  return seconds > 0 ? static_cast<double>(bytes) / seconds : 0;
+}
+
 bool Engine::wait_for_background_work() {
   check_caller_thread("wait_for_background_work()");
   settle();

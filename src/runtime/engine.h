@@ -76,6 +76,7 @@ class Engine {
   std::optional<c10::ScalarType> optim_dtype() const { return options_.optim_dtype; }
   HostMemoryStats host_memory_stats() const { return weights_.host_memory_stats(); }
   PipelineStats pipeline_stats() const { return stats_.snapshot(); }
+  double measure_weight_upload_rate();
 
  private:
   RunConfig resolve(const RunConfig& config) const;

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# On the GPU machine, in one call: pip-install the Python package from source
+# (as gpu_python.sh does) and peft (from .deps/wheels: scripts/vendor_deps.sh),
+# then bench/lora_bench.py, each configuration in its own process:
+#   PART=8B (default): LoRA on the Qwen3-8B shape, 8 x 4096 tokens a step:
+#     GPU-resident peft + transformers with gradient checkpointing (no cap),
+#     then RoundPipe under a 24 GiB cap with pin_model alloc, register, off.
+#   PART=14B: a random Qwen3-14B-shaped checkpoint written to disk, then LoRA
+#     with pin_model=off from its memory-mapped pages under a 24 GiB cap.
+# PINS, STEPS, BATCH, SEQ override. Logs go to $OUT (or ./bench-out).
+set -uo pipefail
+out="${OUT:-$PWD/bench-out}"; mkdir -p "$out"
+py=python3
+SECONDS=0
+$py -m pip install -q --no-index --find-links .deps/wheels "scikit-build-core>=0.10" peft==0.21.2 2>&1 | tail -2
+$py -c 'import peft, transformers, torch; print("peft", peft.__version__, "transformers", transformers.__version__, "torch", torch.__version__)' | tee "$out/machine.txt"
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee -a "$out/machine.txt"
+if ! $py -c 'import roundpipe' 2>/dev/null || [ -n "${REINSTALL:-}" ]; then
+  JOBS=16 PYTHON=$py scripts/install_python.sh > "$out/pip_install.log" 2>&1 || { tail -20 "$out/pip_install.log"; exit 1; }
+fi
+echo "installed after ${SECONDS}s" | tee "$out/times.txt"
+export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+steps="${STEPS:-5}" batch="${BATCH:-8}" seq="${SEQ:-4096}"
+run() {  # what, then lora_bench.py arguments
+  local what=$1; shift
+  timeout "${RUN_TIMEOUT:-150}" $py bench/lora_bench.py "$@" 2>&1 | tee -a "$out/lora.log" | grep -v "^  " | grep -v Warning | tail -2
+  echo "  ($what: exit ${PIPESTATUS[0]}, ${SECONDS}s)" | tee -a "$out/lora.log"
+}
+if [ "${PART:-8B}" = 8B ]; then
+  run resident resident 8B "$batch" "$seq" "$steps"
+  for pin in ${PINS:-alloc register off}; do
+    run "pin $pin" roundpipe 8B 24 "$batch" "$seq" "$steps" "$pin"
+  done
+else
+  dir=/tmp/qwen3-14b-random
+  [ -f "$dir/config.json" ] || run write write 14B "$dir"
+  du -sh "$dir" | tee -a "$out/lora.log"
+  run "14B off, mapped" roundpipe 14B 24 "$batch" "$seq" "$steps" off "$dir"
+fi
+echo "total ${SECONDS}s"

@@ -1,0 +1,175 @@
+"""LoRA fine-tuning as users run it (issue 18): a peft LoraModel (rank 16,
+alpha 32, every linear projection) around a HuggingFace Qwen3 with random
+bf16 weights, 8 x 4096 tokens a step with the tokenizer's all-ones
+attention_mask. One configuration per process; prints one result line.
+
+  lora_bench.py resident SHAPE BATCH SEQ STEPS
+      GPU-resident peft + transformers, gradient checkpointing, no cap, AdamW
+      (fused) on the adapters: the baseline.
+  lora_bench.py roundpipe SHAPE CAP_GIB BATCH SEQ STEPS PIN [CHECKPOINT_DIR]
+      wrap_model_to_roundpipe(peft_model, pin_model=PIN) on a card capped to
+      CAP_GIB, roundpipe.optim.Adam with the async step. With CHECKPOINT_DIR
+      the base model is transformers' from_pretrained(dir, dtype=bfloat16)
+      (its tensors stay the checkpoint's memory-mapped pages), else random
+      weights made on the GPU and moved to the host. Reports tokens/s, the
+      weight upload rate from where the weights live
+      (measure_weight_upload_rate), and host memory: resident anonymous and
+      file pages (/proc/self/smaps_rollup) and the peak (VmHWM).
+  lora_bench.py write SHAPE DIR
+      Saves a random-weight bf16 checkpoint of SHAPE to DIR (weights drawn on
+      the GPU).
+"""
+import os
+import sys
+import time
+
+import torch
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+SHAPES = {
+    "8B": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+               num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False),
+    "14B": dict(hidden_size=5120, intermediate_size=17408, num_hidden_layers=40,
+                num_attention_heads=40, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False),
+    "tiny": dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=False),
+}
+GIB = 2**30
+CUDA = torch.cuda.is_available()  # (without: a dry run on simulated devices)
+
+
+def config_of(shape, seq):
+    return Qwen3Config(vocab_size=151936 if shape != "tiny" else 1024, rms_norm_eps=1e-6,
+                       rope_theta=1000000.0, max_position_embeddings=max(seq, 4096), use_cache=False,
+                       **SHAPES[shape])
+
+
+def random_model(shape, seq, device):
+    """Random bf16 weights, drawn where `device` is (fast on a GPU)."""
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Qwen3ForCausalLM._from_config(config_of(shape, seq), dtype=torch.bfloat16)
+    return model
+
+
+def host_memory():
+    """(anonymous, file-backed) resident GiB of this process, and its peak RSS."""
+    fields = {}
+    with open("/proc/self/smaps_rollup") as f:
+        for line in f:
+            parts = line.split()
+            if len(parts) >= 2 and parts[0].endswith(":"):
+                fields[parts[0][:-1]] = int(parts[1]) / 2**20
+    with open("/proc/self/status") as f:
+        peak = next(int(line.split()[1]) for line in f if line.startswith("VmHWM")) / 2**20
+    anon = fields.get("Anonymous", 0)
+    return anon, fields.get("Rss", 0) - anon, peak
+
+
+def lora(model):
+    from peft import LoraConfig, get_peft_model
+    return get_peft_model(model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0,
+                                            target_modules="all-linear", task_type="CAUSAL_LM"))
+
+
+def batch_of(config, batch, seq, device="cpu"):
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, config.vocab_size, (batch, seq), generator=gen)
+    return {"input_ids": ids.to(device), "labels": ids.clone().to(device),
+            "attention_mask": torch.ones(batch, seq, dtype=torch.long, device=device)}
+
+
+def rate_of(times, tokens):
+    steady = times[len(times) // 2:]  # the first steps plan and measure
+    return tokens * len(steady) / sum(steady)
+
+
+def resident(shape, batch, seq, steps):
+    model = lora(random_model(shape, seq, "cuda"))
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.enable_input_require_grads()
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=1e-4, fused=True)
+    inputs = batch_of(model.config, batch, seq, "cuda")
+    times = []
+    for step in range(steps):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        loss = model(**inputs).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+        print(f"  step {step + 1}: {times[-1]:.2f} s, loss {loss.item():.4f}", flush=True)
+    print(f"resident peft {shape}, {batch} x {seq}: {rate_of(times, batch * seq):,.0f} tokens/s, "
+          f"{sum(p.numel() for p in params) / 1e6:.1f}M trainable, peak "
+          f"{torch.cuda.max_memory_allocated() / GIB:.1f} GiB (no cap)", flush=True)
+
+
+def with_roundpipe(shape, cap_gib, batch, seq, steps, pin, checkpoint):
+    import roundpipe
+    from roundpipe import RoundPipeRunConfig, wrap_model_to_roundpipe
+    before = host_memory()
+    made = time.perf_counter()
+    if checkpoint:
+        model = Qwen3ForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16)
+    else:
+        model = random_model(shape, seq, "cuda" if CUDA else "cpu").to("cpu")
+        if CUDA:
+            torch.cuda.empty_cache()
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    model = lora(model)
+    loaded = host_memory()
+    if CUDA:
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(cap_gib * GIB / total, 0)
+    pipe = wrap_model_to_roundpipe(model, model_run_config=RoundPipeRunConfig(num_microbatch=4),
+                                   optim_dtype=torch.float32, pin_model=pin)
+    wrapped = time.perf_counter() - made
+    optimizer = roundpipe.optim.Adam(pipe.optim_parameters(), lr=1e-4)
+    inputs = batch_of(model.config, batch, seq)
+    times = []
+    for step in range(steps):
+        start = time.perf_counter()
+        loss = pipe.forward_backward(input_kwargs=inputs)
+        pipe.step(lambda: (optimizer.step(), optimizer.zero_grad()))
+        times.append(time.perf_counter() - start)
+        anon, file, _ = host_memory()
+        print(f"  step {step + 1}: {times[-1]:.2f} s, loss {float(loss):.4f}, host anon {anon:.2f} "
+              f"GiB, file {file:.2f} GiB", flush=True)
+    pipe.synchronize()
+    trained = host_memory()
+    upload = pipe._engine.measure_weight_upload_rate()
+    print(f"roundpipe {shape} pin {pin}, cap {cap_gib:g} GiB, {batch} x {seq}: "
+          f"{rate_of(times, batch * seq):,.0f} tokens/s; weights {weight_bytes / GIB:.2f} GiB "
+          f"{'memory-mapped from disk' if checkpoint else 'made in memory'}, uploaded at "
+          f"{upload / 1e9:.1f} GB/s; host memory (GiB) before the model: anon {before[0]:.2f} "
+          f"file {before[1]:.2f}; loaded: anon {loaded[0]:.2f} file {loaded[1]:.2f}; training: "
+          f"anon {trained[0]:.2f} file {trained[1]:.2f}, peak RSS {trained[2]:.2f}; "
+          f"peak device {torch.cuda.max_memory_allocated() / GIB if CUDA else 0:.2f} GiB; "
+          f"ready in {wrapped:.0f} s",
+          flush=True)
+
+
+def write(shape, out):
+    model = random_model(shape, 4096, "cuda" if CUDA else "cpu").to("cpu")
+    start = time.perf_counter()
+    model.save_pretrained(out)
+    size = sum(os.path.getsize(os.path.join(out, f)) for f in os.listdir(out))
+    print(f"wrote {shape} ({size / GIB:.1f} GiB) to {out} in {time.perf_counter() - start:.0f} s",
+          flush=True)
+
+
+if __name__ == "__main__":
+    mode = sys.argv[1]
+    if mode == "resident":
+        resident(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]))
+    elif mode == "roundpipe":
+        with_roundpipe(sys.argv[2], float(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]),
+                       int(sys.argv[6]), sys.argv[7], sys.argv[8] if len(sys.argv) > 8 else None)
+    elif mode == "write":
+        write(sys.argv[2], sys.argv[3])
+    else:
+        sys.exit(__doc__)
