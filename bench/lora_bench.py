@@ -13,8 +13,10 @@ attention_mask. One configuration per process; prints one result line.
       (its tensors stay the checkpoint's memory-mapped pages), else random
       weights made on the GPU and moved to the host. Reports tokens/s, the
       weight upload rate from where the weights live
-      (measure_weight_upload_rate), and host memory: resident anonymous and
-      file pages (/proc/self/smaps_rollup) and the peak (VmHWM).
+      (measure_weight_upload_rate), and host memory: resident anonymous
+      memory, file pages and shared memory (/proc/self/smaps_rollup; the CUDA
+      host allocator's pinned blocks count as shared memory) and the peak
+      (VmHWM).
   lora_bench.py write SHAPE DIR
       Saves a random-weight bf16 checkpoint of SHAPE to DIR (weights drawn on
       the GPU).
@@ -53,7 +55,8 @@ def random_model(shape, seq, device):
 
 
 def host_memory():
-    """(anonymous, file-backed) resident GiB of this process, and its peak RSS."""
+    """This process's resident memory in GiB: anonymous, file pages, shared
+    memory (the CUDA host allocator's pinned blocks), and the peak RSS."""
     fields = {}
     with open("/proc/self/smaps_rollup") as f:
         for line in f:
@@ -62,8 +65,13 @@ def host_memory():
                 fields[parts[0][:-1]] = int(parts[1]) / 2**20
     with open("/proc/self/status") as f:
         peak = next(int(line.split()[1]) for line in f if line.startswith("VmHWM")) / 2**20
-    anon = fields.get("Anonymous", 0)
-    return anon, fields.get("Rss", 0) - anon, peak
+    anon = fields.get("Pss_Anon", fields.get("Anonymous", 0))
+    file = fields.get("Pss_File", fields.get("Rss", 0) - anon)
+    return anon, file, fields.get("Pss_Shmem", 0), peak
+
+
+def describe(memory):
+    return f"anon {memory[0]:.2f} file {memory[1]:.2f} shmem {memory[2]:.2f}"
 
 
 def lora(model):
@@ -136,18 +144,16 @@ def with_roundpipe(shape, cap_gib, batch, seq, steps, pin, checkpoint):
         loss = pipe.forward_backward(input_kwargs=inputs)
         pipe.step(lambda: (optimizer.step(), optimizer.zero_grad()))
         times.append(time.perf_counter() - start)
-        anon, file, _ = host_memory()
-        print(f"  step {step + 1}: {times[-1]:.2f} s, loss {float(loss):.4f}, host anon {anon:.2f} "
-              f"GiB, file {file:.2f} GiB", flush=True)
+        print(f"  step {step + 1}: {times[-1]:.2f} s, loss {float(loss):.4f}, host (GiB) "
+              f"{describe(host_memory())}", flush=True)
     pipe.synchronize()
     trained = host_memory()
     upload = pipe._engine.measure_weight_upload_rate()
     print(f"roundpipe {shape} pin {pin}, cap {cap_gib:g} GiB, {batch} x {seq}: "
           f"{rate_of(times, batch * seq):,.0f} tokens/s; weights {weight_bytes / GIB:.2f} GiB "
           f"{'memory-mapped from disk' if checkpoint else 'made in memory'}, uploaded at "
-          f"{upload / 1e9:.1f} GB/s; host memory (GiB) before the model: anon {before[0]:.2f} "
-          f"file {before[1]:.2f}; loaded: anon {loaded[0]:.2f} file {loaded[1]:.2f}; training: "
-          f"anon {trained[0]:.2f} file {trained[1]:.2f}, peak RSS {trained[2]:.2f}; "
+          f"{upload / 1e9:.1f} GB/s; host memory (GiB) before the model: {describe(before)}; "
+          f"loaded: {describe(loaded)}; training: {describe(trained)}, peak RSS {trained[3]:.2f}; "
           f"peak device {torch.cuda.max_memory_allocated() / GIB if CUDA else 0:.2f} GiB; "
           f"ready in {wrapped:.0f} s",
           flush=True)
