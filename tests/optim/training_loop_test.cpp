@@ -64,54 +64,67 @@ TEST_P(OptimizerLoopTest, SyncStepEqualsPlainTrainingStepForStep) {
 // Every pin mode: with off (and register where pinning fails) the
 // uploads read pageable homes and the async step's staging copies through
 // a staging ring.
-TEST_P(OptimizerLoopTest, AsyncStepEqualsTheOneStepDelayOracle) {
-  for (auto pin : {PinMode::kAlloc, PinMode::kRegister, PinMode::kOff}) {
-    SCOPED_TRACE("pin_model " + std::to_string(static_cast<int>(pin)));
-    const c10::Device dev = oracle_device(GetParam());
-    auto model = make_model(ModelKind::kMlp), ref = make_model(ModelKind::kMlp);
-    ref->to(dev);
-    RoundPipe pipe(model, RoundPipeOptions().set_devices(GetParam()).set_pin_model(pin));
-    optim::Adam adam(pipe.optim_parameters(), adam_config());
-    // The oracle: masters M updated by Adam with the gradient taken at the
-    // weights W; W for iteration k+1 is M before update k (W_0 = W_1 = M_0).
-    std::vector<at::Tensor> masters;
-    for (const auto& p : ref->parameters())
-      masters.push_back(p.detach().clone().requires_grad_(true));
-    torch::optim::Adam ref_adam(masters, torch_adam_options());
-    const int n = pipe.devices().size() + 1;
-    for (int step = 0; step < kSteps; ++step) {
-      auto [x, y] = batch(step);
-      auto loss = pipe.forward_backward(x, y, mse_loss).loss;
-      pipe.step([&] {
-        adam.step();
-        adam.zero_grad();
-      });
-      for (auto& p : ref->parameters()) p.mutable_grad() = at::Tensor();
-      auto ref_loss = plain_microbatch_loss(ref, x, y, n, dev);
-      ref_loss.backward();
-      std::vector<at::Tensor> before;
-      auto params = ref->parameters();
-      for (size_t i = 0; i < masters.size(); ++i) {
-        before.push_back(masters[i].detach().clone());
-        masters[i].mutable_grad() = params[i].grad().clone();
-      }
-      ref_adam.step();
-      ref_adam.zero_grad();
-      {
-        torch::NoGradGuard no_grad;
-        for (size_t i = 0; i < params.size(); ++i) params[i].copy_(before[i]);
-      }
-      EXPECT_TENSOR_NEAR(loss, ref_loss, 1e-5, "loss at step " << step);
+const char* pin_name(PinMode pin) {
+  return pin == PinMode::kAlloc ? "alloc" : pin == PinMode::kRegister ? "register" : "off";
+}
+
+class AsyncStepTest : public ::testing::TestWithParam<std::tuple<std::string, PinMode>> {};
+
+TEST_P(AsyncStepTest, AsyncStepEqualsTheOneStepDelayOracle) {
+  const auto& [backend, pin] = GetParam();
+  const c10::Device dev = oracle_device(backend);
+  auto model = make_model(ModelKind::kMlp), ref = make_model(ModelKind::kMlp);
+  ref->to(dev);
+  RoundPipe pipe(model, RoundPipeOptions().set_devices(backend).set_pin_model(pin));
+  optim::Adam adam(pipe.optim_parameters(), adam_config());
+  // The oracle: masters M updated by Adam with the gradient taken at the
+  // weights W; W for iteration k+1 is M before update k (W_0 = W_1 = M_0).
+  std::vector<at::Tensor> masters;
+  for (const auto& p : ref->parameters())
+    masters.push_back(p.detach().clone().requires_grad_(true));
+  torch::optim::Adam ref_adam(masters, torch_adam_options());
+  const int n = pipe.devices().size() + 1;
+  for (int step = 0; step < kSteps; ++step) {
+    auto [x, y] = batch(step);
+    auto loss = pipe.forward_backward(x, y, mse_loss).loss;
+    pipe.step([&] {
+      adam.step();
+      adam.zero_grad();
+    });
+    for (auto& p : ref->parameters()) p.mutable_grad() = at::Tensor();
+    auto ref_loss = plain_microbatch_loss(ref, x, y, n, dev);
+    ref_loss.backward();
+    std::vector<at::Tensor> before;
+    auto params = ref->parameters();
+    for (size_t i = 0; i < masters.size(); ++i) {
+      before.push_back(masters[i].detach().clone());
+      masters[i].mutable_grad() = params[i].grad().clone();
     }
-    pipe.synchronize();  // publishes the last update
-    auto p = model->parameters();
-    for (size_t i = 0; i < p.size(); ++i) {
-      // kSteps Adam steps on gradients that differ by rounding (test_util.h): 8e-4.
-      EXPECT_TENSOR_ABS_NEAR(p[i], masters[i], adam_weight_tolerance(kSteps, kLr),
-                             "weight " << i << " after synchronize");
+    ref_adam.step();
+    ref_adam.zero_grad();
+    {
+      torch::NoGradGuard no_grad;
+      for (size_t i = 0; i < params.size(); ++i) params[i].copy_(before[i]);
     }
+    EXPECT_TENSOR_NEAR(loss, ref_loss, 1e-5, "loss at step " << step);
+  }
+  pipe.synchronize();  // publishes the last update
+  auto p = model->parameters();
+  for (size_t i = 0; i < p.size(); ++i) {
+    // kSteps Adam steps on gradients that differ by rounding (test_util.h): 8e-4.
+    EXPECT_TENSOR_ABS_NEAR(p[i], masters[i], adam_weight_tolerance(kSteps, kLr),
+                           "weight " << i << " after synchronize");
   }
 }
+
+INSTANTIATE_TEST_SUITE_P(AllBackends, AsyncStepTest,
+                         ::testing::Combine(::testing::ValuesIn(backends()),
+                                            ::testing::Values(PinMode::kAlloc, PinMode::kRegister,
+                                                              PinMode::kOff)),
+                         [](const auto& info) {
+                           return backend_test_name(std::get<0>(info.param)) + "_" +
+                                  pin_name(std::get<1>(info.param));
+                         });
 
 TEST_P(OptimizerLoopTest, FrozenParametersGetNoMasterAndStayFixed) {
   auto model = make_model(ModelKind::kMlp);
