@@ -580,7 +580,7 @@ TEST_P(OutOfMemoryRedoTest, TheRedoneCallMatchesACallThatNeverFailed) {
     injected_ooms = 0;
 
     torch::manual_seed(5);
-    const auto outs = oracle_microbatches(oracle, x, n, draw_call_seed(), dev);
+    const auto outs = oracle_microbatches(oracle, x.to(dev), n, draw_call_seed(), dev);
     const auto ys = microbatches_of(y, n);
     at::Tensor loss = at::zeros({}, at::TensorOptions().device(dev));
     for (int m = 0; m < n; ++m) loss = loss + mse_loss(outs[m], ys[m].to(dev));
