@@ -66,13 +66,7 @@ StagingRing::Staged StagingRing::stage(const CopyChunk& chunk) {
   auto* base = static_cast<char*>(memory.data_ptr());
   // Contiguous sources are copied in pieces of up to 4 MiB on the copy
   // threads; others (rare for parameters) with copy_ into a contiguous view.
-  struct Piece {
-    char* dst;
-    const char* src;
-    int64_t bytes;
-  };
-  constexpr int64_t kPiece = int64_t{4} << 20;
-  std::vector<Piece> pieces;
+  MemcpyPieces pieces(int64_t{4} << 20);
   std::vector<std::pair<at::Tensor, at::Tensor>> strided;
   int64_t offset = 0;
   for (const auto& [dst, src] : chunk) {
@@ -85,9 +79,7 @@ StagingRing::Staged StagingRing::stage(const CopyChunk& chunk) {
     }
     auto view = memory.narrow(0, offset, bytes).view(src.scalar_type()).view(src.sizes());
     if (src.is_contiguous()) {
-      const auto* from = static_cast<const char*>(src.data_ptr());
-      for (int64_t done = 0; done < bytes; done += kPiece)
-        pieces.push_back({base + offset + done, from + done, std::min(kPiece, bytes - done)});
+      pieces.add(base + offset, src.data_ptr(), bytes);
     } else {
       strided.emplace_back(view, src);
     }
@@ -95,9 +87,7 @@ StagingRing::Staged StagingRing::stage(const CopyChunk& chunk) {
     offset += bytes;
     staged_bytes_ += bytes;
   }
-  copiers_.run(static_cast<int64_t>(pieces.size()), [&](int64_t i) {
-    std::memcpy(pieces[i].dst, pieces[i].src, static_cast<size_t>(pieces[i].bytes));
-  });
+  pieces.run(&copiers_);
   for (auto& [view, src] : strided) view.copy_(src);
   fill_ns_ += nanoseconds_since(start);
   return staged;

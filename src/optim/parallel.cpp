@@ -10,6 +10,7 @@
 #include <cerrno>
 #include <condition_variable>
 #include <cstdlib>
+#include <cstring>
 #include <exception>
 #include <mutex>
 #include <thread>
@@ -139,6 +140,19 @@ int parallel_threads() {
 
 void parallel_for_each(int64_t count, const std::function<void(int64_t)>& fn) {
   pool().run(count, fn);
+}
+
+void MemcpyPieces::add(void* dst, const void* src, int64_t bytes) {
+  auto* to = static_cast<char*>(dst);
+  const auto* from = static_cast<const char*>(src);
+  for (int64_t done = 0; done < bytes; done += piece_bytes)
+    pieces.push_back({to + done, from + done, std::min(piece_bytes, bytes - done)});
+}
+
+void MemcpyPieces::run(ThreadPool* on) const {
+  (on ? *on : pool()).run(static_cast<int64_t>(pieces.size()), [&](int64_t i) {
+    std::memcpy(pieces[i].dst, pieces[i].src, static_cast<size_t>(pieces[i].bytes));
+  });
 }
 
 }  // namespace roundpipe

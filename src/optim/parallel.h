@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <vector>
 
 namespace roundpipe {
 
@@ -34,5 +35,22 @@ void parallel_for_each(int64_t count, const std::function<void(int64_t)>& fn);
 
 // Threads in the pool: $ROUNDPIPE_CPU_THREADS, else at::get_num_threads().
 int parallel_threads();
+
+// Large host copies split into pieces that threads copy in parallel.
+struct MemcpyPieces {
+  struct Piece {
+    char* dst;
+    const char* src;
+    int64_t bytes;
+  };
+  explicit MemcpyPieces(int64_t piece_bytes) : piece_bytes(piece_bytes) {}
+  // Adds the copy of `bytes` from `src` to `dst`, in pieces.
+  void add(void* dst, const void* src, int64_t bytes);
+  // Copies every piece on `pool` (the optimizer's when null).
+  void run(ThreadPool* pool = nullptr) const;
+
+  int64_t piece_bytes;
+  std::vector<Piece> pieces;
+};
 
 }  // namespace roundpipe

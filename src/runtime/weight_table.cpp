@@ -63,28 +63,16 @@ void move_homes_into(HostArena& arena, std::vector<ParamEntry>& params,
   int64_t total = 0;
   for (const auto& group : groups) total += arena.block_bytes(group.end - group.begin);
   arena.reserve(total);
-  struct Piece {
-    char* dst;
-    const char* src;
-    int64_t bytes;
-  };
-  constexpr int64_t kPiece = int64_t{64} << 20;
-  std::vector<Piece> pieces;
+  MemcpyPieces pieces(int64_t{64} << 20);
   std::vector<c10::Storage> storages;
   for (const auto& group : groups) {
     const int64_t bytes = group.end - group.begin;
     auto block = arena.allocate(bytes);
-    auto* dst = static_cast<char*>(block.get());
-    for (int64_t done = 0; done < bytes; done += kPiece) {
-      pieces.push_back(
-          {dst + done, group.base + group.begin + done, std::min(kPiece, bytes - done)});
-    }
+    pieces.add(block.get(), group.base + group.begin, bytes);
     storages.emplace_back(c10::Storage::use_byte_size_t(), bytes, std::move(block),
                           /*allocator=*/nullptr, /*resizable=*/false);
   }
-  parallel_for_each(static_cast<int64_t>(pieces.size()), [&](int64_t i) {
-    std::memcpy(pieces[i].dst, pieces[i].src, static_cast<size_t>(pieces[i].bytes));
-  });
+  pieces.run();
   for (size_t g = 0; g < groups.size(); ++g) {
     for (int i : groups[g].entries) {
       auto& home = params[i].home;

@@ -487,22 +487,22 @@ double python_loss(const std::string& base, const std::string& adapter, const st
   return loss;
 }
 
-// roundpipe-train with --lora-rank: only the adapters train; the output is
-// an adapter in peft's layout that peft loads onto the base checkpoint,
-// and --merge writes merged full weights that transformers loads, with the
-// same model (the same loss) as base + adapter.
+// A random tiny Qwen3 checkpoint to fine-tune (seed 3), in a fresh directory.
+std::string tiny_base_checkpoint(const std::string& name) {
+  const std::string base = temp(name);
+  fs::remove_all(base);
+  torch::manual_seed(3);
+  models::CausalLM model(models::CausalLMConfig::from_json_file(std::string(ROUNDPIPE_SOURCE_DIR) +
+                                                                "/configs/qwen3-tiny/config.json"));
+  model.save_pretrained(base);
+  return base;
+}
+
 // LoRA with pin_model=off (the base checkpoint's mapped pages as the
 // weights, uploads through the staging ring) resumes from a checkpoint to
 // the same adapters as a run that was never stopped.
 TEST(Trainer, LoraWithPinModelOffResumesExactly) {
-  const std::string base = temp("lora_resume_base");
-  fs::remove_all(base);
-  {
-    torch::manual_seed(3);
-    models::CausalLM model(models::CausalLMConfig::from_json_file(
-        std::string(ROUNDPIPE_SOURCE_DIR) + "/configs/qwen3-tiny/config.json"));
-    model.save_pretrained(base);
-  }
+  const std::string base = tiny_base_checkpoint("lora_resume_base");
   auto options = [&](const std::string& name) {
     auto o = tiny(name);
     o.model = base;
@@ -531,15 +531,12 @@ TEST(Trainer, LoraWithPinModelOffResumesExactly) {
     EXPECT_TENSOR_NEAR(b.tensors[i].second, a.tensors[i].second, 1e-4, a.tensors[i].first);
 }
 
+// roundpipe-train with --lora-rank: only the adapters train; the output is
+// an adapter in peft's layout that peft loads onto the base checkpoint,
+// and --merge writes merged full weights that transformers loads, with the
+// same model (the same loss) as base + adapter.
 TEST(Trainer, LoraWritesAPeftAdapterOrMergedWeights) {
-  const std::string base = temp("lora_base");
-  fs::remove_all(base);
-  {
-    torch::manual_seed(3);
-    models::CausalLM model(models::CausalLMConfig::from_json_file(
-        std::string(ROUNDPIPE_SOURCE_DIR) + "/configs/qwen3-tiny/config.json"));
-    model.save_pretrained(base);
-  }
+  const std::string base = tiny_base_checkpoint("lora_base");
   auto options = [&](const std::string& name, bool merge) {
     auto o = tiny(name);
     o.model = base;
