@@ -31,6 +31,12 @@ int main(int argc, char** argv) {
   app.add_option("--microbatches", a.microbatches, "microbatches per step (default: devices + 1)");
   app.add_option("--lr", a.lr, "learning rate (AdamW)");
   app.add_option("--weight-decay", a.weight_decay, "decoupled weight decay");
+  app.add_option("--lr-schedule", a.lr_schedule,
+                 "learning-rate schedule after the warmup: constant, linear or cosine (to 0 at "
+                 "the last step), as transformers' get_*_schedule_with_warmup");
+  app.add_option("--warmup-steps", a.warmup_steps, "updates of linear warmup from 0 to --lr");
+  app.add_option("--warmup-ratio", a.warmup_ratio,
+                 "warmup as a fraction of all updates (instead of --warmup-steps)");
   app.add_option("--steps", a.steps, "optimizer steps (default: one epoch)");
   app.add_option("--epochs", a.epochs, "epochs (when --steps is not given)");
   app.add_option("--dtype", a.dtype, "float32, bfloat16 or float16 (fp32 Adam masters always)");

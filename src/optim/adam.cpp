@@ -107,14 +107,18 @@ at::Tensor Adam::step(LossClosure closure) {
   return loss;
 }
 
+double Adam::lr() const {
+  return static_cast<const torch::optim::AdamOptions&>(param_groups().front().options()).lr();
+}
+
 void Adam::fused_step(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
-                      const std::vector<at::Tensor>& low_precision_out) {
+                      const std::vector<at::Tensor>& low_precision_out, std::optional<double> lr) {
   TORCH_CHECK(params.size() == grads.size() && params.size() == low_precision_out.size(),
               "Adam::fused_step: params, grads and outputs differ in count");
   const auto& group_options =
       static_cast<const torch::optim::AdamOptions&>(param_groups().front().options());
   AdamConfig config = config_;
-  config.lr = group_options.lr();
+  config.lr = lr.value_or(group_options.lr());
   std::tie(config.beta1, config.beta2) = group_options.betas();
   config.eps = group_options.eps();
   config.weight_decay = group_options.weight_decay();

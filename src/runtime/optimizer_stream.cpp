@@ -54,9 +54,12 @@ void OptimizerStream::step_fused(std::vector<std::shared_ptr<CallState>> calls, 
   const StepKind kind = !is_async           ? StepKind::kSyncFused
                         : scaler == nullptr ? StepKind::kAsyncPiecewise
                                             : StepKind::kAsyncFused;
+  // The learning rate now: the caller may set the next step's before this
+  // one has run.
+  const double lr = adam.lr();
   queue(
       std::move(calls),
-      [this, &adam, is_async, scaler](std::map<int, at::Tensor>& grads) {
+      [this, &adam, is_async, scaler, lr](std::map<int, at::Tensor>& grads) {
         std::vector<at::Tensor> masters, lowp_grads, outs;
         for (auto& [id, g] : grads) {
           auto master = weights_.master(id);
@@ -68,7 +71,7 @@ void OptimizerStream::step_fused(std::vector<std::shared_ptr<CallState>> calls, 
           // runs, write in place.
           outs.push_back(is_async ? weights_.stage(id) : weights_.home(id));
         }
-        auto update = [&] { adam.fused_step(masters, lowp_grads, outs); };
+        auto update = [&] { adam.fused_step(masters, lowp_grads, outs, lr); };
         if (scaler == nullptr) {
           update();
         } else if (!scaler->step(lowp_grads, update)) {

@@ -1,4 +1,5 @@
 #include "roundpipe/train/trainer.h"
+#include "roundpipe/train/lr_schedule.h"
 
 #include <ATen/ops/isfinite.h>
 #include <roundpipe/checkpoint.h>
@@ -199,6 +200,13 @@ void validate(const TrainOptions& a) {
   check(a.digits >= 1 && a.digits <= 9, "--digits", "between 1 and 9", text(a.digits));
   check(a.length >= 1, "--length", "at least 1", text(a.length));
   check(std::isfinite(a.lr) && a.lr > 0, "--lr", "a positive number", text(a.lr));
+  check(a.lr_schedule == "constant" || a.lr_schedule == "linear" || a.lr_schedule == "cosine",
+        "--lr-schedule", "constant, linear or cosine", a.lr_schedule);
+  check(a.warmup_steps >= 0, "--warmup-steps", ">= 0", text(a.warmup_steps));
+  check(std::isfinite(a.warmup_ratio) && a.warmup_ratio >= 0 && a.warmup_ratio < 1,
+        "--warmup-ratio", "in [0, 1)", text(a.warmup_ratio));
+  check(a.warmup_steps == 0 || a.warmup_ratio == 0, "--warmup-steps",
+        "0 when --warmup-ratio is given (one or the other)", text(a.warmup_steps));
   check(std::isfinite(a.weight_decay) && a.weight_decay >= 0, "--weight-decay", ">= 0",
         text(a.weight_decay));
   check(a.recompute.empty() || a.recompute == "stage" || a.recompute == "layer", "--recompute",
@@ -311,6 +319,15 @@ TrainSummary run_training(const TrainOptions& args) {
   std::unique_ptr<roundpipe::optim::GradScaler> scaler;
   if (dtype == c10::kHalf) scaler = std::make_unique<roundpipe::optim::GradScaler>();
 
+  roundpipe::train::LrSchedule schedule;
+  schedule.kind = roundpipe::train::lr_schedule_from_string(args.lr_schedule);
+  schedule.peak_lr = args.lr;
+  schedule.total_steps = total_steps;
+  schedule.warmup_steps =
+      args.warmup_ratio > 0
+          ? static_cast<int64_t>(std::ceil(args.warmup_ratio * static_cast<double>(total_steps)))
+          : args.warmup_steps;
+
   int64_t first_step = 0;
   int64_t last_good_checkpoint = -1;  // the step of the newest checkpoint of finite weights
   if (args.resume && paths.has_checkpoint) {
@@ -390,6 +407,9 @@ TrainSummary run_training(const TrainOptions& args) {
       pipe.wait_for_background_work();
       diverged("the loss is " + std::to_string(last_loss) + " at step " + std::to_string(step + 1));
     }
+    // (The step takes the rate in effect now: the next one may be set before it has run.)
+    adam.set_lr(schedule.at(step));
+    summary.learning_rates.push_back(adam.lr());
     pipe.step(adam, /*is_async=*/!args.sync_step, scaler.get());
     if (scaler) scaler->update();
     loss_avg = step == first_step ? last_loss : 0.9 * loss_avg + 0.1 * last_loss;

@@ -197,7 +197,9 @@ class FusedStepTest : public ::testing::TestWithParam<std::string> {};
 
 // step(adam) (one fused pass) against step([&] { adam.step(); ... }) on a
 // bf16 model with fp32 masters: the same weights and masters, bit for bit,
-// in sync and async mode.
+// in sync and async mode. The learning rate changes every step (a
+// schedule): set before step(adam) returns, it applies to that step's
+// update even when the update runs later, after the next rate was set.
 TEST_P(FusedStepTest, FusedPathEqualsTheGeneralPath) {
   for (bool is_async : {false, true}) {
     SCOPED_TRACE(is_async ? "async" : "sync");
@@ -222,13 +224,17 @@ TEST_P(FusedStepTest, FusedPathEqualsTheGeneralPath) {
       auto l1 = general.forward_backward(x, y, mse_loss).loss;
       auto l2 = fused.forward_backward(x, y, mse_loss).loss;
       EXPECT_TRUE(at::equal(l1, l2)) << "loss at step " << step;
+      const auto lr = [](int k) { return kLr * (1.0 + k) / kSteps; };
       general.step(
-          [&] {
+          [&general_adam, rate = lr(step)] {
+            general_adam.set_lr(rate);  // (on the optimizer thread, in update order)
             general_adam.step();
             general_adam.zero_grad();
           },
           is_async);
+      if (step == 0) fused_adam.set_lr(lr(0));
       fused.step(fused_adam, is_async);
+      fused_adam.set_lr(lr(step + 1));  // at once: this step's update may not have run yet
     }
     general.synchronize();
     fused.synchronize();

@@ -463,27 +463,36 @@ TEST(TrainData, TasksAreDeterministicAndCorrect) {
 namespace roundpipe::testing {
 namespace {
 
+// Runs `code` with the test's Python (transformers, peft: scripts/setup.sh)
+// and `args`, then the path of a file it writes its answer to; returns it.
+std::string run_python(const std::string& tag, const std::string& code, const std::string& args) {
+  const std::string script = temp(tag + ".py"), out = temp(tag + ".txt");
+  std::ofstream(script) << code;
+  const std::string cmd = std::string(ROUNDPIPE_PYTHON) + " " + script + " " + args + " " + out +
+                          " > " + out + ".log 2>&1";
+  EXPECT_EQ(std::system(cmd.c_str()), 0) << "see " << out << ".log";
+  std::ifstream file(out);
+  return std::string((std::istreambuf_iterator<char>(file)), std::istreambuf_iterator<char>());
+}
+
 // The loss of `ids` (labels = ids) from transformers + peft: the base
 // checkpoint with the adapter in `adapter` ("" for none), by the test's
 // Python (peft and transformers, scripts/setup.sh).
 double python_loss(const std::string& base, const std::string& adapter, const std::string& tag) {
-  const std::string script = temp(tag + ".py"), out = temp(tag + ".txt");
-  {
-    std::ofstream py(script);
-    py << "import sys, torch, transformers\n"
-       << "model = transformers.AutoModelForCausalLM.from_pretrained(sys.argv[1]).float()\n"
-       << "if sys.argv[2]:\n"
-       << "    import peft\n"
-       << "    model = peft.PeftModel.from_pretrained(model, sys.argv[2])\n"
-       << "ids = (torch.arange(24).reshape(2, 12) * 7 + 3) % 259\n"
-       << "with torch.no_grad():\n"
-       << "    print(float(model(input_ids=ids, labels=ids).loss), file=open(sys.argv[3], 'w'))\n";
-  }
-  const std::string cmd = std::string(ROUNDPIPE_PYTHON) + " " + script + " " + base + " '" +
-                          adapter + "' " + out + " > " + out + ".log 2>&1";
-  EXPECT_EQ(std::system(cmd.c_str()), 0) << "see " << out << ".log";
+  const auto printed = run_python(tag,
+                                  "import sys, torch, transformers\n"
+                                  "model = transformers.AutoModelForCausalLM.from_pretrained("
+                                  "sys.argv[1]).float()\n"
+                                  "if sys.argv[2]:\n"
+                                  "    import peft\n"
+                                  "    model = peft.PeftModel.from_pretrained(model, sys.argv[2])\n"
+                                  "ids = (torch.arange(24).reshape(2, 12) * 7 + 3) % 259\n"
+                                  "with torch.no_grad():\n"
+                                  "    print(float(model(input_ids=ids, labels=ids).loss), "
+                                  "file=open(sys.argv[-1], 'w'))\n",
+                                  base + " '" + adapter + "'");
   double loss = NAN;
-  std::ifstream(out) >> loss;
+  std::istringstream(printed) >> loss;
   return loss;
 }
 
@@ -567,6 +576,50 @@ TEST(Trainer, LoraWritesAPeftAdapterOrMergedWeights) {
   auto merge_without_lora = tiny("bad");
   merge_without_lora.merge = true;
   EXPECT_THROW(train::validate(merge_without_lora), c10::Error);
+}
+
+// --lr-schedule with --warmup-ratio: the learning rate of every update is
+// transformers' get_*_schedule_with_warmup's (the warmup rounded up, as its
+// Trainer does: 10 steps x 0.25 -> 3).
+TEST(Trainer, LearningRateSchedulesAreTransformers) {
+  for (const std::string kind : {"constant", "linear", "cosine"}) {
+    SCOPED_TRACE(kind);
+    auto o = tiny("lr_" + kind);
+    o.steps = 10;
+    o.train_examples = 640;
+    o.lr = 1e-3;
+    o.lr_schedule = kind;
+    o.warmup_ratio = 0.25;
+    const auto summary = train::run_training(o);
+    std::istringstream expected(
+        run_python("lr_" + kind,
+                   "import sys, torch, transformers\n"
+                   "kind, lr, warmup, total = sys.argv[1], float(sys.argv[2]), int(sys.argv[3]), "
+                   "int(sys.argv[4])\n"
+                   "opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=lr)\n"
+                   "make = getattr(transformers, f'get_{kind}_schedule_with_warmup')\n"
+                   "sched = make(opt, warmup) if kind == 'constant' else make(opt, warmup, total)\n"
+                   "rates = []\n"
+                   "for _ in range(total):\n"
+                   "    rates.append(opt.param_groups[0]['lr'])\n"
+                   "    opt.step()\n"
+                   "    sched.step()\n"
+                   "print(' '.join(map(repr, rates)), file=open(sys.argv[-1], 'w'))\n",
+                   kind + " 1e-3 3 10"));
+    ASSERT_EQ(summary.learning_rates.size(), 10u);
+    for (size_t i = 0; i < summary.learning_rates.size(); ++i) {
+      double theirs = NAN;
+      expected >> theirs;
+      EXPECT_NEAR(summary.learning_rates[i], theirs, 1e-15) << "update " << i;
+    }
+  }
+  auto both = tiny("lr_both");
+  both.warmup_steps = 2;
+  both.warmup_ratio = 0.1;
+  EXPECT_THROW(train::validate(both), c10::Error);
+  auto unknown = tiny("lr_unknown");
+  unknown.lr_schedule = "step";
+  EXPECT_THROW(train::validate(unknown), c10::Error);
 }
 
 }  // namespace

@@ -6,6 +6,7 @@
 
 #include <torch/optim/adam.h>
 
+#include <optional>
 #include <vector>
 
 namespace roundpipe::optim {
@@ -85,11 +86,17 @@ class Adam : public torch::optim::Adam {
   // updated value as low precision into `low_precision_out[i]`. Gives the
   // same numbers as: params[i].grad = grads[i].float(); step();
   // low_precision_out[i].copy_(params[i]).
+  // `lr`: the learning rate to use (default: the param group's now); an
+  // asynchronous step passes the one in effect when it was queued, so that
+  // changing it for the next step (a schedule) never races this one.
   void fused_step(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
-                  const std::vector<at::Tensor>& low_precision_out);
+                  const std::vector<at::Tensor>& low_precision_out,
+                  std::optional<double> lr = std::nullopt);
 
   const AdamConfig& config() const { return config_; }
   void set_lr(double lr);
+  // The learning rate of the (first) param group.
+  double lr() const;
 
  private:
   AdamConfig config_;

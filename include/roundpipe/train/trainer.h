@@ -6,6 +6,7 @@
 #include <functional>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 namespace roundpipe::train {
 
@@ -20,6 +21,12 @@ struct TrainOptions {
   int64_t train_examples = 20000, eval_examples = 500, loss_chunk = 2048;
   int microbatches = 0, digits = 2, length = 4;
   double lr = 3e-4, weight_decay = 0.01;
+  // The learning rate per update (LrSchedule): "constant", "linear" or
+  // "cosine", after a linear warmup of warmup_steps updates, or of
+  // warmup_ratio of all updates when that is > 0.
+  std::string lr_schedule = "constant";
+  int64_t warmup_steps = 0;
+  double warmup_ratio = 0;
   bool resume = false, sync_step = false;
   // LoRA (lora_rank > 0): adapters on lora_targets ("all-linear" or
   // projection names, comma-separated); the output is the adapter in
@@ -52,6 +59,7 @@ struct TrainSummary {
   double first_loss = 0;                             // smoothed loss after the first logged step
   double final_loss = 0;                             // smoothed loss at the end
   double accuracy_before = -1, accuracy_after = -1;  // built-in tasks only
+  std::vector<double> learning_rates;                // of each update this run made
 };
 
 // SIGINT or SIGTERM arrived: the step in flight was finished and a training
