@@ -9,6 +9,8 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <nlohmann/json.hpp>
+
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -163,6 +165,14 @@ OutputPaths prepare_outputs(const TrainOptions& args) {
   check_writable(checkpoint.has_parent_path() ? checkpoint.parent_path() : fs::path("."),
                  "the directory of the training checkpoint");
   return paths;
+}
+
+// This process's resident memory in bytes (Linux), else 0.
+int64_t resident_bytes() {
+  std::ifstream statm("/proc/self/statm");
+  int64_t pages = 0, resident = 0;
+  if (!(statm >> pages >> resident)) return 0;
+  return resident * static_cast<int64_t>(sysconf(_SC_PAGESIZE));
 }
 
 // ---------------------------------------------------------------- numbers
@@ -370,7 +380,23 @@ TrainSummary run_training(const TrainOptions& args) {
   const int microbatches =
       args.microbatches > 0 ? args.microbatches : static_cast<int>(pipe.devices().size()) + 1;
   const bool tty = ::isatty(STDOUT_FILENO);
+  // One JSON line per step in the output folder. A resumed run keeps the
+  // lines of the steps it resumes after and rewrites the rest (the
+  // interrupted run may have gone past its last checkpoint).
+  const std::string metrics_path = (fs::path(paths.output) / "metrics.jsonl").string();
+  std::vector<std::string> kept;
+  if (first_step > 0) {
+    std::ifstream earlier(metrics_path);
+    for (std::string line; std::getline(earlier, line);) {
+      const auto entry = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
+      if (entry.is_object() && entry.value("step", int64_t{0}) <= first_step) kept.push_back(line);
+    }
+  }
+  std::ofstream metrics(metrics_path, std::ios::trunc);
+  TORCH_CHECK(metrics, "cannot write the metrics file ", metrics_path);
+  for (const auto& line : kept) metrics << line << "\n";
   const auto start = Clock::now();
+  auto step_start = start;
   auto window_start = start;
   int64_t tokens = 0, window_tokens = 0;
   double loss_avg = 0, last_loss = 0;
@@ -413,6 +439,27 @@ TrainSummary run_training(const TrainOptions& args) {
     pipe.step(adam, /*is_async=*/!args.sync_step, scaler.get());
     if (scaler) scaler->update();
     loss_avg = step == first_step ? last_loss : 0.9 * loss_avg + 0.1 * last_loss;
+    {
+      // The step's time: from the previous step's loss to this one's.
+      const auto now = Clock::now();
+      const double step_seconds = std::chrono::duration<double>(now - step_start).count();
+      step_start = now;
+      int64_t device_peak = 0;
+      for (int d = 0; d < pipe.devices().size(); ++d)
+        device_peak = std::max(device_peak, pipe.devices().at(d)->memory_stats().peak_bytes);
+      metrics << nlohmann::json{{"step", step + 1},
+                                {"loss", last_loss},
+                                {"lr", adam.lr()},
+                                {"tokens", batch.tokens},
+                                {"loss_tokens", batch.loss_tokens},
+                                {"seconds", step_seconds},
+                                {"tokens_per_second", batch.tokens / std::max(step_seconds, 1e-9)},
+                                {"device_peak_bytes", device_peak},
+                                {"host_resident_bytes", resident_bytes()}}
+                     .dump()
+              << "\n"
+              << std::flush;
+    }
     tokens += batch.tokens;
     window_tokens += batch.tokens;
     const double elapsed = std::chrono::duration<double>(Clock::now() - start).count();

@@ -10,6 +10,7 @@
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
+#include <nlohmann/json.hpp>
 
 #include <cmath>
 #include <filesystem>
@@ -620,6 +621,52 @@ TEST(Trainer, LearningRateSchedulesAreTransformers) {
   auto unknown = tiny("lr_unknown");
   unknown.lr_schedule = "step";
   EXPECT_THROW(train::validate(unknown), c10::Error);
+}
+
+// metrics.jsonl in the output folder: a line per step with its loss, learning
+// rate, tokens, throughput and memory; a resumed run keeps the lines up to
+// its checkpoint and writes the rest again, once.
+TEST(Trainer, MetricsFileHasALinePerStep) {
+  auto o = tiny("metrics");
+  o.steps = 6;
+  o.train_examples = 640;
+  o.lr_schedule = "linear";
+  o.checkpoint_every = 3;
+  o.overwrite = true;
+  const auto summary = train::run_training(o);
+  auto lines = [&] {
+    std::vector<nlohmann::json> out;
+    std::ifstream file(o.output + "/metrics.jsonl");
+    for (std::string line; std::getline(file, line);) out.push_back(nlohmann::json::parse(line));
+    return out;
+  };
+  auto first = lines();
+  ASSERT_EQ(first.size(), 6u);
+  int64_t tokens = 0;
+  for (size_t i = 0; i < first.size(); ++i) {
+    EXPECT_EQ(first[i]["step"].get<int64_t>(), static_cast<int64_t>(i) + 1);
+    EXPECT_DOUBLE_EQ(first[i]["lr"].get<double>(), summary.learning_rates[i]);
+    const double loss = first[i]["loss"].get<double>();
+    EXPECT_TRUE(std::isfinite(loss) && loss > 0) << loss;
+    EXPECT_GT(first[i]["tokens_per_second"].get<double>(), 0);
+    EXPECT_GT(first[i]["host_resident_bytes"].get<int64_t>(), 0);
+    tokens += first[i]["tokens"].get<int64_t>();
+  }
+  EXPECT_EQ(tokens, summary.tokens);
+  EXPECT_LT(first.back()["loss"].get<double>(), first.front()["loss"].get<double>());
+  // Resumed from the step-3 checkpoint: steps 1-3 kept, 4-6 written again.
+  auto resumed = o;
+  resumed.resume = true;
+  resumed.overwrite = false;
+  train::run_training(resumed);
+  auto second = lines();
+  ASSERT_EQ(second.size(), 6u);
+  for (size_t i = 0; i < 3; ++i) EXPECT_EQ(second[i], first[i]) << "step " << i + 1;
+  for (size_t i = 3; i < 6; ++i) {
+    EXPECT_EQ(second[i]["step"].get<int64_t>(), static_cast<int64_t>(i) + 1);
+    EXPECT_NEAR(second[i]["loss"].get<double>(), first[i]["loss"].get<double>(),
+                1e-4 * first[i]["loss"].get<double>());
+  }
 }
 
 }  // namespace
