@@ -31,6 +31,9 @@ int main(int argc, char** argv) {
   app.add_option("--microbatches", a.microbatches, "microbatches per step (default: devices + 1)");
   app.add_option("--lr", a.lr, "learning rate (AdamW)");
   app.add_option("--weight-decay", a.weight_decay, "decoupled weight decay");
+  app.add_option("--grad-accum", a.grad_accum,
+                 "batches whose gradients each optimizer step adds (the step of one batch of "
+                 "N x --batch-size examples)");
   app.add_option("--lr-schedule", a.lr_schedule,
                  "learning-rate schedule after the warmup: constant, linear or cosine (to 0 at "
                  "the last step), as transformers' get_*_schedule_with_warmup");

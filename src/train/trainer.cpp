@@ -197,6 +197,8 @@ void validate(const TrainOptions& a) {
   check(a.checkpoint_every >= 0, "--checkpoint-every", ">= 0 (0: no periodic checkpoints)",
         text(a.checkpoint_every));
   check(a.log_every >= 1, "--log-every", "at least 1", text(a.log_every));
+  check(a.grad_accum >= 1, "--grad-accum", "at least 1 (batches per optimizer step)",
+        text(a.grad_accum));
   check(a.microbatches >= 0, "--microbatches", ">= 0 (0: devices + 1)", text(a.microbatches));
   check(a.train_examples >= 1, "--train-examples", "at least 1", text(a.train_examples));
   check(a.eval_examples >= 0, "--eval-examples", ">= 0", text(a.eval_examples));
@@ -301,15 +303,19 @@ TrainSummary run_training(const TrainOptions& args) {
     train = make(args.train_examples, args.seed + 1);
     held_out = make(args.eval_examples, args.seed + 1000003);
   }
+  // A step adds the gradients of grad_accum batches of batch_size examples.
+  const int64_t step_examples = args.batch_size * args.grad_accum;
   const int64_t steps_per_epoch =
-      std::max<int64_t>(1, static_cast<int64_t>(train.size()) / args.batch_size);
+      std::max<int64_t>(1, static_cast<int64_t>(train.size()) / step_examples);
   const int64_t total_steps = args.steps > 0    ? args.steps
                               : args.epochs > 0 ? args.epochs * steps_per_epoch
                                                 : steps_per_epoch;
   std::printf(
-      "data: %zu training examples%s, batch %lld, %lld steps\n", train.size(),
+      "data: %zu training examples%s, batch %lld%s, %lld steps\n", train.size(),
       held_out.empty() ? "" : (", " + std::to_string(held_out.size()) + " held out").c_str(),
-      static_cast<long long>(args.batch_size), static_cast<long long>(total_steps));
+      static_cast<long long>(args.batch_size),
+      args.grad_accum > 1 ? (" x " + std::to_string(args.grad_accum) + " accumulated").c_str() : "",
+      static_cast<long long>(total_steps));
 
   auto logits_of = [&](const at::Tensor& ids) {
     torch::NoGradGuard no_grad;
@@ -408,26 +414,38 @@ TrainSummary run_training(const TrainOptions& args) {
       std::iota(order.begin(), order.end(), 0);
       std::shuffle(order.begin(), order.end(), std::mt19937_64(args.seed + epoch));
     }
-    const int64_t first = (step % steps_per_epoch) * args.batch_size;
-    auto batch = args.packing ? roundpipe::train::pack(train, order, first, args.batch_size,
-                                                       args.seq_len, microbatches)
-                              : roundpipe::train::collate(train, order, first, args.batch_size);
-    // (Without padding the mask is all ones: to_ivalue() leaves it out.)
-    // The whole step's labelled-token count makes each microbatch's loss its
-    // share of the step's token mean, which forward_backward sums.
-    roundpipe::models::CausalLMInput input;
-    input.input_ids = batch.input_ids;
-    input.labels = batch.labels;
-    input.position_ids = batch.position_ids;
-    input.attention_mask = batch.attention_mask;
-    if (batch.loss_tokens > 0) input.num_items_in_batch = static_cast<double>(batch.loss_tokens);
-    auto result = pipe.forward_backward(input.to_ivalue(), c10::IValue(),
-                                        [&](const c10::IValue& out, const c10::IValue&) {
-                                          auto loss = out.toTensor();
-                                          return scaler ? scaler->scale(loss) : loss;
-                                        });
-    const double scale = scaler ? scaler->get_scale() : 1.0;
-    last_loss = result.loss.item<double>() / scale;
+    const int64_t first = (step % steps_per_epoch) * step_examples;
+    std::vector<roundpipe::train::Batch> batches;
+    int64_t step_tokens = 0, loss_tokens = 0;
+    for (int64_t a = 0; a < args.grad_accum; ++a) {
+      const int64_t from = first + a * args.batch_size;
+      batches.push_back(args.packing
+                            ? roundpipe::train::pack(train, order, from, args.batch_size,
+                                                     args.seq_len, microbatches)
+                            : roundpipe::train::collate(train, order, from, args.batch_size));
+      step_tokens += batches.back().tokens;
+      loss_tokens += batches.back().loss_tokens;
+    }
+    last_loss = 0;
+    for (const auto& batch : batches) {
+      // (Without padding the mask is all ones: to_ivalue() leaves it out.)
+      // The whole step's labelled-token count makes each microbatch's loss
+      // its share of the step's token mean, which forward_backward sums and
+      // the engine's gradients add up over the step's calls.
+      roundpipe::models::CausalLMInput input;
+      input.input_ids = batch.input_ids;
+      input.labels = batch.labels;
+      input.position_ids = batch.position_ids;
+      input.attention_mask = batch.attention_mask;
+      if (loss_tokens > 0) input.num_items_in_batch = static_cast<double>(loss_tokens);
+      auto result = pipe.forward_backward(input.to_ivalue(), c10::IValue(),
+                                          [&](const c10::IValue& out, const c10::IValue&) {
+                                            auto loss = out.toTensor();
+                                            return scaler ? scaler->scale(loss) : loss;
+                                          });
+      const double scale = scaler ? scaler->get_scale() : 1.0;
+      last_loss += result.loss.item<double>() / scale;
+    }
     if (!std::isfinite(last_loss)) {
       // Stop before the step: its update would be of non-finite gradients.
       pipe.wait_for_background_work();
@@ -450,18 +468,18 @@ TrainSummary run_training(const TrainOptions& args) {
       metrics << nlohmann::json{{"step", step + 1},
                                 {"loss", last_loss},
                                 {"lr", adam.lr()},
-                                {"tokens", batch.tokens},
-                                {"loss_tokens", batch.loss_tokens},
+                                {"tokens", step_tokens},
+                                {"loss_tokens", loss_tokens},
                                 {"seconds", step_seconds},
-                                {"tokens_per_second", batch.tokens / std::max(step_seconds, 1e-9)},
+                                {"tokens_per_second", step_tokens / std::max(step_seconds, 1e-9)},
                                 {"device_peak_bytes", device_peak},
                                 {"host_resident_bytes", resident_bytes()}}
                      .dump()
               << "\n"
               << std::flush;
     }
-    tokens += batch.tokens;
-    window_tokens += batch.tokens;
+    tokens += step_tokens;
+    window_tokens += step_tokens;
     const double elapsed = std::chrono::duration<double>(Clock::now() - start).count();
     const bool last = step + 1 == total_steps;
     if ((step + 1) % args.log_every == 0 || last) {

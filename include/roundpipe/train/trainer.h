@@ -20,6 +20,9 @@ struct TrainOptions {
           log_every = 10;
   int64_t train_examples = 20000, eval_examples = 500, loss_chunk = 2048;
   int microbatches = 0, digits = 2, length = 4;
+  // Batches of batch_size whose gradients one optimizer step adds: the step
+  // is that of one batch of grad_accum x batch_size examples.
+  int64_t grad_accum = 1;
   double lr = 3e-4, weight_decay = 0.01;
   // The learning rate per update (LrSchedule): "constant", "linear" or
   // "cosine", after a linear warmup of warmup_steps updates, or of
