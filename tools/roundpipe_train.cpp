@@ -31,6 +31,10 @@ int main(int argc, char** argv) {
   app.add_option("--microbatches", a.microbatches, "microbatches per step (default: devices + 1)");
   app.add_option("--lr", a.lr, "learning rate (AdamW)");
   app.add_option("--weight-decay", a.weight_decay, "decoupled weight decay");
+  app.add_option("--eval-data", a.eval_data,
+                 "held-out JSONL (as --data) whose loss and perplexity are measured at the end "
+                 "and every --eval-every steps");
+  app.add_option("--eval-every", a.eval_every, "steps between evaluations (0: at the end only)");
   app.add_option("--grad-accum", a.grad_accum,
                  "batches whose gradients each optimizer step adds (the step of one batch of "
                  "N x --batch-size examples)");

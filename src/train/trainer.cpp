@@ -199,6 +199,7 @@ void validate(const TrainOptions& a) {
   check(a.log_every >= 1, "--log-every", "at least 1", text(a.log_every));
   check(a.grad_accum >= 1, "--grad-accum", "at least 1 (batches per optimizer step)",
         text(a.grad_accum));
+  check(a.eval_every >= 0, "--eval-every", ">= 0 (0: at the end only)", text(a.eval_every));
   check(a.microbatches >= 0, "--microbatches", ">= 0 (0: devices + 1)", text(a.microbatches));
   check(a.train_examples >= 1, "--train-examples", "at least 1", text(a.train_examples));
   check(a.eval_examples >= 0, "--eval-examples", ">= 0", text(a.eval_examples));
@@ -316,6 +317,51 @@ TrainSummary run_training(const TrainOptions& args) {
       static_cast<long long>(args.batch_size),
       args.grad_accum > 1 ? (" x " + std::to_string(args.grad_accum) + " accumulated").c_str() : "",
       static_cast<long long>(total_steps));
+
+  std::vector<roundpipe::train::Example> eval_examples =
+      args.eval_data.empty()
+          ? held_out
+          : roundpipe::train::load_jsonl(args.eval_data, args.seq_len, config.vocab_size);
+  // The mean loss over every labelled token of the held-out examples: each
+  // batch's loss is its share of that mean (num_items_in_batch: all of
+  // their labelled tokens), its microbatches' shares added up.
+  auto evaluate = [&]() -> double {
+    if (eval_examples.empty()) return -1;
+    torch::NoGradGuard no_grad;
+    std::vector<int64_t> order(eval_examples.size());
+    std::iota(order.begin(), order.end(), 0);
+    std::vector<roundpipe::train::Batch> batches;
+    int64_t labelled = 0;
+    for (size_t b = 0; b < eval_examples.size(); b += args.batch_size) {
+      const auto count = std::min<int64_t>(args.batch_size, eval_examples.size() - b);
+      batches.push_back(roundpipe::train::collate(eval_examples, order, b, count));
+      labelled += batches.back().loss_tokens;
+    }
+    if (labelled == 0) return -1;
+    const auto add_up = [](const std::vector<c10::IValue>& shares) {
+      at::Tensor sum = shares.front().toTensor();
+      for (size_t i = 1; i < shares.size(); ++i) sum = sum + shares[i].toTensor();
+      return c10::IValue(sum);
+    };
+    double loss = 0;
+    for (const auto& batch : batches) {
+      roundpipe::models::CausalLMInput input;
+      input.input_ids = batch.input_ids;
+      input.labels = batch.labels;
+      input.attention_mask = batch.attention_mask;
+      input.num_items_in_batch = static_cast<double>(labelled);
+      // (A last batch of fewer rows than microbatches runs in fewer.)
+      const int rows = static_cast<int>(batch.input_ids.size(0));
+      const int per_call =
+          args.microbatches > 0 ? args.microbatches : static_cast<int>(pipe.devices().size()) + 1;
+      loss += pipe.forward(input.to_ivalue(),
+                           roundpipe::RunConfig().set_merge_output(add_up).set_num_microbatch(
+                               std::min(rows, per_call)))
+                  .toTensor()
+                  .item<double>();
+    }
+    return loss;
+  };
 
   auto logits_of = [&](const at::Tensor& ids) {
     torch::NoGradGuard no_grad;
@@ -457,6 +503,9 @@ TrainSummary run_training(const TrainOptions& args) {
     pipe.step(adam, /*is_async=*/!args.sync_step, scaler.get());
     if (scaler) scaler->update();
     loss_avg = step == first_step ? last_loss : 0.9 * loss_avg + 0.1 * last_loss;
+    const bool evaluating =
+        args.eval_every > 0 && (step + 1) % args.eval_every == 0 && step + 1 < total_steps;
+    const double eval_loss = evaluating ? evaluate() : -1;
     {
       // The step's time: from the previous step's loss to this one's.
       const auto now = Clock::now();
@@ -465,18 +514,20 @@ TrainSummary run_training(const TrainOptions& args) {
       int64_t device_peak = 0;
       for (int d = 0; d < pipe.devices().size(); ++d)
         device_peak = std::max(device_peak, pipe.devices().at(d)->memory_stats().peak_bytes);
-      metrics << nlohmann::json{{"step", step + 1},
-                                {"loss", last_loss},
-                                {"lr", adam.lr()},
-                                {"tokens", step_tokens},
-                                {"loss_tokens", loss_tokens},
-                                {"seconds", step_seconds},
-                                {"tokens_per_second", step_tokens / std::max(step_seconds, 1e-9)},
-                                {"device_peak_bytes", device_peak},
-                                {"host_resident_bytes", resident_bytes()}}
-                     .dump()
-              << "\n"
-              << std::flush;
+      nlohmann::json line{{"step", step + 1},
+                          {"loss", last_loss},
+                          {"lr", adam.lr()},
+                          {"tokens", step_tokens},
+                          {"loss_tokens", loss_tokens},
+                          {"seconds", step_seconds},
+                          {"tokens_per_second", step_tokens / std::max(step_seconds, 1e-9)},
+                          {"device_peak_bytes", device_peak},
+                          {"host_resident_bytes", resident_bytes()}};
+      if (eval_loss >= 0) {
+        line["eval_loss"] = eval_loss;
+        line["eval_perplexity"] = std::exp(eval_loss);
+      }
+      metrics << line.dump() << "\n" << std::flush;
     }
     tokens += step_tokens;
     window_tokens += step_tokens;
@@ -528,6 +579,17 @@ TrainSummary run_training(const TrainOptions& args) {
                 memory.peak_bytes / 1073741824.0, memory.budget_bytes / 1073741824.0);
   }
   if (!all_finite(pipe.parameters())) diverged("the trained weights hold inf or NaN");
+  summary.eval_loss = evaluate();
+  if (summary.eval_loss >= 0) {
+    std::printf("held-out loss %.4f, perplexity %.2f (%zu examples)\n", summary.eval_loss,
+                std::exp(summary.eval_loss), eval_examples.size());
+    metrics << nlohmann::json{{"step", total_steps},
+                              {"eval_loss", summary.eval_loss},
+                              {"eval_perplexity", std::exp(summary.eval_loss)}}
+                   .dump()
+            << "\n"
+            << std::flush;
+  }
   if (!held_out.empty()) {
     summary.accuracy_after = roundpipe::train::task_accuracy(held_out, logits_of);
     std::printf("held-out accuracy: %.1f%% before, %.1f%% after training\n", 100 * accuracy_before,

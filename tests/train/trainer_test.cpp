@@ -634,10 +634,13 @@ TEST(Trainer, MetricsFileHasALinePerStep) {
   o.checkpoint_every = 3;
   o.overwrite = true;
   const auto summary = train::run_training(o);
-  auto lines = [&] {
+  auto lines = [&] {  // the steps' lines (the last line is the final evaluation)
     std::vector<nlohmann::json> out;
     std::ifstream file(o.output + "/metrics.jsonl");
-    for (std::string line; std::getline(file, line);) out.push_back(nlohmann::json::parse(line));
+    for (std::string line; std::getline(file, line);) {
+      auto entry = nlohmann::json::parse(line);
+      if (entry.contains("loss")) out.push_back(entry);
+    }
     return out;
   };
   auto first = lines();
@@ -699,6 +702,56 @@ TEST(Trainer, GradientAccumulationEqualsOneBigBatch) {
   auto zero = tiny("accum_zero");
   zero.grad_accum = 0;
   EXPECT_THROW(train::validate(zero), c10::Error);
+}
+
+// --eval-data: the held-out loss at the end is transformers' on the saved
+// model (the mean over every labelled token of the examples, padded into
+// batches here), and --eval-every adds it to the metrics lines.
+TEST(Trainer, EvaluationLossIsTransformers) {
+  const std::string data = temp("eval_data.jsonl");
+  {
+    std::ofstream file(data);
+    for (int e = 0; e < 5; ++e) {
+      std::string ids;
+      for (int t = 0; t < 6 + 3 * e; ++t)
+        ids += (t ? "," : "") + std::to_string((e * 31 + t * 7) % 256 + 3);
+      file << "{\"input_ids\": [" << ids << "]}\n";
+    }
+  }
+  auto o = tiny("eval");
+  o.steps = 4;
+  o.train_examples = 640;
+  o.batch_size = 4;  // eval batches of 4 and 1 examples: padding, and fewer rows than microbatches
+  o.eval_data = data;
+  o.eval_every = 2;
+  o.overwrite = true;
+  const auto summary = train::run_training(o);
+  std::istringstream theirs(run_python(
+      "eval_loss",
+      "import sys, json, torch, transformers\n"
+      "model = transformers.AutoModelForCausalLM.from_pretrained(sys.argv[1]).float().eval()\n"
+      "total = count = 0\n"
+      "for line in open(sys.argv[2]):\n"
+      "    ids = torch.tensor([json.loads(line)['input_ids']])\n"
+      "    with torch.no_grad():\n"
+      "        loss = model(input_ids=ids, labels=ids).loss\n"
+      "    total += float(loss) * (ids.shape[1] - 1)\n"
+      "    count += ids.shape[1] - 1\n"
+      "print(repr(total / count), file=open(sys.argv[-1], 'w'))\n",
+      o.output + " " + data));
+  double expected = NAN;
+  theirs >> expected;
+  EXPECT_NEAR(summary.eval_loss, expected, 1e-5 * expected);
+  int evaluated = 0;
+  std::ifstream file(o.output + "/metrics.jsonl");
+  for (std::string line; std::getline(file, line);) {
+    const auto entry = nlohmann::json::parse(line);
+    if (!entry.contains("eval_loss")) continue;
+    ++evaluated;
+    EXPECT_NEAR(entry["eval_perplexity"].get<double>(), std::exp(entry["eval_loss"].get<double>()),
+                1e-9 * entry["eval_perplexity"].get<double>());
+  }
+  EXPECT_EQ(evaluated, 2) << "after step 2 and at the end";
 }
 
 }  // namespace

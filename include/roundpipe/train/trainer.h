@@ -12,6 +12,11 @@ namespace roundpipe::train {
 
 struct TrainOptions {
   std::string model, config = "configs/qwen3-tiny/config.json", data, task = "addition";
+  // Held-out data (as `data`) whose loss and perplexity are measured every
+  // eval_every steps (0: at the end only) and at the end, with the weights
+  // the next step trains on; the built-in tasks use their held-out examples.
+  std::string eval_data;
+  int64_t eval_every = 0;
   // recompute: "stage", "layer" or "" (the automatic plan chooses).
   std::string output = "roundpipe-out", devices, dtype = "float32", pin = "alloc", recompute;
   double memory_limit_gib = 0;  // the plan's device memory limit; 0: what the device grants
@@ -63,6 +68,7 @@ struct TrainSummary {
   double final_loss = 0;                             // smoothed loss at the end
   double accuracy_before = -1, accuracy_after = -1;  // built-in tasks only
   std::vector<double> learning_rates;                // of each update this run made
+  double eval_loss = -1;  // at the end: mean over the held-out labelled tokens (-1: no data)
 };
 
 // SIGINT or SIGTERM arrived: the step in flight was finished and a training
