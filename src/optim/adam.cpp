@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <tuple>
+#include <unordered_map>
 
 #include "optim/adam_kernel.h"
 #include "optim/parallel.h"
@@ -73,7 +74,12 @@ void run_all(const std::vector<Work>& works) {
 }  // namespace
 
 Adam::Adam(std::vector<at::Tensor> params, AdamConfig config)
-    : torch::optim::Adam(std::move(params), torch_options(config)), config_(config) {
+    : Adam(std::vector<torch::optim::OptimizerParamGroup>{torch::optim::OptimizerParamGroup(
+               std::move(params))},
+           config) {}
+
+Adam::Adam(std::vector<torch::optim::OptimizerParamGroup> groups, AdamConfig config)
+    : torch::optim::Adam(std::move(groups), torch_options(config)), config_(config) {
   TORCH_CHECK(config.lr >= 0, "Adam: invalid learning rate ", config.lr);
   TORCH_CHECK(config.eps >= 0, "Adam: invalid eps ", config.eps);
   TORCH_CHECK(config.beta1 >= 0 && config.beta1 < 1 && config.beta2 >= 0 && config.beta2 < 1,
@@ -123,6 +129,15 @@ void Adam::fused_step(const std::vector<at::Tensor>& params, const std::vector<a
   config.eps = group_options.eps();
   config.weight_decay = group_options.weight_decay();
   config.amsgrad = group_options.amsgrad();
+  // Each parameter's group's weight decay (the groups share the rest).
+  std::unordered_map<const c10::TensorImpl*, double> group_decay;
+  if (param_groups().size() > 1) {
+    for (const auto& group : param_groups()) {
+      const double wd =
+          static_cast<const torch::optim::AdamOptions&>(group.options()).weight_decay();
+      for (const auto& p : group.params()) group_decay[p.unsafeGetTensorImpl()] = wd;
+    }
+  }
   std::vector<AdamTensors> tensors;
   for (size_t i = 0; i < params.size(); ++i) {
     const auto& p = params[i];
@@ -141,20 +156,22 @@ void Adam::fused_step(const std::vector<at::Tensor>& params, const std::vector<a
     tensors.push_back({p, grads[i], state.exp_avg(), state.exp_avg_sq(),
                        config.amsgrad ? state.max_exp_avg_sq() : at::Tensor(), low_precision_out[i],
                        state.step()});
+    if (auto d = group_decay.find(key); d != group_decay.end())
+      tensors.back().weight_decay = d->second;
   }
   adam_update(tensors, config);
 }
 
 void adam_update(const std::vector<AdamTensors>& tensors, const AdamConfig& config) {
   at::NoGradGuard no_grad;
-  const double lr = config.lr, beta1 = config.beta1, beta2 = config.beta2, eps = config.eps,
-               wd = config.weight_decay;
+  const double lr = config.lr, beta1 = config.beta1, beta2 = config.beta2, eps = config.eps;
   const bool amsgrad = config.amsgrad;
   std::vector<Work> works;
   for (const auto& t : tensors) {
     const auto& p = t.param;
     const auto& g = t.grad;
     const auto& out = t.low_precision_out;
+    const double wd = t.weight_decay.value_or(config.weight_decay);
     TORCH_CHECK(g.sizes() == p.sizes(), "Adam: gradient of shape ", g.sizes(),
                 " for a parameter of shape ", p.sizes());
     TORCH_CHECK(

@@ -167,6 +167,15 @@ OutputPaths prepare_outputs(const TrainOptions& args) {
   return paths;
 }
 
+}  // namespace
+
+bool weight_decay_applies(const std::string& name) {
+  const bool bias = name.size() >= 5 && name.compare(name.size() - 5, 5, ".bias") == 0;
+  return !bias && name.find("norm") == std::string::npos;
+}
+
+namespace {
+
 // This process's resident memory in bytes (Linux), else 0.
 int64_t resident_bytes() {
   std::ifstream statm("/proc/self/statm");
@@ -374,10 +383,23 @@ TrainSummary run_training(const TrainOptions& args) {
     std::printf("held-out accuracy before training: %.1f%%\n", 100 * accuracy_before);
   }
 
-  roundpipe::optim::Adam adam(pipe.optim_parameters(), roundpipe::optim::AdamConfig()
-                                                           .set_lr(args.lr)
-                                                           .set_weight_decay(args.weight_decay)
-                                                           .set_decoupled_weight_decay(true));
+  // Two param groups, as transformers' Trainer makes them: weight decay on
+  // the matrices, none on norms and biases.
+  const auto adam_config = roundpipe::optim::AdamConfig()
+                               .set_lr(args.lr)
+                               .set_weight_decay(args.weight_decay)
+                               .set_decoupled_weight_decay(true);
+  std::vector<at::Tensor> decayed, not_decayed;
+  for (const auto& [name, master] : pipe.optim_named_parameters())
+    (weight_decay_applies(name) ? decayed : not_decayed).push_back(master);
+  std::vector<torch::optim::OptimizerParamGroup> groups;
+  if (!decayed.empty()) groups.emplace_back(decayed);
+  if (!not_decayed.empty()) {
+    auto options = std::make_unique<torch::optim::AdamOptions>(args.lr);
+    options->weight_decay(0);
+    groups.emplace_back(not_decayed, std::move(options));
+  }
+  roundpipe::optim::Adam adam(std::move(groups), adam_config);
   std::unique_ptr<roundpipe::optim::GradScaler> scaler;
   if (dtype == c10::kHalf) scaler = std::make_unique<roundpipe::optim::GradScaler>();
 

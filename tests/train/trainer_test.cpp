@@ -757,5 +757,15 @@ TEST(Trainer, EvaluationLossIsTransformers) {
   EXPECT_EQ(evaluated, 2) << "after step 2 and at the end";
 }
 
+// Weight decay applies to the matrices, not to norms' weights nor biases.
+TEST(Trainer, WeightDecaySkipsNormsAndBiases) {
+  EXPECT_TRUE(train::weight_decay_applies("3.self_attn.q_proj.weight"));
+  EXPECT_TRUE(train::weight_decay_applies("0.embed_tokens.weight"));
+  EXPECT_FALSE(train::weight_decay_applies("3.input_layernorm.weight"));
+  EXPECT_FALSE(train::weight_decay_applies("3.self_attn.q_norm.weight"));
+  EXPECT_FALSE(train::weight_decay_applies("5.norm.weight"));
+  EXPECT_FALSE(train::weight_decay_applies("3.self_attn.q_proj.bias"));
+}
+
 }  // namespace
 }  // namespace roundpipe::testing

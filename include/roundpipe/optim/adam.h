@@ -54,13 +54,14 @@ struct AdamConfig {
 
 // One parameter's share of an Adam update, its state held by the caller.
 struct AdamTensors {
-  at::Tensor param;              // updated in place
-  at::Tensor grad;               // same dtype as param, or fp16/bf16 for an fp32 param
-  at::Tensor exp_avg;            // same shape and dtype as param
-  at::Tensor exp_avg_sq;         // same shape and dtype as param
-  at::Tensor max_exp_avg_sq;     // amsgrad only
-  at::Tensor low_precision_out;  // optional: written with the updated value
-  int64_t step = 1;              // the step number of this update (1 for the first)
+  at::Tensor param;                    // updated in place
+  at::Tensor grad;                     // same dtype as param, or fp16/bf16 for an fp32 param
+  at::Tensor exp_avg;                  // same shape and dtype as param
+  at::Tensor exp_avg_sq;               // same shape and dtype as param
+  at::Tensor max_exp_avg_sq;           // amsgrad only
+  at::Tensor low_precision_out;        // optional: written with the updated value
+  int64_t step = 1;                    // the step number of this update (1 for the first)
+  std::optional<double> weight_decay;  // its param group's (default: the config's)
 };
 
 // One Adam/AdamW update of every entry with `config`'s hyperparameters, in
@@ -75,6 +76,9 @@ void adam_update(const std::vector<AdamTensors>& tensors, const AdamConfig& conf
 class Adam : public torch::optim::Adam {
  public:
   Adam(std::vector<at::Tensor> params, AdamConfig config = {});
+  // Param groups (LibTorch's): a group's options may set its own
+  // weight_decay (e.g. 0 for norms and biases); the rest is `config`'s.
+  Adam(std::vector<torch::optim::OptimizerParamGroup> groups, AdamConfig config);
 
   // One update of every parameter with a gradient. fp32 contiguous
   // parameters take the fast kernel; others the plain ATen composition.

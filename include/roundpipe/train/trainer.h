@@ -59,6 +59,10 @@ struct TrainOptions {
 // Checks every option; throws naming the option and what it accepts.
 void validate(const TrainOptions& options);
 
+// Whether --weight-decay applies to the parameter `name` (as transformers'
+// Trainer: not to norms' weights nor to biases).
+bool weight_decay_applies(const std::string& name);
+
 struct TrainSummary {
   int64_t steps = 0;
   int64_t tokens = 0;
