@@ -27,10 +27,12 @@ namespace roundpipe {
 // while the link carries slot k. A slot is refilled only once the device
 // copy that read it has completed (its event). Slots are used in ring
 // order by one uploader thread at a time.
-// The engine's rings: 4 slots, filled by 8 threads (one memcpy thread
-// moves a few GB/s: 4 filled at 14 GB/s on the H200 host); a slot is 1/256 of the model's weights
-// within [1 MiB, 32 MiB] (a 32 MiB copy takes ~0.6 ms at 55 GB/s; a small model needs small slots,
-// and its ring stays small beside it).
+
+// The engine's rings: 4 slots, filled by 8 threads (one memcpy thread moves
+// a few GB/s: 4 filled at 14 GB/s on the H200 host); a slot is 1/256 of the
+// model's weights within [1 MiB, 32 MiB] (a 32 MiB copy takes ~0.6 ms at
+// 55 GB/s; a small model needs small slots, and its ring stays small
+// beside it).
 constexpr int kStagingSlots = 4;
 constexpr int kStagingThreads = 8;
 inline int64_t staging_slot_bytes(int64_t model_bytes) {
