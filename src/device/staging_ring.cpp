@@ -4,18 +4,11 @@
 #include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
 
-#include <chrono>
 #include <cstring>
 
 namespace roundpipe {
 
 namespace {
-
-using Clock = std::chrono::steady_clock;
-
-int64_t nanoseconds_since(Clock::time_point start) {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - start).count();
-}
 
 // A slot holds a chunk of at most slot_bytes of sources, each placed at a
 // multiple of its element size (views need that), so it has room for the
@@ -29,9 +22,9 @@ StagingRing::StagingRing(int slots, int64_t slot_bytes, bool pin, int copy_threa
     : slot_bytes_(slot_bytes), copiers_(copy_threads, /*low_priority=*/false) {
   TORCH_CHECK(slots >= 2 && slot_bytes > 0, "a staging ring needs two or more slots of > 0 bytes");
   for (int i = 0; i < slots; ++i) {
-    slots_.push_back(
-        {at::empty({slot_bytes}, at::TensorOptions().dtype(at::kByte).pinned_memory(pin)),
-         nullptr});
+    slots_.push_back({at::empty({slot_bytes + kPaddingRoom},
+                                at::TensorOptions().dtype(at::kByte).pinned_memory(pin)),
+                      nullptr});
   }
 }
 
@@ -56,12 +49,7 @@ StagingRing::Staged StagingRing::stage(const CopyChunk& chunk) {
     next_ = (next_ + 1) % slots();
     previous = std::move(slots_[staged.slot].copied);
   }
-  if (previous) {
-    const auto start = Clock::now();
-    previous->synchronize();
-    wait_ns_ += nanoseconds_since(start);
-  }
-  const auto start = Clock::now();
+  if (previous) previous->synchronize();
   auto& memory = slots_[staged.slot].memory;
   auto* base = static_cast<char*>(memory.data_ptr());
   // Contiguous sources are copied in pieces of up to 4 MiB on the copy
@@ -89,20 +77,12 @@ StagingRing::Staged StagingRing::stage(const CopyChunk& chunk) {
   }
   pieces.run(&copiers_);
   for (auto& [view, src] : strided) view.copy_(src);
-  fill_ns_ += nanoseconds_since(start);
   return staged;
 }
 
 void StagingRing::release(int slot, EventPtr copied) {
   std::lock_guard<std::mutex> lock(mu_);
   slots_[slot].copied = std::move(copied);
-}
-
-double StagingRing::wait_seconds() const {
-  return static_cast<double>(wait_ns_.load()) * 1e-9;
-}
-double StagingRing::fill_seconds() const {
-  return static_cast<double>(fill_ns_.load()) * 1e-9;
 }
 
 }  // namespace roundpipe

@@ -62,15 +62,12 @@ class StagingRing {
   Staged stage(const CopyChunk& chunk);
   void release(int slot, EventPtr copied);
 
-  // Bytes copied through the ring so far; seconds the uploader waited for a
-  // slot to be free (the link was the bottleneck) and filled slots (the CPU).
+  // Bytes copied through the ring so far.
   int64_t staged_bytes() const { return staged_bytes_.load(); }
-  double wait_seconds() const;
-  double fill_seconds() const;
 
  private:
   struct Slot {
-    at::Tensor memory;  // uint8 [slot_bytes]
+    at::Tensor memory;  // uint8 [slot_bytes + padding room]
     EventPtr copied;    // the last copy that read it
   };
   std::vector<Slot> slots_;
@@ -79,7 +76,6 @@ class StagingRing {
   std::mutex mu_;  // next_ and the slots' events
   ThreadPool copiers_;
   std::atomic<int64_t> staged_bytes_{0};
-  std::atomic<int64_t> wait_ns_{0}, fill_ns_{0};
 };
 
 }  // namespace roundpipe

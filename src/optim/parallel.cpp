@@ -26,7 +26,6 @@ struct ThreadPool::State {
         loop();
       });
     }
-    size_ = threads;
   }
   ~State() {
     {
@@ -36,7 +35,6 @@ struct ThreadPool::State {
     }
     for (auto& w : workers_) w.join();
   }
-  int size() const { return size_; }
 
   void run(int64_t count, const std::function<void(int64_t)>& fn) {
     std::lock_guard<std::mutex> serial(run_mu_);
@@ -99,7 +97,6 @@ struct ThreadPool::State {
   }
 
   std::vector<std::thread> workers_;
-  int size_ = 1;
   std::mutex run_mu_, mu_;
   std::condition_variable cv_, done_cv_;
   const std::function<void(int64_t)>* fn_ = nullptr;
@@ -114,9 +111,6 @@ struct ThreadPool::State {
 ThreadPool::ThreadPool(int threads, bool low_priority)
     : state_(std::make_unique<State>(std::max(1, threads), low_priority)) {}
 ThreadPool::~ThreadPool() = default;
-int ThreadPool::size() const {
-  return state_->size();
-}
 void ThreadPool::run(int64_t count, const std::function<void(int64_t)>& fn) {
   if (count <= 0) return;
   if (count == 1) {

@@ -21,7 +21,6 @@ class ThreadPool {
   ~ThreadPool();
   ThreadPool(const ThreadPool&) = delete;
   ThreadPool& operator=(const ThreadPool&) = delete;
-  int size() const;
   void run(int64_t count, const std::function<void(int64_t)>& fn);
 
  private:

@@ -160,12 +160,17 @@ TEST(SimDevice, ParameterUploadsGoInChunks) {
 
 // Pageable parameter uploads through a ring of two small slots (Note
 // [Staging ring]): more chunks than slots, so each slot is refilled only
-// after the copy that read it; a strided source is staged through copy_.
+// after the copy that read it; a strided source is staged through copy_;
+// odd-length bf16 tensors before float ones (a full slot needs padding).
 TEST_P(DeviceTest, PageableParameterUploadsGoThroughTheStagingRing) {
   auto device = make_devices(GetParam()).front();
   StagingRing ring(2, 64 * 1024, device->supports_pinned_memory(), 2);
-  std::vector<at::Tensor> host = {at::randn({5000}).requires_grad_(), at::randn({100000}),
-                                  at::randn({40, 30}).t(), at::randn({300})};
+  std::vector<at::Tensor> host = {at::randn({5001}).to(at::kBFloat16),
+                                  at::randn({3}),
+                                  at::randn({5001}).to(at::kBFloat16),
+                                  at::randn({100000}).requires_grad_(),
+                                  at::randn({40, 30}).t(),
+                                  at::randn({300})};
   int64_t bytes = 0;
   for (const auto& t : host) bytes += static_cast<int64_t>(t.nbytes());
   for (int round = 0; round < 3; ++round) {  // the slots' memory is reused every round
