@@ -12,7 +12,8 @@ LrScheduleKind lr_schedule_from_string(const std::string& text) {
   if (text == "constant") return LrScheduleKind::kConstant;
   if (text == "linear") return LrScheduleKind::kLinear;
   if (text == "cosine") return LrScheduleKind::kCosine;
-  TORCH_CHECK(false, "unknown learning-rate schedule '", text, "': use constant, linear or cosine");
+  TORCH_CHECK(false, "--lr-schedule: unknown learning-rate schedule '", text,
+              "': use constant, linear or cosine");
 }
 
 double LrSchedule::at(int64_t done) const {

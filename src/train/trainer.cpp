@@ -222,8 +222,7 @@ void validate(const TrainOptions& a) {
   check(a.digits >= 1 && a.digits <= 9, "--digits", "between 1 and 9", text(a.digits));
   check(a.length >= 1, "--length", "at least 1", text(a.length));
   check(std::isfinite(a.lr) && a.lr > 0, "--lr", "a positive number", text(a.lr));
-  check(a.lr_schedule == "constant" || a.lr_schedule == "linear" || a.lr_schedule == "cosine",
-        "--lr-schedule", "constant, linear or cosine", a.lr_schedule);
+  lr_schedule_from_string(a.lr_schedule);  // (names the choices)
   check(a.warmup_steps >= 0, "--warmup-steps", ">= 0", text(a.warmup_steps));
   check(std::isfinite(a.warmup_ratio) && a.warmup_ratio >= 0 && a.warmup_ratio < 1,
         "--warmup-ratio", "in [0, 1)", text(a.warmup_ratio));
@@ -327,6 +326,8 @@ TrainSummary run_training(const TrainOptions& args) {
       args.grad_accum > 1 ? (" x " + std::to_string(args.grad_accum) + " accumulated").c_str() : "",
       static_cast<long long>(total_steps));
 
+  const int microbatches =
+      args.microbatches > 0 ? args.microbatches : static_cast<int>(pipe.devices().size()) + 1;
   std::vector<roundpipe::train::Example> eval_examples =
       args.eval_data.empty()
           ? held_out
@@ -361,11 +362,9 @@ TrainSummary run_training(const TrainOptions& args) {
       input.num_items_in_batch = static_cast<double>(labelled);
       // (A last batch of fewer rows than microbatches runs in fewer.)
       const int rows = static_cast<int>(batch.input_ids.size(0));
-      const int per_call =
-          args.microbatches > 0 ? args.microbatches : static_cast<int>(pipe.devices().size()) + 1;
       loss += pipe.forward(input.to_ivalue(),
                            roundpipe::RunConfig().set_merge_output(add_up).set_num_microbatch(
-                               std::min(rows, per_call)))
+                               std::min(rows, microbatches)))
                   .toTensor()
                   .item<double>();
     }
@@ -451,8 +450,6 @@ TrainSummary run_training(const TrainOptions& args) {
 
   std::vector<int64_t> order(train.size());
   std::iota(order.begin(), order.end(), 0);
-  const int microbatches =
-      args.microbatches > 0 ? args.microbatches : static_cast<int>(pipe.devices().size()) + 1;
   const bool tty = ::isatty(STDOUT_FILENO);
   // One JSON line per step in the output folder. A resumed run keeps the
   // lines of the steps it resumes after and rewrites the rest (the
