@@ -93,6 +93,13 @@ struct PlanEstimate {
 // the smallest feasible limit when even one-layer stages do not fit.
 PlanEstimate plan_stages(const std::vector<LayerCost>& layers, const PlanRequest& request);
 
+// The memory limit at which one layer per stage fits (what plan_stages'
+// error names): the largest one-layer backward stage plus the largest
+// layer's parameters arriving meanwhile, doubled while activations are
+// unmeasured.
+int64_t smallest_feasible_memory_limit(const std::vector<LayerCost>& layers,
+                                       const PlanRequest& request);
+
 // The predicted stages and time of a given plan (e.g. a hand-written one).
 PlanEstimate estimate_plan(const std::vector<LayerCost>& layers, const ExecutePlan& plan,
                            const PlanRequest& request);

@@ -80,7 +80,10 @@ PlanEstimate AutoPlan::estimate(bool fused, int num_microbatches, int min_stages
     std::lock_guard<std::mutex> lock(mu_);
     shrink = shrink_;
   }
-  request.min_stages = std::max(min_stages, shrink.min_stages);
+  // (A shrunk stage count stops at one layer per stage: forward and
+  // backward stages, less the forward of the fused tail's layer.)
+  const int most_stages = 2 * static_cast<int>(weights_.layer_bytes().size()) - (fused ? 1 : 0);
+  request.min_stages = std::max(min_stages, std::min(shrink.min_stages, most_stages));
   if (!memory_limit_gib) memory_limit_gib = options_.model_memory_limit_gib;
   if (memory_limit_gib) {
     TORCH_CHECK(*memory_limit_gib > 0, name_, ": model_memory_limit must be positive (GiB), got ",
@@ -89,8 +92,7 @@ PlanEstimate AutoPlan::estimate(bool fused, int num_microbatches, int min_stages
   } else {
     request.memory_limit_bytes = default_memory_limit_bytes_;
   }
-  request.memory_limit_bytes =
-      static_cast<int64_t>(static_cast<double>(request.memory_limit_bytes) * shrink.limit_scale);
+  const int64_t unshrunk_limit = request.memory_limit_bytes;
   request.layer_grain = grain == RecomputeGrain::kLayer;
   request.grow_tail_with_grad = grow_tail;
   request.tail_rows = tail_rows;
@@ -103,9 +105,19 @@ PlanEstimate AutoPlan::estimate(bool fused, int num_microbatches, int min_stages
   request.activations_unmeasured = !measured || !all_layers_meterable_;
   const auto& bytes = weights_.layer_bytes();
   const auto& grad_bytes = weights_.layer_grad_bytes();
-  if (!measured) return plan_stages(costs_from_bytes(bytes, grad_bytes), request);
-  request.upload_bytes_per_second = upload_bytes_per_second_;
-  return plan_stages(timings_.costs(bytes, grad_bytes), request);
+  if (measured) request.upload_bytes_per_second = upload_bytes_per_second_;
+  const auto costs =
+      measured ? timings_.costs(bytes, grad_bytes) : costs_from_bytes(bytes, grad_bytes);
+  // A shrunk limit stops at the smallest one that fits one layer per
+  // stage: below it no plan exists, and a microbatch that still runs out
+  // of memory there is retried (or the call redone) on that plan.
+  if (shrink.limit_scale < 1 && unshrunk_limit > 0) {
+    const auto shrunk =
+        static_cast<int64_t>(static_cast<double>(unshrunk_limit) * shrink.limit_scale);
+    request.memory_limit_bytes =
+        std::max(shrunk, std::min(unshrunk_limit, smallest_feasible_memory_limit(costs, request)));
+  }
+  return plan_stages(costs, request);
 }
 
 // Note [Automatic grain]
@@ -172,8 +184,10 @@ AutoPlan::CallPlan AutoPlan::for_call(bool fused, int n, std::optional<Recompute
 // microbatch], stage_runner.cpp), and asks for smaller plans here. Smaller
 // means, in turn: layer grain where the plan chose stage grain; then a
 // memory limit three quarters of the last (or, without a limit, one stage
-// more), until plan_stages() finds no plan and names the smallest limit
-// that would fit. The shrink stays for later calls.
+// more), down to the smallest limit that fits one layer per stage (below it
+// there is no plan; a call that still runs out of memory there is redone a
+// few times, then fails naming what does not fit). The shrink stays for
+// later calls.
 void AutoPlan::shrink_after_out_of_memory(const ExecutePlan& failed, RecomputeGrain grain,
                                           bool grain_chosen) {
   std::lock_guard<std::mutex> lock(mu_);

@@ -267,6 +267,26 @@ PlanEstimate with_tail_grown(const std::vector<LayerCost>& layers, PlanEstimate 
   return e;
 }
 
+namespace {
+int64_t largest_param_bytes(const std::vector<LayerCost>& layers) {
+  int64_t largest = 0;
+  for (const auto& layer : layers) largest = std::max(largest, layer.param_bytes);
+  return largest;
+}
+}  // namespace
+
+int64_t smallest_feasible_memory_limit(const std::vector<LayerCost>& layers,
+                                       const PlanRequest& request) {
+  // One layer per stage fits once the limit holds the largest one-layer
+  // backward stage and the largest layer's parameters.
+  int64_t worst_memory = 0;
+  for (int l = 0; l < static_cast<int>(layers.size()); ++l)
+    worst_memory =
+        std::max(worst_memory, stage_load(layers, {l, l + 1}).memory(true, request.layer_grain));
+  const int64_t limit = worst_memory + largest_param_bytes(layers);
+  return request.activations_unmeasured ? 2 * limit : limit;
+}
+
 PlanEstimate plan_stages(const std::vector<LayerCost>& layers, const PlanRequest& request) {
   const int L = static_cast<int>(layers.size());
   TORCH_CHECK(L >= 1, "a RoundPipe model needs at least one layer");
@@ -281,15 +301,12 @@ PlanEstimate plan_stages(const std::vector<LayerCost>& layers, const PlanRequest
     return limit == 0 || std::all_of(e.stages.begin(), e.stages.end(),
                                      [&](const StageEstimate& s) { return s.peak_bytes <= limit; });
   };
-  // One layer per stage fits once the limit holds the largest one-layer
-  // backward stage and the largest layer's parameters: the limit a failure
-  // names.
+  // For the error where even one layer per stage does not fit.
   int worst = 0;
-  int64_t worst_memory = 0, largest_params = 0;
+  int64_t worst_memory = 0;
   for (int l = 0; l < L; ++l) {
     const int64_t m = stage_load(layers, {l, l + 1}).memory(true, request.layer_grain);
     if (m > worst_memory) worst = l, worst_memory = m;
-    largest_params = std::max(largest_params, layers[l].param_bytes);
   }
   bool any_fits = false, any_staged = false;
   std::set<double> budgets;
@@ -343,10 +360,9 @@ PlanEstimate plan_stages(const std::vector<LayerCost>& layers, const PlanRequest
       " is too small: layer ", worst, " alone needs ", gib(worst_memory),
       " GiB in a backward stage (parameters ", gib(layers[worst].param_bytes), ", gradients ",
       gib(layers[worst].grad_bytes), ", activations ", gib(layers[worst].activation_bytes),
-      " GiB), and another stage's parameters (up to ", gib(largest_params),
+      " GiB), and another stage's parameters (up to ", gib(largest_param_bytes(layers)),
       " GiB) arrive while it runs: the smallest feasible limit is at most ",
-      gib(request.activations_unmeasured ? 2 * (worst_memory + largest_params)
-                                         : worst_memory + largest_params),
+      gib(smallest_feasible_memory_limit(layers, request)),
       " GiB (one layer per stage). Raise model_memory_limit, or cut activations with "
       "more microbatches or recompute_grain=\"layer\", or split that layer.");
   // Keep the plan in use unless the new one is clearly faster: measured

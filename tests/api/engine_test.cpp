@@ -677,6 +677,45 @@ TEST(AutomaticPlanUnderABudget, TrainsWithinTheBudgetOverAGrid) {
   }
 }
 
+// Each out-of-memory redo shrinks later plans (Note [Out-of-memory redo]);
+// many in a row stop at one layer per stage, and the calls after them still
+// run (they used to fail: the shrunk limit, or stage count, had no plan).
+TEST(OutOfMemoryRedo, ManyShrinksStopAtOneLayerPerStage) {
+  for (bool with_limit : {false, true}) {
+    SCOPED_TRACE(with_limit ? "a model_memory_limit of 1 MiB" : "no memory limit");
+    auto model = oom_model();
+    auto oracle = oom_model();
+    auto options = RoundPipeOptions().set_devices("sim:1");
+    if (with_limit) options.set_model_memory_limit_gib(1.0 / 1024);
+    RoundPipe pipe(model, options);
+    const auto config = RunConfig().set_num_microbatch(2);
+    inject_when = InjectWhen::kForward;
+    // 5 redos a call (one fewer than fail a call), 0.75^40 of 1 MiB is
+    // 10 bytes: far below one layer per stage.
+    for (int call = 0; call < 9; ++call) {
+      SCOPED_TRACE(::testing::Message() << "call " << call);
+      injected_ooms = call < 8 ? 5 : 0;
+      const auto x = at::randn({8, 6}, at::detail::createCPUGenerator(50 + call));
+      const auto y = at::randn({8, 4}, at::detail::createCPUGenerator(60 + call));
+      torch::manual_seed(5);
+      at::Tensor loss;
+      ASSERT_NO_THROW(loss = pipe.forward_backward(x, y, mse_loss, false, config).loss);
+      pipe.synchronize();  // its backward's recomputes draw no more injected errors
+      EXPECT_EQ(injected_ooms.load(), 0) << "the injected errors were not all raised";
+      torch::manual_seed(5);
+      const auto outs = oracle_microbatches(oracle, x, 2, draw_call_seed(), c10::Device(c10::kCPU));
+      const auto ys = microbatches_of(y, 2);
+      at::Tensor expected = at::zeros({});
+      for (int m = 0; m < 2; ++m) expected = expected + mse_loss(outs[m], ys[m]);
+      expected.backward();
+      EXPECT_TENSOR_NEAR(loss, expected, kTol, "loss");
+    }
+    injected_ooms = 0;
+    pipe.synchronize();
+    expect_same_state(model, oracle, /*grads=*/true);
+  }
+}
+
 TEST(OutOfMemoryRedo, APlanOfTheCallersIsNotChangedAndTheErrorSaysOutOfMemory) {
   auto model = oom_model();
   RoundPipe pipe(model, RoundPipeOptions().set_devices("sim:1"));
