@@ -13,4 +13,4 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 # The tiny model learns fastest with exact (synchronous) optimizer steps;
 # large models use the asynchronous default.
 exec "$root/build/roundpipe-train" --config "$root/configs/qwen3-tiny/config.json" \
-  --task reverse --steps 600 --lr 1e-3 --sync-step --log-every 50 "$@"
+  --task reverse --steps 600 --lr 1e-3 --sync-step --log-every 50 --eval-every 50 "$@"

@@ -40,6 +40,13 @@ if ! .venv/bin/python -c 'import peft, sys; sys.exit(peft.__version__ != "0.21.2
   echo "[setup] installing peft==0.21.2 into .venv (test oracle for LoRA on the presets)"
   .venv/bin/python -m pip install -q peft==0.21.2 "torch==2.11.0" "transformers==5.17.0"
 fi
+# roundpipe.prepare reads local files with datasets; roundpipe.plot draws
+# with matplotlib; roundpipe.train writes TensorBoard events when
+# tensorboard is there (the tests check all three).
+if ! .venv/bin/python -c 'import datasets, matplotlib, tensorboard, sys; sys.exit(datasets.__version__ != "5.2.0")' 2>/dev/null; then
+  echo "[setup] installing datasets, matplotlib and tensorboard into .venv (data preparation, plots, metrics)"
+  .venv/bin/python -m pip install -q datasets==5.2.0 matplotlib==3.11.2 tensorboard==2.21.0 "torch==2.11.0" "transformers==5.17.0"
+fi
 # The Python package builds with scikit-build-core against the .venv's torch
 # (pip install --no-build-isolation .); its tests run with pytest.
 if ! .venv/bin/python -c 'import scikit_build_core, pytest' 2>/dev/null; then

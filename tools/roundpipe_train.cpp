@@ -1,7 +1,7 @@
 // roundpipe-train: fine-tune a HuggingFace-format Qwen3/Llama checkpoint
-// (or a model built from a config.json) through RoundPipe, on a JSONL
-// dataset or a built-in task, with the asynchronous fused Adam, checkpoints
-// and resume; saves a HuggingFace checkpoint at the end.
+// (or a model built from a config.json) through RoundPipe, on a token file
+// of roundpipe.prepare, a JSONL dataset or a built-in task, with the asynchronous fused Adam,
+// checkpoints and resume; saves a HuggingFace checkpoint at the end.
 #include <roundpipe/errors.h>
 #include <roundpipe/train/trainer.h>
 
@@ -15,7 +15,9 @@ int main(int argc, char** argv) {
                  "HuggingFace checkpoint directory (config.json + safetensors)");
   app.add_option("--config", a.config,
                  "config.json for a randomly initialised model (without --model)");
-  app.add_option("--data", a.data, "JSONL dataset: input_ids[/labels], text, or prompt/completion");
+  app.add_option("--data", a.data,
+                 "token file of python -m roundpipe.prepare (mapped from disk; its tokenizer must "
+                 "be --model's), or JSONL: input_ids[/labels], text, or prompt/completion");
   app.add_option("--task", a.task, "built-in task when no --data: reverse or addition");
   app.add_option("--length", a.length, "letters per word of the reverse task");
   app.add_option("--digits", a.digits, "digits per operand of the addition task");
@@ -32,8 +34,13 @@ int main(int argc, char** argv) {
   app.add_option("--lr", a.lr, "learning rate (AdamW)");
   app.add_option("--weight-decay", a.weight_decay, "decoupled weight decay");
   app.add_option("--eval-data", a.eval_data,
-                 "held-out JSONL (as --data) whose loss and perplexity are measured at the end "
+                 "held-out data (as --data) whose loss and perplexity are measured at the end "
                  "and every --eval-every steps");
+  app.add_option("--eval-fraction", a.eval_fraction,
+                 "hold out this fraction of --data for evaluation (instead of --eval-data)");
+  app.add_option("--max-grad-norm", a.max_grad_norm,
+                 "clip gradients to this global L2 norm before each update (0: no clipping; the "
+                 "norm is reported either way)");
   app.add_option("--eval-every", a.eval_every, "steps between evaluations (0: at the end only)");
   app.add_option("--grad-accum", a.grad_accum,
                  "batches whose gradients each optimizer step adds (the step of one batch of "

@@ -19,6 +19,7 @@
 #include "roundpipe/layer.h"
 #include "roundpipe/microbatch.h"
 #include "roundpipe/optim/adam.h"
+#include "roundpipe/optim/grad_clip.h"
 #include "roundpipe/optim/grad_scaler.h"
 #include "roundpipe/options.h"
 #include "roundpipe/planner.h"
@@ -110,8 +111,13 @@ class RoundPipe {
   // low-precision weight in the same pass over memory. Same numbers and the
   // same staleness as step([&] { adam.step(); adam.zero_grad(); }, is_async).
   // With a GradScaler, the gradients are unscaled and checked first and the
-  // step is skipped on inf/NaN, as scaler.step(adam) would.
-  void step(optim::Adam& adam, bool is_async = true, optim::GradScaler* scaler = nullptr);
+  // step is skipped on inf/NaN, as scaler.step(adam) would. With a
+  // GradClipper, the gradients are clipped by their global norm (over all
+  // stages, microbatches and calls of the step) before the update, as
+  // clip_grad_norm_ then adam.step() would; such a step waits for every
+  // gradient of the step before it updates anything.
+  void step(optim::Adam& adam, bool is_async = true, optim::GradScaler* scaler = nullptr,
+            optim::GradClipper* clip = nullptr);
 
   std::vector<at::Tensor> parameters() const;  // unique, in layer order
   // Named "<layer index>.<name in the layer>" (tied weights: first use).

@@ -16,6 +16,7 @@ from .grad_scaler import GradScaler
 from .recompute import doing_recompute, get_recompute_data, save_for_recompute
 from .roundpipe import OptimizerCtx, PackedMicrobatches, RoundPipe, _live_roundpipes
 from .run_config import ModelExecutePlan, RoundPipeRunConfig
+from .trainer import TrainingArguments, TrainResult, train
 from .wrap import AutoRoundPipe, CausalLMRoundPipe, wrap_model_to_roundpipe
 
 __version__ = "0.1.0"
@@ -41,6 +42,7 @@ atexit.register(_finish_at_exit)
 
 __all__ = [
     "AutoRoundPipe", "CausalLMRoundPipe", "GradScaler", "ModelExecutePlan", "OptimizerCtx",
-    "PackedMicrobatches", "RoundPipe", "RoundPipeRunConfig", "StageError", "doing_recompute",
-    "get_recompute_data", "optim", "save_for_recompute", "wrap_model_to_roundpipe",
+    "PackedMicrobatches", "RoundPipe", "RoundPipeRunConfig", "StageError", "TrainResult",
+    "TrainingArguments", "doing_recompute", "get_recompute_data", "optim", "save_for_recompute",
+    "train", "wrap_model_to_roundpipe",
 ]

@@ -99,8 +99,9 @@ namespace roundpipe {
 void RoundPipe::step(std::function<void()> step_fn, bool is_async) {
   engine_->step(std::move(step_fn), is_async);
 }
-void RoundPipe::step(optim::Adam& adam, bool is_async, optim::GradScaler* scaler) {
-  engine_->step_fused(adam, is_async, scaler);
+void RoundPipe::step(optim::Adam& adam, bool is_async, optim::GradScaler* scaler,
+                     optim::GradClipper* clip) {
+  engine_->step_fused(adam, is_async, scaler, clip);
 }
 std::vector<at::Tensor> RoundPipe::optim_parameters() {
   return engine_->optim_parameters();

@@ -118,7 +118,8 @@ double Adam::lr() const {
 }
 
 void Adam::fused_step(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
-                      const std::vector<at::Tensor>& low_precision_out, std::optional<double> lr) {
+                      const std::vector<at::Tensor>& low_precision_out, std::optional<double> lr,
+                      double grad_multiplier) {
   TORCH_CHECK(params.size() == grads.size() && params.size() == low_precision_out.size(),
               "Adam::fused_step: params, grads and outputs differ in count");
   const auto& group_options =
@@ -158,6 +159,7 @@ void Adam::fused_step(const std::vector<at::Tensor>& params, const std::vector<a
                        state.step()});
     if (auto d = group_decay.find(key); d != group_decay.end())
       tensors.back().weight_decay = d->second;
+    tensors.back().grad_multiplier = grad_multiplier;
   }
   adam_update(tensors, config);
 }
@@ -194,6 +196,7 @@ void adam_update(const std::vector<AdamTensors>& tensors, const AdamConfig& conf
     if (!fast) {
       // The plain ATen composition, as torch::optim::Adam / AdamW do it.
       auto grad = g.to(p.scalar_type());
+      if (t.grad_multiplier != 1.0) grad = grad.mul(static_cast<float>(t.grad_multiplier));
       if (config.maximize) grad = -grad;
       if (config.decoupled_weight_decay) {
         p.mul_(1 - lr * wd);
@@ -230,7 +233,8 @@ void adam_update(const std::vector<AdamTensors>& tensors, const AdamConfig& conf
     s.one_minus_beta2 = static_cast<float>(1 - beta2);
     s.l2_decay = config.decoupled_weight_decay ? 0.f : static_cast<float>(wd);
     s.decoupled_keep = config.decoupled_weight_decay ? static_cast<float>(1 - lr * wd) : 1.f;
-    s.grad_sign = config.maximize ? -1.f : 1.f;
+    // (The float product, as a gradient clip_grad_norm_ scaled in place.)
+    s.grad_sign = static_cast<float>(t.grad_multiplier) * (config.maximize ? -1.f : 1.f);
     s.sqrt_bias_correction2 = static_cast<float>(std::sqrt(bc2));
     s.eps = static_cast<float>(eps);
     s.neg_step_size = static_cast<float>(-lr / bc1);

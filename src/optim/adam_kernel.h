@@ -15,7 +15,7 @@ struct AdamScalars {
   float beta2, one_minus_beta2;
   float l2_decay;        // weight_decay for Adam, 0 for AdamW
   float decoupled_keep;  // 1 - lr * weight_decay for AdamW, 1 for Adam
-  float grad_sign;       // -1 with maximize
+  float grad_sign;       // -1 with maximize, times the gradient multiplier
   float sqrt_bias_correction2;
   float eps;
   float neg_step_size;  // -lr / (1 - beta1^step)

@@ -456,10 +456,11 @@ void Engine::step(std::function<void()> step_fn, bool is_async) {
   optimizer_.step(take_unconsumed_calls(), std::move(step_fn), is_async);
 }
 
-void Engine::step_fused(optim::Adam& adam, bool is_async, optim::GradScaler* scaler) {
+void Engine::step_fused(optim::Adam& adam, bool is_async, optim::GradScaler* scaler,
+                        optim::GradClipper* clip) {
   check_caller_thread("step()");
   optimizer_.prepare_step();
-  optimizer_.step_fused(take_unconsumed_calls(), adam, is_async, scaler);
+  optimizer_.step_fused(take_unconsumed_calls(), adam, is_async, scaler, clip);
 }
 
 void Engine::report_failed_call() {

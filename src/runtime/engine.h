@@ -53,7 +53,8 @@ class Engine {
   bool wait_for_background_work();
   void restore_pending_update();
   void step(std::function<void()> step_fn, bool is_async);
-  void step_fused(optim::Adam& adam, bool is_async, optim::GradScaler* scaler);
+  void step_fused(optim::Adam& adam, bool is_async, optim::GradScaler* scaler,
+                  optim::GradClipper* clip);
   std::vector<at::Tensor> optim_parameters();
   std::vector<std::pair<std::string, at::Tensor>> optim_named_parameters();
 

@@ -48,18 +48,20 @@ void OptimizerStream::step(std::vector<std::shared_ptr<CallState>> calls,
 }
 
 void OptimizerStream::step_fused(std::vector<std::shared_ptr<CallState>> calls, optim::Adam& adam,
-                                 bool is_async, optim::GradScaler* scaler) {
-  // Parameter by parameter as gradients arrive, unless a scaler must first
-  // see every gradient (a sync step has nothing to overlap).
-  const StepKind kind = !is_async           ? StepKind::kSyncFused
-                        : scaler == nullptr ? StepKind::kAsyncPiecewise
-                                            : StepKind::kAsyncFused;
+                                 bool is_async, optim::GradScaler* scaler,
+                                 optim::GradClipper* clip) {
+  // Parameter by parameter as gradients arrive, unless a scaler or a
+  // clipper must first see every gradient (a sync step has nothing to
+  // overlap).
+  const StepKind kind = !is_async                                ? StepKind::kSyncFused
+                        : (scaler == nullptr && clip == nullptr) ? StepKind::kAsyncPiecewise
+                                                                 : StepKind::kAsyncFused;
   // The learning rate now: the caller may set the next step's before this
   // one has run.
   const double lr = adam.lr();
   queue(
       std::move(calls),
-      [this, &adam, is_async, scaler, lr](std::map<int, at::Tensor>& grads) {
+      [this, &adam, is_async, scaler, clip, lr](std::map<int, at::Tensor>& grads) {
         std::vector<at::Tensor> masters, lowp_grads, outs;
         for (auto& [id, g] : grads) {
           auto master = weights_.master(id);
@@ -71,11 +73,16 @@ void OptimizerStream::step_fused(std::vector<std::shared_ptr<CallState>> calls, 
           // runs, write in place.
           outs.push_back(is_async ? weights_.stage(id) : weights_.home(id));
         }
-        auto update = [&] { adam.fused_step(masters, lowp_grads, outs, lr); };
+        // (Clipped after the scaler unscaled them.)
+        auto update = [&] {
+          const double multiplier = clip != nullptr ? clip->clip(lowp_grads) : 1.0;
+          adam.fused_step(masters, lowp_grads, outs, lr, multiplier);
+        };
         if (scaler == nullptr) {
           update();
         } else if (!scaler->step(lowp_grads, update)) {
           for (auto& [id, g] : grads) weights_.unstage(id);  // skipped: nothing new to publish
+          if (clip != nullptr) clip->skipped();
         }
       },
       kind);

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "roundpipe/optim/adam.h"
+#include "roundpipe/optim/grad_clip.h"
 #include "roundpipe/optim/grad_scaler.h"
 #include "runtime/call.h"
 #include "runtime/gradient_ledger.h"
@@ -52,7 +53,7 @@ class OptimizerStream {
   void step(std::vector<std::shared_ptr<CallState>> calls, std::function<void()> step_fn,
             bool is_async);
   void step_fused(std::vector<std::shared_ptr<CallState>> calls, optim::Adam& adam, bool is_async,
-                  optim::GradScaler* scaler);
+                  optim::GradScaler* scaler, optim::GradClipper* clip);
 
   // The masters (made on first use, from the homes once no step is queued).
   std::vector<std::pair<std::string, at::Tensor>> named_masters();

@@ -6,6 +6,7 @@
 #include <c10/util/Exception.h>
 
 #include <roundpipe/models/causal_lm.h>
+#include <roundpipe/train/token_file.h>
 
 #include <algorithm>
 #include <fstream>
@@ -14,6 +15,64 @@
 #include <random>
 
 namespace roundpipe::train {
+
+namespace {
+
+class InMemory : public Dataset {
+ public:
+  explicit InMemory(std::vector<Example> examples) : examples_(std::move(examples)) {}
+  int64_t size() const override { return static_cast<int64_t>(examples_.size()); }
+  Example at(int64_t index) const override { return examples_.at(index); }
+
+ private:
+  std::vector<Example> examples_;
+};
+
+class Subset : public Dataset {
+ public:
+  Subset(std::shared_ptr<const Dataset> base, std::vector<int64_t> indices)
+      : base_(std::move(base)), indices_(std::move(indices)) {
+    for (int64_t i : indices_)
+      TORCH_CHECK(i >= 0 && i < base_->size(), "subset: index ", i, " outside the dataset of ",
+                  base_->size(), " examples");
+  }
+  int64_t size() const override { return static_cast<int64_t>(indices_.size()); }
+  Example at(int64_t index) const override { return base_->at(indices_.at(index)); }
+
+ private:
+  std::shared_ptr<const Dataset> base_;
+  std::vector<int64_t> indices_;
+};
+
+}  // namespace
+
+std::shared_ptr<Dataset> in_memory(std::vector<Example> examples) {
+  return std::make_shared<InMemory>(std::move(examples));
+}
+
+std::shared_ptr<Dataset> subset(std::shared_ptr<const Dataset> base, std::vector<int64_t> indices) {
+  return std::make_shared<Subset>(std::move(base), std::move(indices));
+}
+
+std::vector<Example> gather(const Dataset& data, const std::vector<int64_t>& order, int64_t begin,
+                            int64_t count) {
+  TORCH_CHECK(!order.empty(), "gather: no examples to take from");
+  std::vector<Example> out;
+  out.reserve(count);
+  const auto n = static_cast<int64_t>(order.size());
+  for (int64_t j = 0; j < count; ++j) out.push_back(data.at(order[(begin + j) % n]));
+  return out;
+}
+
+std::shared_ptr<Dataset> open_dataset(const std::string& path, int64_t max_tokens,
+                                      int64_t vocab_size, const std::string& model_dir) {
+  if (TokenFile::is_token_file(path)) {
+    auto file = std::make_shared<TokenFile>(path, max_tokens);
+    file->check_model(vocab_size, model_dir);
+    return file;
+  }
+  return in_memory(load_jsonl(path, max_tokens, vocab_size));
+}
 
 std::vector<int64_t> ByteTokenizer::encode(const std::string& text) {
   std::vector<int64_t> ids;

@@ -186,6 +186,12 @@ int64_t resident_bytes() {
 
 // ---------------------------------------------------------------- numbers
 
+std::vector<int64_t> identity_order(int64_t count) {
+  std::vector<int64_t> order(count);
+  std::iota(order.begin(), order.end(), 0);
+  return order;
+}
+
 bool all_finite(const std::vector<at::Tensor>& tensors) {
   return std::all_of(tensors.begin(), tensors.end(),
                      [](const at::Tensor& t) { return at::isfinite(t).all().item<bool>(); });
@@ -230,6 +236,14 @@ void validate(const TrainOptions& a) {
         "0 when --warmup-ratio is given (one or the other)", text(a.warmup_steps));
   check(std::isfinite(a.weight_decay) && a.weight_decay >= 0, "--weight-decay", ">= 0",
         text(a.weight_decay));
+  check(std::isfinite(a.max_grad_norm) && a.max_grad_norm >= 0, "--max-grad-norm",
+        ">= 0 (0: no clipping)", text(a.max_grad_norm));
+  check(std::isfinite(a.eval_fraction) && a.eval_fraction >= 0 && a.eval_fraction < 1,
+        "--eval-fraction", "in [0, 1)", text(a.eval_fraction));
+  check(a.eval_fraction == 0 || a.eval_data.empty(), "--eval-fraction",
+        "0 when --eval-data is given (one or the other)", text(a.eval_fraction));
+  check(a.eval_fraction == 0 || !a.data.empty(), "--eval-fraction",
+        "used with --data (the built-in tasks hold out their own examples)", text(a.eval_fraction));
   check(a.recompute.empty() || a.recompute == "stage" || a.recompute == "layer", "--recompute",
         "stage or layer", a.recompute);
   check(std::isfinite(a.memory_limit_gib) && a.memory_limit_gib >= 0, "--memory-limit",
@@ -298,10 +312,29 @@ TrainSummary run_training(const TrainOptions& args) {
       args.dtype.c_str(), pipe.devices().size(), pipe.devices().at(0)->name().c_str(),
       std::chrono::duration<double>(Clock::now() - start_load).count());
 
-  // Data.
-  std::vector<roundpipe::train::Example> train, held_out;
+  // Data: a token file or JSONL, or a built-in task (with held-out
+  // examples for its accuracy).
+  std::shared_ptr<const Dataset> train;
+  std::shared_ptr<const Dataset> eval_data;
+  std::vector<Example> held_out;
   if (!args.data.empty()) {
-    train = roundpipe::train::load_jsonl(args.data, args.seq_len, config.vocab_size);
+    auto all = open_dataset(args.data, args.seq_len, config.vocab_size, args.model);
+    if (args.eval_fraction > 0) {
+      // The last examples of a shuffle by seed are held out.
+      std::vector<int64_t> order(all->size());
+      std::iota(order.begin(), order.end(), 0);
+      std::shuffle(order.begin(), order.end(), std::mt19937_64(args.seed + 7919));
+      const auto count =
+          std::max<int64_t>(1, std::llround(args.eval_fraction * static_cast<double>(all->size())));
+      TORCH_CHECK(count < all->size(), "--eval-fraction ", args.eval_fraction, " holds out all ",
+                  all->size(), " examples of ", args.data, ": give a smaller fraction");
+      eval_data = subset(all, {order.end() - count, order.end()});
+      order.resize(order.size() - count);
+      std::sort(order.begin(), order.end());
+      train = subset(all, std::move(order));
+    } else {
+      train = all;
+    }
   } else {
     TORCH_CHECK(config.vocab_size >= roundpipe::train::ByteTokenizer::kVocab,
                 "the built-in tasks use the byte-level tokenizer: the model needs vocab >= 259");
@@ -309,42 +342,44 @@ TrainSummary run_training(const TrainOptions& args) {
       return args.task == "addition" ? roundpipe::train::addition_task(count, args.digits, seed)
                                      : roundpipe::train::reversal_task(count, args.length, seed);
     };
-    train = make(args.train_examples, args.seed + 1);
+    train = in_memory(make(args.train_examples, args.seed + 1));
     held_out = make(args.eval_examples, args.seed + 1000003);
+  }
+  if (!args.eval_data.empty()) {
+    eval_data = open_dataset(args.eval_data, args.seq_len, config.vocab_size, args.model);
+  } else if (!eval_data && !held_out.empty()) {
+    eval_data = in_memory(held_out);
   }
   // A step adds the gradients of grad_accum batches of batch_size examples.
   const int64_t step_examples = args.batch_size * args.grad_accum;
-  const int64_t steps_per_epoch =
-      std::max<int64_t>(1, static_cast<int64_t>(train.size()) / step_examples);
+  const int64_t steps_per_epoch = std::max<int64_t>(1, train->size() / step_examples);
   const int64_t total_steps = args.steps > 0    ? args.steps
                               : args.epochs > 0 ? args.epochs * steps_per_epoch
                                                 : steps_per_epoch;
   std::printf(
-      "data: %zu training examples%s, batch %lld%s, %lld steps\n", train.size(),
-      held_out.empty() ? "" : (", " + std::to_string(held_out.size()) + " held out").c_str(),
+      "data: %lld training examples%s, batch %lld%s, %lld steps\n",
+      static_cast<long long>(train->size()),
+      !eval_data ? "" : (", " + std::to_string(eval_data->size()) + " held out").c_str(),
       static_cast<long long>(args.batch_size),
       args.grad_accum > 1 ? (" x " + std::to_string(args.grad_accum) + " accumulated").c_str() : "",
       static_cast<long long>(total_steps));
 
   const int microbatches =
       args.microbatches > 0 ? args.microbatches : static_cast<int>(pipe.devices().size()) + 1;
-  std::vector<roundpipe::train::Example> eval_examples =
-      args.eval_data.empty()
-          ? held_out
-          : roundpipe::train::load_jsonl(args.eval_data, args.seq_len, config.vocab_size);
   // The mean loss over every labelled token of the held-out examples: each
   // batch's loss is its share of that mean (num_items_in_batch: all of
   // their labelled tokens), its microbatches' shares added up.
   auto evaluate = [&]() -> double {
-    if (eval_examples.empty()) return -1;
+    if (!eval_data) return -1;
     torch::NoGradGuard no_grad;
-    std::vector<int64_t> order(eval_examples.size());
+    std::vector<int64_t> order(eval_data->size());
     std::iota(order.begin(), order.end(), 0);
-    std::vector<roundpipe::train::Batch> batches;
+    std::vector<Batch> batches;
     int64_t labelled = 0;
-    for (size_t b = 0; b < eval_examples.size(); b += args.batch_size) {
-      const auto count = std::min<int64_t>(args.batch_size, eval_examples.size() - b);
-      batches.push_back(roundpipe::train::collate(eval_examples, order, b, count));
+    for (int64_t b = 0; b < eval_data->size(); b += args.batch_size) {
+      const auto count = std::min<int64_t>(args.batch_size, eval_data->size() - b);
+      const auto examples = gather(*eval_data, order, b, count);
+      batches.push_back(collate(examples, identity_order(count), 0, count));
       labelled += batches.back().loss_tokens;
     }
     if (labelled == 0) return -1;
@@ -399,6 +434,9 @@ TrainSummary run_training(const TrainOptions& args) {
     groups.emplace_back(not_decayed, std::move(options));
   }
   roundpipe::optim::Adam adam(std::move(groups), adam_config);
+  // Every step's gradient norm is measured (and clipped to max_grad_norm
+  // where that is > 0) on the optimizer thread, over all of its gradients.
+  roundpipe::optim::GradClipper clip(args.max_grad_norm);
   std::unique_ptr<roundpipe::optim::GradScaler> scaler;
   if (dtype == c10::kHalf) scaler = std::make_unique<roundpipe::optim::GradScaler>();
 
@@ -448,7 +486,7 @@ TrainSummary run_training(const TrainOptions& args) {
     throw TrainingInterrupted("interrupted before training started", signals.received(), "");
   }
 
-  std::vector<int64_t> order(train.size());
+  std::vector<int64_t> order(train->size());
   std::iota(order.begin(), order.end(), 0);
   const bool tty = ::isatty(STDOUT_FILENO);
   // One JSON line per step in the output folder. A resumed run keeps the
@@ -466,6 +504,27 @@ TrainSummary run_training(const TrainOptions& args) {
   std::ofstream metrics(metrics_path, std::ios::trunc);
   TORCH_CHECK(metrics, "cannot write the metrics file ", metrics_path);
   for (const auto& line : kept) metrics << line << "\n";
+  // A step's line waits for its gradient norm, known once its update has
+  // run on the optimizer thread (for an async step, during the next one):
+  // lines are written in order as their norms arrive.
+  std::vector<nlohmann::json> unwritten;
+  auto write_metrics = [&] {
+    const auto norms = clip.norms();
+    size_t written = 0;
+    for (auto& line : unwritten) {
+      if (line.contains("loss")) {
+        const auto update = static_cast<size_t>(line["step"].get<int64_t>() - 1 - first_step);
+        if (update >= norms.size()) break;
+        // (JSON has no inf: a step the scaler skipped has a null norm.)
+        line["grad_norm"] =
+            std::isfinite(norms[update]) ? nlohmann::json(norms[update]) : nlohmann::json(nullptr);
+      }
+      metrics << line.dump() << "\n";
+      ++written;
+    }
+    unwritten.erase(unwritten.begin(), unwritten.begin() + static_cast<std::ptrdiff_t>(written));
+    metrics << std::flush;
+  };
   const auto start = Clock::now();
   auto step_start = start;
   auto window_start = start;
@@ -475,7 +534,7 @@ TrainSummary run_training(const TrainOptions& args) {
   for (int64_t step = first_step; step < total_steps; ++step) {
     const int64_t epoch = step / steps_per_epoch;
     if (step % steps_per_epoch == 0 || step == first_step) {
-      order.assign(train.size(), 0);
+      order.assign(train->size(), 0);
       std::iota(order.begin(), order.end(), 0);
       std::shuffle(order.begin(), order.end(), std::mt19937_64(args.seed + epoch));
     }
@@ -483,11 +542,12 @@ TrainSummary run_training(const TrainOptions& args) {
     std::vector<roundpipe::train::Batch> batches;
     int64_t step_tokens = 0, loss_tokens = 0;
     for (int64_t a = 0; a < args.grad_accum; ++a) {
-      const int64_t from = first + a * args.batch_size;
+      // Only this batch's examples are read (a token file's pages).
+      const auto examples = gather(*train, order, first + a * args.batch_size, args.batch_size);
+      const auto all = identity_order(args.batch_size);
       batches.push_back(args.packing
-                            ? roundpipe::train::pack(train, order, from, args.batch_size,
-                                                     args.seq_len, microbatches)
-                            : roundpipe::train::collate(train, order, from, args.batch_size));
+                            ? pack(examples, all, 0, args.batch_size, args.seq_len, microbatches)
+                            : collate(examples, all, 0, args.batch_size));
       step_tokens += batches.back().tokens;
       loss_tokens += batches.back().loss_tokens;
     }
@@ -519,17 +579,17 @@ TrainSummary run_training(const TrainOptions& args) {
     // (The step takes the rate in effect now: the next one may be set before it has run.)
     adam.set_lr(schedule.at(step));
     summary.learning_rates.push_back(adam.lr());
-    pipe.step(adam, /*is_async=*/!args.sync_step, scaler.get());
+    pipe.step(adam, /*is_async=*/!args.sync_step, scaler.get(), &clip);
     if (scaler) scaler->update();
     loss_avg = step == first_step ? last_loss : 0.9 * loss_avg + 0.1 * last_loss;
     const bool evaluating =
         args.eval_every > 0 && (step + 1) % args.eval_every == 0 && step + 1 < total_steps;
+    // The step's time: from the previous step's loss to this one's, less
+    // evaluations (their time counts for no step).
+    const double step_seconds = std::chrono::duration<double>(Clock::now() - step_start).count();
     const double eval_loss = evaluating ? evaluate() : -1;
+    step_start = Clock::now();
     {
-      // The step's time: from the previous step's loss to this one's.
-      const auto now = Clock::now();
-      const double step_seconds = std::chrono::duration<double>(now - step_start).count();
-      step_start = now;
       int64_t device_peak = 0;
       for (int d = 0; d < pipe.devices().size(); ++d)
         device_peak = std::max(device_peak, pipe.devices().at(d)->memory_stats().peak_bytes);
@@ -546,7 +606,8 @@ TrainSummary run_training(const TrainOptions& args) {
         line["eval_loss"] = eval_loss;
         line["eval_perplexity"] = std::exp(eval_loss);
       }
-      metrics << line.dump() << "\n" << std::flush;
+      unwritten.push_back(std::move(line));
+      write_metrics();
     }
     tokens += step_tokens;
     window_tokens += step_tokens;
@@ -562,15 +623,22 @@ TrainSummary run_training(const TrainOptions& args) {
       window_start = now;
       window_tokens = 0;
       const double left = elapsed / (step + 1 - first_step) * (total_steps - step - 1);
-      std::printf("%sstep %lld/%lld  loss %.4f  %.0f tokens/s  elapsed %s  ETA %s%s",
+      // The newest norm known (an async step's arrives during the next).
+      const auto norms = clip.norms();
+      char norm_text[48] = "";
+      if (!norms.empty())
+        std::snprintf(norm_text, sizeof(norm_text), "  grad norm %.3g (step %lld)", norms.back(),
+                      static_cast<long long>(first_step + static_cast<int64_t>(norms.size())));
+      std::printf("%sstep %lld/%lld  loss %.4f%s  %.0f tokens/s  elapsed %s  ETA %s%s",
                   tty ? "\r" : "", static_cast<long long>(step + 1),
-                  static_cast<long long>(total_steps), loss_avg, rate, eta(elapsed).c_str(),
-                  eta(left).c_str(), tty && !last ? "   " : "\n");
+                  static_cast<long long>(total_steps), loss_avg, norm_text, rate,
+                  eta(elapsed).c_str(), eta(left).c_str(), tty && !last ? "   " : "\n");
       std::fflush(stdout);
     }
     if (args.after_step) args.after_step(step + 1);
     if (signals.received() && !last) {
       save_training_checkpoint(step + 1);
+      write_metrics();  // (the checkpoint waited for every update)
       const char* name = signals.received() == SIGINT ? "SIGINT" : "SIGTERM";
       throw TrainingInterrupted(std::string("interrupted by ") + name + " after step " +
                                     std::to_string(step + 1) + " of " +
@@ -585,6 +653,8 @@ TrainSummary run_training(const TrainOptions& args) {
     }
   }
   pipe.synchronize();
+  write_metrics();
+  summary.grad_norms = clip.norms();
   const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
   std::printf("\nsummary: %lld steps, %lld tokens in %.1fs = %.0f tokens/s, final loss %.4f\n",
               static_cast<long long>(total_steps - first_step), static_cast<long long>(tokens),
@@ -600,14 +670,12 @@ TrainSummary run_training(const TrainOptions& args) {
   if (!all_finite(pipe.parameters())) diverged("the trained weights hold inf or NaN");
   summary.eval_loss = evaluate();
   if (summary.eval_loss >= 0) {
-    std::printf("held-out loss %.4f, perplexity %.2f (%zu examples)\n", summary.eval_loss,
-                std::exp(summary.eval_loss), eval_examples.size());
-    metrics << nlohmann::json{{"step", total_steps},
-                              {"eval_loss", summary.eval_loss},
-                              {"eval_perplexity", std::exp(summary.eval_loss)}}
-                   .dump()
-            << "\n"
-            << std::flush;
+    std::printf("held-out loss %.4f, perplexity %.2f (%lld examples)\n", summary.eval_loss,
+                std::exp(summary.eval_loss), static_cast<long long>(eval_data->size()));
+    unwritten.push_back({{"step", total_steps},
+                         {"eval_loss", summary.eval_loss},
+                         {"eval_perplexity", std::exp(summary.eval_loss)}});
+    write_metrics();
   }
   if (!held_out.empty()) {
     summary.accuracy_after = roundpipe::train::task_accuracy(held_out, logits_of);

@@ -189,6 +189,7 @@ INSTANTIATE_TEST_SUITE_P(AllBackends, OptimizerLoopTest, ::testing::ValuesIn(bac
 }  // namespace roundpipe::testing
 
 #include <roundpipe/optim/grad_scaler.h>
+#include <torch/nn/utils/clip_grad.h>
 
 namespace roundpipe::testing {
 namespace {
@@ -246,6 +247,82 @@ TEST_P(FusedStepTest, FusedPathEqualsTheGeneralPath) {
       EXPECT_EQ(a[i].scalar_type(), at::kBFloat16);
     }
   }
+}
+
+// step(adam, ..., &clip) against LibTorch's clip_grad_norm_ then
+// adam.step() in a step function, on a bf16 model with fp32 masters: the
+// recorded norms are clip_grad_norm_'s, and the weights are the same up to
+// the rounding of the norm (a float32 reduction there, a double sum of
+// float32 norms here: the coefficients may differ in their last bit).
+TEST_P(FusedStepTest, ClippingEqualsClipGradNormThenAdam) {
+  for (bool is_async : {false, true}) {
+    SCOPED_TRACE(is_async ? "async" : "sync");
+    auto general_model = make_model(ModelKind::kMlp), fused_model = make_model(ModelKind::kMlp);
+    general_model->to(at::kBFloat16);
+    fused_model->to(at::kBFloat16);
+    const auto plan = ExecutePlan::one_layer_per_stage(general_model->size(), /*fused=*/true);
+    auto options = RoundPipeOptions()
+                       .set_devices(GetParam())
+                       .set_optim_dtype(at::kFloat)
+                       .set_model_run_config(RunConfig().set_execute_plan(plan));
+    RoundPipe general(general_model, options), fused(fused_model, options);
+    optim::Adam general_adam(general.optim_parameters(), adam_config());
+    optim::Adam fused_adam(fused.optim_parameters(), adam_config());
+    // Small enough that every step clips (checked below).
+    constexpr double kMaxNorm = 0.05;
+    optim::GradClipper clip(kMaxNorm);
+    std::vector<double> expected_norms;
+    for (int step = 0; step < kSteps; ++step) {
+      auto [x, y] = batch(step);
+      x = x.to(at::kBFloat16);
+      y = y.to(at::kBFloat16);
+      general.forward_backward(x, y, mse_loss);
+      fused.forward_backward(x, y, mse_loss);
+      general.step(
+          [&] {
+            expected_norms.push_back(
+                torch::nn::utils::clip_grad_norm_(general_adam.parameters(), kMaxNorm));
+            general_adam.step();
+            general_adam.zero_grad();
+          },
+          is_async);
+      fused.step(fused_adam, is_async, nullptr, &clip);
+    }
+    general.synchronize();
+    fused.synchronize();
+    const auto norms = clip.norms();
+    ASSERT_EQ(norms.size(), expected_norms.size());
+    for (size_t k = 0; k < norms.size(); ++k) {
+      EXPECT_NEAR(norms[k], expected_norms[k], 1e-5 * expected_norms[k]) << "norm of step " << k;
+      EXPECT_GT(norms[k], kMaxNorm) << "step " << k << " did not clip: the test shows nothing";
+    }
+    // A coefficient one float32 ulp apart moves an Adam step by far less
+    // than its size (lr): the moments' ratio changes by ~1e-7.
+    auto ma = general.optim_parameters(), mb = fused.optim_parameters();
+    for (size_t i = 0; i < ma.size(); ++i)
+      EXPECT_TENSOR_ABS_NEAR(ma[i], mb[i], 1e-6, "master " << i);
+  }
+}
+
+TEST(GradClip, CoefficientAndNormAreClipGradNorms) {
+  std::vector<at::Tensor> grads = {at::randn({7, 5}, at::detail::createCPUGenerator(1)),
+                                   at::randn({3}, at::detail::createCPUGenerator(2))};
+  std::vector<at::Tensor> params;
+  for (const auto& g : grads) {
+    auto p = at::zeros_like(g).requires_grad_(true);
+    p.mutable_grad() = g.clone();
+    params.push_back(p);
+  }
+  const double norm = optim::global_grad_norm(grads);
+  const double expected = torch::nn::utils::clip_grad_norm_(params, 0.5);
+  EXPECT_NEAR(norm, expected, 1e-6 * expected);
+  const double coefficient = optim::clip_coefficient(norm, 0.5);
+  for (size_t i = 0; i < grads.size(); ++i)
+    EXPECT_TENSOR_NEAR(grads[i] * static_cast<float>(coefficient), params[i].grad(), 1e-6,
+                       "gradient " << i);
+  EXPECT_EQ(optim::clip_coefficient(0.1, 0.5), 1.0);  // under the limit: untouched
+  EXPECT_EQ(optim::clip_coefficient(3.0, 0.0), 1.0);  // 0: measure only
+  EXPECT_THROW(optim::GradClipper(-1.0), c10::Error);
 }
 
 INSTANTIATE_TEST_SUITE_P(AllBackends, FusedStepTest, ::testing::ValuesIn(backends()),

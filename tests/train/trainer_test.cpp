@@ -6,6 +6,7 @@
 #include <roundpipe/roundpipe.h>
 #include <roundpipe/safetensors.h>
 #include <roundpipe/train/data.h>
+#include <roundpipe/train/token_file.h>
 #include <roundpipe/train/trainer.h>
 #include <signal.h>
 #include <sys/wait.h>
@@ -765,6 +766,179 @@ TEST(Trainer, WeightDecaySkipsNormsAndBiases) {
   EXPECT_FALSE(train::weight_decay_applies("3.self_attn.q_norm.weight"));
   EXPECT_FALSE(train::weight_decay_applies("5.norm.weight"));
   EXPECT_FALSE(train::weight_decay_applies("3.self_attn.q_proj.bias"));
+}
+
+}  // namespace
+}  // namespace roundpipe::testing
+
+namespace roundpipe::testing {
+namespace {
+
+// A token file written by roundpipe.prepare's writer (python/roundpipe/
+// token_file.py, run by itself): the C++ loader reads the same examples and
+// labels, cuts them to max_tokens, and agrees on the fingerprint.
+TEST(TokenFile, ReadsWhatPythonWrote) {
+  const std::string path = temp("tokens.rpt");
+  const auto printed = run_python(
+      "token_file",
+      "import sys, json\n"
+      "sys.path.insert(0, sys.argv[1] + '/python/roundpipe')\n"
+      "from token_file import Example, write_token_file, fnv1a64\n"
+      "ex = [Example([5, 6, 7, 8], [0, 0, 1, 1]), Example([9, 10], [1, 1]),\n"
+      "      Example(list(range(3, 40)), [i % 2 for i in range(37)])]\n"
+      "write_token_file(sys.argv[2], ex, {'tokenizer': 'test', 'tokenizer_fingerprint': '',\n"
+      "                                   'chat_template_fingerprint': ''})\n"
+      "json.dump({'labels': [e.labels for e in ex], 'fnv': fnv1a64('héllo'.encode())},\n"
+      "          open(sys.argv[-1], 'w'))\n",
+      std::string(ROUNDPIPE_SOURCE_DIR) + " " + path);
+  const auto expected = nlohmann::json::parse(printed);
+  ASSERT_TRUE(train::TokenFile::is_token_file(path));
+  train::TokenFile file(path, /*max_tokens=*/16);
+  ASSERT_EQ(file.size(), 3);
+  EXPECT_EQ(file.num_tokens(), 4 + 2 + 37);
+  EXPECT_EQ(file.tokenizer(), "test");
+  for (int64_t i = 0; i < file.size(); ++i) {
+    auto labels = expected["labels"][i].get<std::vector<int64_t>>();
+    if (labels.size() > 16) labels.resize(16);
+    const auto ex = file.at(i);
+    EXPECT_EQ(ex.labels, labels) << "example " << i;
+    EXPECT_EQ(ex.input_ids.size(), labels.size());
+  }
+  EXPECT_EQ(file.at(0).input_ids, (std::vector<int64_t>{5, 6, 7, 8}));
+  EXPECT_EQ(train::fnv1a64_hex("h\xc3\xa9llo"), expected["fnv"].get<std::string>());
+  // Ids beyond the model's vocabulary, and a file that is not one.
+  EXPECT_THROW(file.check_model(/*vocab_size=*/30, ""), c10::Error);
+  EXPECT_NO_THROW(file.check_model(/*vocab_size=*/40, ""));
+  const std::string bad = temp("bad.rpt");
+  { std::ofstream(bad) << "RPTOKEN1 and then nothing sensible"; }
+  try {
+    train::TokenFile broken(bad, 16);
+    ADD_FAILURE() << "no error";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("roundpipe.prepare"), std::string::npos) << e.what();
+  }
+}
+
+// A token file names the tokenizer (tokenizer.json) and chat template it
+// was made with; a model directory holding other ones is refused, naming
+// the fix. (roundpipe.prepare end to end with roundpipe-train: Python tests.)
+TEST(TokenFile, RefusesAModelWithAnotherTokenizerOrChatTemplate) {
+  const std::string dir = temp("tokenizer_dir");
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  { std::ofstream(dir + "/tokenizer.json") << "{\"model\": \"ours\"}"; }
+  { std::ofstream(dir + "/tokenizer_config.json") << "{}"; }
+  { std::ofstream(dir + "/chat_template.jinja") << "{{ messages }}"; }
+  const auto write = [&](const std::string& tokenizer_text, const std::string& template_text) {
+    const std::string path = temp("fingerprinted.rpt");
+    run_python("fingerprinted",
+               "import sys\n"
+               "sys.path.insert(0, sys.argv[1] + '/python/roundpipe')\n"
+               "from token_file import Example, write_token_file, fnv1a64\n"
+               "write_token_file(sys.argv[2], [Example([3, 4], [1, 1])], {'tokenizer': 'x',\n"
+               "    'tokenizer_fingerprint': fnv1a64(sys.argv[3].encode()),\n"
+               "    'chat_template_fingerprint': fnv1a64(sys.argv[4].encode())})\n"
+               "open(sys.argv[-1], 'w').write('ok')\n",
+               std::string(ROUNDPIPE_SOURCE_DIR) + " " + path + " '" + tokenizer_text + "' '" +
+                   template_text + "'");
+    return path;
+  };
+  const auto error_of = [&](const std::string& path) {
+    try {
+      train::TokenFile(path, 16).check_model(100, dir);
+    } catch (const c10::Error& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  EXPECT_EQ(error_of(write("{\"model\": \"ours\"}", "{{ messages }}")), "");
+  EXPECT_NE(
+      error_of(write("{\"model\": \"theirs\"}", "{{ messages }}")).find("another tokenizer.json"),
+      std::string::npos);
+  EXPECT_NE(error_of(write("{\"model\": \"ours\"}", "{{ other }}")).find("chat template"),
+            std::string::npos);
+}
+
+}  // namespace
+}  // namespace roundpipe::testing
+
+namespace roundpipe::testing {
+namespace {
+
+// Every step's global gradient norm is measured and written to the metrics
+// (clip_grad_norm_'s arithmetic is tested in FusedStepTest); a limit under
+// the norms clips (another trajectory), one far above changes nothing.
+TEST(Trainer, GradientNormsAreReportedAndClipped) {
+  // Returns the summary and each step's loss from the metrics file.
+  auto run = [&](const std::string& name, double max_norm) {
+    auto o = tiny(name);
+    o.steps = 8;
+    o.train_examples = 640;
+    o.batch_size = 16;
+    o.max_grad_norm = max_norm;
+    o.lr = 2e-3;
+    o.sync_step = true;
+    o.overwrite = true;
+    const auto summary = train::run_training(o);
+    std::vector<double> losses, written_norms;
+    std::ifstream file(o.output + "/metrics.jsonl");
+    for (std::string line; std::getline(file, line);) {
+      const auto entry = nlohmann::json::parse(line);
+      if (!entry.contains("loss")) continue;
+      losses.push_back(entry["loss"].get<double>());
+      written_norms.push_back(entry["grad_norm"].get<double>());
+    }
+    EXPECT_EQ(written_norms, summary.grad_norms) << name;
+    return std::make_pair(summary, losses);
+  };
+  const auto [measured, losses] = run("clip_off", 0);
+  ASSERT_EQ(measured.grad_norms.size(), 8u);
+  for (double n : measured.grad_norms) EXPECT_TRUE(std::isfinite(n) && n > 0) << n;
+  const double smallest = *std::min_element(measured.grad_norms.begin(), measured.grad_norms.end());
+  // (Microbatch gradients may add up in another order from run to run:
+  // float32 rounding, ~1e-7 relative.)
+  const auto [far_above, far_above_losses] = run("clip_far_above", 1e6);
+  for (size_t k = 0; k < 8; ++k) {
+    EXPECT_NEAR(far_above.grad_norms[k], measured.grad_norms[k], 1e-5 * measured.grad_norms[k]);
+    EXPECT_NEAR(far_above_losses[k], losses[k], 1e-5 * losses[k]);
+  }
+  // Clipping every step to a tenth of the smallest norm: the first step's
+  // loss is of the same weights; Adam's first update hardly depends on the
+  // gradient's scale (through eps only), later ones weigh the clipped
+  // gradients otherwise, and the losses part.
+  const auto [clipped, clipped_losses] = run("clip_binding", smallest / 10);
+  EXPECT_NEAR(clipped_losses[0], losses[0], 1e-5 * losses[0]);
+  double parted = 0;
+  for (size_t k = 2; k < 8; ++k)
+    parted = std::max(parted, std::abs(clipped_losses[k] - losses[k]) / losses[k]);
+  EXPECT_GT(parted, 1e-3) << "clipping changed nothing";
+  auto bad = tiny("clip_bad");
+  bad.max_grad_norm = -1;
+  EXPECT_THROW(train::validate(bad), c10::Error);
+}
+
+// --eval-fraction holds out part of --data: evaluated at the end, never
+// trained on (the training examples are the rest).
+TEST(Trainer, EvalFractionHoldsOutPartOfTheData) {
+  const std::string data = temp("fraction.jsonl");
+  {
+    std::ofstream file(data);
+    for (int e = 0; e < 40; ++e) file << "{\"text\": \"example number " << e << "\"}\n";
+  }
+  auto o = tiny("fraction");
+  o.data = data;
+  o.steps = 2;
+  o.batch_size = 8;
+  o.eval_fraction = 0.25;
+  o.overwrite = true;
+  const auto summary = train::run_training(o);
+  EXPECT_GT(summary.eval_loss, 0);
+  auto both = o;
+  both.eval_data = data;
+  EXPECT_THROW(train::validate(both), c10::Error);
+  auto all = o;
+  all.eval_fraction = 0.999;
+  EXPECT_THROW(train::run_training(all), c10::Error);
 }
 
 }  // namespace

@@ -62,6 +62,8 @@ struct AdamTensors {
   at::Tensor low_precision_out;        // optional: written with the updated value
   int64_t step = 1;                    // the step number of this update (1 for the first)
   std::optional<double> weight_decay;  // its param group's (default: the config's)
+  // The gradient is read times this (gradient clipping's coefficient).
+  double grad_multiplier = 1.0;
 };
 
 // One Adam/AdamW update of every entry with `config`'s hyperparameters, in
@@ -93,9 +95,11 @@ class Adam : public torch::optim::Adam {
   // `lr`: the learning rate to use (default: the param group's now); an
   // asynchronous step passes the one in effect when it was queued, so that
   // changing it for the next step (a schedule) never races this one.
+  // `grad_multiplier`: each gradient is read times it (a GradClipper's
+  // coefficient), as if clip_grad_norm_ had scaled it in place.
   void fused_step(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
                   const std::vector<at::Tensor>& low_precision_out,
-                  std::optional<double> lr = std::nullopt);
+                  std::optional<double> lr = std::nullopt, double grad_multiplier = 1.0);
 
   const AdamConfig& config() const { return config_; }
   void set_lr(double lr);

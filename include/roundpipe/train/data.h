@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -16,6 +17,29 @@ struct Example {
   std::vector<int64_t> input_ids;
   std::vector<int64_t> labels;
 };
+
+// Examples by index, read one batch at a time (a token file maps them
+// from disk; JSONL and the built-in tasks hold them in memory).
+class Dataset {
+ public:
+  virtual ~Dataset() = default;
+  virtual int64_t size() const = 0;
+  virtual Example at(int64_t index) const = 0;
+};
+
+// `examples` as a Dataset.
+std::shared_ptr<Dataset> in_memory(std::vector<Example> examples);
+// The examples of `base` at `indices`, in that order.
+std::shared_ptr<Dataset> subset(std::shared_ptr<const Dataset> base, std::vector<int64_t> indices);
+// The examples of `data` at order[begin .. begin + count), wrapping around.
+std::vector<Example> gather(const Dataset& data, const std::vector<int64_t>& order, int64_t begin,
+                            int64_t count);
+// A token file (roundpipe.prepare's, by its first bytes) or JSONL
+// (load_jsonl), examples cut to max_tokens; ids must be < vocab_size.
+// With a token file and a non-empty model_dir, its tokenizer must be the
+// model's (TokenFile::check_model).
+std::shared_ptr<Dataset> open_dataset(const std::string& path, int64_t max_tokens,
+                                      int64_t vocab_size, const std::string& model_dir);
 
 // Bytes as tokens: 0 = pad, 1 = bos, 2 = eos, byte b = b + 3 (vocab 259).
 struct ByteTokenizer {

@@ -17,6 +17,9 @@ struct TrainOptions {
   // the next step trains on; the built-in tasks use their held-out examples.
   std::string eval_data;
   int64_t eval_every = 0;
+  // Without eval_data: this fraction of `data`'s examples is held out (the
+  // last ones after a shuffle by seed) and evaluated as eval_data would be.
+  double eval_fraction = 0;
   // recompute: "stage", "layer" or "" (the automatic plan chooses).
   std::string output = "roundpipe-out", devices, dtype = "float32", pin = "alloc", recompute;
   double memory_limit_gib = 0;  // the plan's device memory limit; 0: what the device grants
@@ -29,6 +32,10 @@ struct TrainOptions {
   // is that of one batch of grad_accum x batch_size examples.
   int64_t grad_accum = 1;
   double lr = 3e-4, weight_decay = 0.01;
+  // Gradients are clipped to this global L2 norm before each update
+  // (clip_grad_norm_, transformers' default 1.0); 0 only measures it. The
+  // norm of every step is reported either way.
+  double max_grad_norm = 1.0;
   // The learning rate per update (LrSchedule): "constant", "linear" or
   // "cosine", after a linear warmup of warmup_steps updates, or of
   // warmup_ratio of all updates when that is > 0.
@@ -72,6 +79,7 @@ struct TrainSummary {
   double final_loss = 0;                             // smoothed loss at the end
   double accuracy_before = -1, accuracy_after = -1;  // built-in tasks only
   std::vector<double> learning_rates;                // of each update this run made
+  std::vector<double> grad_norms;  // each update's global gradient norm, before clipping
   double eval_loss = -1;  // at the end: mean over the held-out labelled tokens (-1: no data)
 };
 

@@ -1,0 +1,369 @@
+"""``roundpipe.train``: fine-tune a model on a prepared dataset in a few
+lines, with roundpipe-train's controls from Python:
+
+    import roundpipe, transformers
+    model = transformers.AutoModelForCausalLM.from_pretrained("Qwen/Qwen3-1.7B", dtype=torch.bfloat16)
+    result = roundpipe.train(model, "chats.rpt", roundpipe.TrainingArguments(
+        output_dir="out", batch_size=16, lr=2e-5, lr_schedule="cosine", warmup_ratio=0.03,
+        max_grad_norm=1.0, eval_fraction=0.02, eval_every=100))
+
+The data is a token file of ``python -m roundpipe.prepare`` (or a list of
+:class:`roundpipe.token_file.Example`). Each step trains on ``batch_size x
+grad_accum`` examples (packed into rows, or padded), its loss the mean over
+the step's labelled tokens; gradients are clipped by their global norm
+(``clip_grad_norm_``), AdamW updates the CPU masters while the GPUs run the
+next step (``sync_step=True``: after each step), and the learning rate follows
+transformers' schedule. Every step's loss, learning rate, gradient norm,
+throughput and memory go to ``output_dir/metrics.jsonl`` (what
+``python -m roundpipe.plot`` draws), and to TensorBoard when the
+``tensorboard`` package is there.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from typing import List, Optional, Sequence, Union
+
+import numpy as np
+import torch
+
+from .token_file import Example, TokenFile
+
+
+@dataclass
+class TrainingArguments:
+    output_dir: str = "roundpipe-out"
+    batch_size: int = 8               # examples per forward_backward call
+    grad_accum: int = 1               # calls whose gradients one step adds
+    max_steps: int = 0                # 0: num_epochs epochs
+    num_epochs: int = 1
+    lr: float = 2e-5
+    lr_schedule: str = "linear"       # constant, linear or cosine (transformers' get_scheduler)
+    warmup_steps: int = 0
+    warmup_ratio: float = 0.0         # instead of warmup_steps
+    weight_decay: float = 0.0         # on matrices; never on norms nor biases
+    max_grad_norm: float = 1.0        # 0: measure the norm, clip nothing
+    seq_len: int = 2048               # tokens per example (cut) and per packed row
+    packing: bool = True              # pack examples into rows (position_ids), else pad
+    num_microbatch: Optional[int] = None
+    eval_data: Union[None, str, Sequence[Example]] = None
+    eval_fraction: float = 0.0        # held out of the training data instead of eval_data
+    eval_every: int = 0               # steps between evaluations (0: at the end only)
+    sync_step: bool = False
+    seed: int = 0
+    log_every: int = 10
+    tensorboard: Optional[bool] = None  # None: when the package is there
+    save_model: bool = True           # save_pretrained(output_dir) at the end
+
+    def validate(self):
+        def need(ok, what):
+            if not ok:
+                raise ValueError(f"TrainingArguments: {what}")
+        need(self.batch_size >= 1, f"batch_size must be at least 1, got {self.batch_size}")
+        need(self.grad_accum >= 1, f"grad_accum must be at least 1, got {self.grad_accum}")
+        need(self.max_steps >= 0 and self.num_epochs >= 1, "max_steps >= 0 and num_epochs >= 1")
+        need(self.lr > 0 and math.isfinite(self.lr), f"lr must be positive, got {self.lr}")
+        need(self.lr_schedule in ("constant", "linear", "cosine"),
+             f"lr_schedule must be constant, linear or cosine, got {self.lr_schedule!r}")
+        need(0 <= self.warmup_ratio < 1, f"warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
+        need(not (self.warmup_steps and self.warmup_ratio), "give warmup_steps or warmup_ratio, not both")
+        need(self.max_grad_norm >= 0, f"max_grad_norm must be >= 0 (0: no clipping), got {self.max_grad_norm}")
+        need(self.seq_len >= 2, f"seq_len must be at least 2, got {self.seq_len}")
+        need(0 <= self.eval_fraction < 1, f"eval_fraction must be in [0, 1), got {self.eval_fraction}")
+        need(not (self.eval_fraction and self.eval_data is not None),
+             "give eval_data or eval_fraction, not both")
+
+
+@dataclass
+class TrainResult:
+    steps: int = 0
+    losses: List[float] = field(default_factory=list)          # each step's mean token loss
+    grad_norms: List[float] = field(default_factory=list)      # before clipping
+    learning_rates: List[float] = field(default_factory=list)  # of each update
+    eval_losses: List[tuple] = field(default_factory=list)     # (step, loss)
+    tokens: int = 0
+    seconds: float = 0.0
+    metrics_path: str = ""
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / max(self.seconds, 1e-9)
+
+
+def weight_decay_applies(name: str) -> bool:
+    """As transformers' Trainer (and roundpipe-train): not norms, not biases."""
+    return not name.endswith(".bias") and "norm" not in name
+
+
+def _labelled(labels: torch.Tensor) -> int:
+    """Labels the loss counts: targets of the next-token shift."""
+    return int((labels[:, 1:] != -100).sum())
+
+
+def collate(examples: Sequence[Example], pad_id: int = 0) -> dict:
+    """One example a row, right padded (attention_mask 0, labels -100)."""
+    length = max(len(e.input_ids) for e in examples)
+    ids = torch.full((len(examples), length), pad_id, dtype=torch.long)
+    labels = torch.full_like(ids, -100)
+    mask = torch.zeros_like(ids)
+    for r, e in enumerate(examples):
+        n = len(e.input_ids)
+        ids[r, :n] = torch.tensor(e.input_ids)
+        labels[r, :n] = torch.tensor(e.labels)
+        mask[r, :n] = 1
+    return dict(input_ids=ids, attention_mask=mask, labels=labels)
+
+
+def pack(examples: Sequence[Example], seq_len: int, min_rows: int = 1, pad_id: int = 0) -> dict:
+    """The examples packed into rows of at most seq_len tokens (longest
+    first, each into the emptiest row it fits), position_ids restarting per
+    example and each example's first label -100, so that no label crosses
+    into the next (transformers' DataCollatorWithFlattening form)."""
+    docs = sorted((e for e in examples), key=lambda e: -len(e.input_ids))
+    rows: List[List[Example]] = [[] for _ in range(max(min_rows, 1))]
+    used = [0] * len(rows)
+    for d in docs:
+        n = min(len(d.input_ids), seq_len)
+        fits = [r for r in range(len(rows)) if used[r] + n <= seq_len]
+        if not fits:
+            rows.append([])
+            used.append(0)
+            fits = [len(rows) - 1]
+        r = min(fits, key=lambda i: used[i])
+        rows[r].append(Example(d.input_ids[:n], d.trained[:n]))
+        used[r] += n
+    width = max(max(used), 1)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    labels = torch.full_like(ids, -100)
+    positions = torch.zeros_like(ids)
+    for r, row in enumerate(rows):
+        at = 0
+        for d in row:
+            n = len(d.input_ids)
+            ids[r, at:at + n] = torch.tensor(d.input_ids)
+            lab = torch.tensor(d.labels)
+            lab[0] = -100
+            labels[r, at:at + n] = lab
+            positions[r, at:at + n] = torch.arange(n)
+            at += n
+        positions[r, at:] = torch.arange(width - at)  # the padding: one more document, unlabelled
+    return dict(input_ids=ids, labels=labels, position_ids=positions)
+
+
+def step_batches(data: Sequence[Example], args: TrainingArguments, step: int, rows_at_least: int,
+                 pad_id: int = 0) -> List[tuple]:
+    """The grad_accum batches of `step` (examples in a shuffle by seed and
+    epoch, wrapping around), each with its number of tokens."""
+    n = len(data)
+    per_step = args.batch_size * args.grad_accum
+    steps_per_epoch = max(1, n // per_step)
+    epoch = step // steps_per_epoch
+    order = np.random.default_rng(args.seed + epoch).permutation(n)
+    first = (step % steps_per_epoch) * per_step
+    out = []
+    for a in range(args.grad_accum):
+        picks = [order[(first + a * args.batch_size + j) % n] for j in range(args.batch_size)]
+        examples = [data[int(i)] for i in picks]
+        examples = [Example(e.input_ids[:args.seq_len], e.trained[:args.seq_len]) for e in examples]
+        batch = (pack(examples, args.seq_len, rows_at_least, pad_id) if args.packing
+                 else collate(examples, pad_id))
+        out.append((batch, sum(len(e.input_ids) for e in examples)))
+    return out
+
+
+def _schedule(optimizer, args: TrainingArguments, total_steps: int):
+    from transformers import get_scheduler
+    warmup = math.ceil(args.warmup_ratio * total_steps) if args.warmup_ratio else args.warmup_steps
+    return get_scheduler(args.lr_schedule, optimizer, num_warmup_steps=warmup,
+                         num_training_steps=total_steps)
+
+
+def _open_data(data, seq_len):
+    if isinstance(data, (str, os.PathLike)):
+        return TokenFile(os.fspath(data), max_tokens=seq_len)
+    return data
+
+
+def evaluate(pipe, data: Sequence[Example], batch_size: int, num_microbatch: Optional[int] = None,
+             pad_id: int = 0) -> float:
+    """The mean loss over every labelled token of `data` (padded batches,
+    in inference mode)."""
+    batches = [collate([data[i] for i in range(b, min(b + batch_size, len(data)))], pad_id)
+               for b in range(0, len(data), batch_size)]
+    total = sum(_labelled(b["labels"]) for b in batches)
+    if total == 0:
+        return float("nan")
+    from .run_config import RoundPipeRunConfig
+    loss = 0.0
+    with torch.no_grad():
+        for b in batches:
+            # (A last batch of fewer rows than microbatches runs in fewer.)
+            rows = b["input_ids"].shape[0]
+            wanted = num_microbatch or pipe.model_run_config.num_microbatch or len(pipe.devices) + 1
+            config = RoundPipeRunConfig(num_microbatch=min(rows, wanted))
+            out = pipe(**b, num_items_in_batch=total, roundpipe_run_config=config)
+            loss += float(out.loss)
+    return loss
+
+
+def train(model, data, args: Optional[TrainingArguments] = None, **kwargs) -> TrainResult:
+    """Trains `model` (a HuggingFace causal LM, peft or not, or a
+    RoundPipe made of one) on `data` (a token file path, or examples);
+    ``kwargs`` override fields of `args`. Returns the run's losses, norms,
+    learning rates and evaluations; the trained weights are the model's
+    (saved to output_dir unless save_model=False)."""
+    from .roundpipe import RoundPipe
+    from .run_config import RoundPipeRunConfig
+    from .wrap import wrap_model_to_roundpipe
+    from . import optim as rp_optim
+
+    args = args or TrainingArguments()
+    for key, value in kwargs.items():
+        if not hasattr(args, key):
+            raise TypeError(f"train(): unknown argument {key!r}")
+        setattr(args, key, value)
+    args.validate()
+    torch.manual_seed(args.seed)
+    os.makedirs(args.output_dir, exist_ok=True)
+
+    data = _open_data(data, args.seq_len)
+    eval_data = _open_data(args.eval_data, args.seq_len) if args.eval_data is not None else None
+    if args.eval_fraction:
+        order = np.random.default_rng(args.seed + 7919).permutation(len(data))
+        held = max(1, round(args.eval_fraction * len(data)))
+        if held >= len(data):
+            raise ValueError(f"eval_fraction {args.eval_fraction} holds out all {len(data)} examples")
+        full = data
+        eval_data = [full[int(i)] for i in order[len(data) - held:]]
+        keep = sorted(int(i) for i in order[:len(data) - held])
+        data = _Subset(full, keep)
+
+    if isinstance(model, RoundPipe):
+        pipe, hf = model, getattr(model, "model", None)
+    else:
+        config = RoundPipeRunConfig(num_microbatch=args.num_microbatch) if args.num_microbatch else None
+        pipe, hf = wrap_model_to_roundpipe(model, model_run_config=config), model
+    rows_at_least = args.num_microbatch or pipe.model_run_config.num_microbatch or len(pipe.devices) + 1
+    pad_id = getattr(getattr(hf, "config", None), "pad_token_id", None) or 0
+
+    decayed, not_decayed = [], []
+    for name, p in pipe.optim_named_parameters():
+        (decayed if weight_decay_applies(name) else not_decayed).append(p)
+    groups = [g for g in (dict(params=decayed, weight_decay=args.weight_decay),
+                          dict(params=not_decayed, weight_decay=0.0)) if g["params"]]
+    optimizer = rp_optim.AdamW(groups, lr=args.lr)
+    per_step = args.batch_size * args.grad_accum
+    total_steps = args.max_steps or args.num_epochs * max(1, len(data) // per_step)
+    scheduler = _schedule(optimizer, args, total_steps)
+    params = [p for g in groups for p in g["params"]]
+
+    result = TrainResult(metrics_path=os.path.join(args.output_dir, "metrics.jsonl"))
+
+    # On the optimizer thread, in step order: clip, update, advance the rate.
+    def step_fn():
+        grads = [p.grad for p in params if p.grad is not None]
+        if args.max_grad_norm > 0:
+            norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
+        else:
+            norm = torch.nn.utils.get_total_norm(grads)
+        result.learning_rates.append(optimizer.param_groups[0]["lr"])
+        result.grad_norms.append(float(norm))
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+
+    writer = None
+    if args.tensorboard is not False:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+            writer = SummaryWriter(os.path.join(args.output_dir, "tensorboard"))
+        except ImportError:
+            if args.tensorboard:
+                raise
+    metrics = open(result.metrics_path, "w")
+    unwritten: List[dict] = []
+
+    def write_known():
+        # A line waits for its step's norm and rate (known once the update ran).
+        while unwritten:
+            line = unwritten[0]
+            if "loss" in line:
+                k = line["step"] - 1
+                if k >= len(result.grad_norms):
+                    break
+                line["grad_norm"], line["lr"] = result.grad_norms[k], result.learning_rates[k]
+                if writer is not None:
+                    writer.add_scalar("train/grad_norm", line["grad_norm"], line["step"])
+                    writer.add_scalar("train/learning_rate", line["lr"], line["step"])
+            metrics.write(json.dumps(line) + "\n")
+            unwritten.pop(0)
+        metrics.flush()
+
+    def run_eval(step):
+        if eval_data is None:
+            return
+        loss = evaluate(pipe, eval_data, args.batch_size, args.num_microbatch, pad_id)
+        result.eval_losses.append((step, loss))
+        unwritten.append(dict(step=step, eval_loss=loss, eval_perplexity=math.exp(loss)))
+        if writer is not None:
+            writer.add_scalar("eval/loss", loss, step)
+
+    start = last = time.perf_counter()
+    try:
+        for step in range(total_steps):
+            batches = step_batches(data, args, step, rows_at_least, pad_id)
+            items = sum(_labelled(b["labels"]) for b, _ in batches)
+            tokens = sum(n for _, n in batches)
+            loss = 0.0
+            for b, _ in batches:
+                loss += float(pipe.forward_backward(input_kwargs=dict(b, num_items_in_batch=items)))
+            if not math.isfinite(loss):
+                raise FloatingPointError(f"the loss is {loss} at step {step + 1}: training diverged "
+                                         "(lower lr, or train in float32)")
+            pipe.step(step_fn, is_async=not args.sync_step)
+            now = time.perf_counter()
+            result.tokens += tokens
+            result.losses.append(loss)
+            line = dict(step=step + 1, loss=loss, tokens=tokens, loss_tokens=items,
+                        seconds=now - last, tokens_per_second=tokens / max(now - last, 1e-9),
+                        device_peak_bytes=int(torch.cuda.max_memory_allocated())
+                        if torch.cuda.is_available() else 0)
+            last = now
+            unwritten.append(line)
+            if writer is not None:
+                writer.add_scalar("train/loss", loss, step + 1)
+                writer.add_scalar("train/tokens_per_second", line["tokens_per_second"], step + 1)
+            if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 < total_steps:
+                run_eval(step + 1)
+                last = time.perf_counter()  # (evaluations count for no step's time)
+            write_known()
+            if (step + 1) % args.log_every == 0 or step + 1 == total_steps:
+                norm = f"  grad norm {result.grad_norms[-1]:.3g}" if result.grad_norms else ""
+                print(f"step {step + 1}/{total_steps}  loss {loss:.4f}{norm}  "
+                      f"{line['tokens_per_second']:.0f} tokens/s", flush=True)
+        pipe.synchronize()
+        run_eval(total_steps)
+        write_known()
+    finally:
+        metrics.close()
+        if writer is not None:
+            writer.close()
+    result.steps = total_steps
+    result.seconds = time.perf_counter() - start
+    if args.save_model and hf is not None and hasattr(hf, "save_pretrained"):
+        hf.save_pretrained(args.output_dir)
+    return result
+
+
+class _Subset(Sequence):
+    def __init__(self, base, indices):
+        self.base, self.indices = base, indices
+
+    def __len__(self):
+        return len(self.indices)
+
+    def __getitem__(self, i):
+        return self.base[self.indices[i]]
