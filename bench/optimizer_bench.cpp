@@ -3,6 +3,7 @@
 //   roundpipe_adam   our Adam on fp32 parameters and gradients (general path)
 //   roundpipe_fused  our fused pass: bf16 gradient -> fp32 master -> bf16 weight
 //   torch_adamw      torch::optim::AdamW on the same fp32 tensors
+//   grad_norm        the global norm of bf16 gradients (clipping's extra pass)
 // Effective bytes per parameter for an Adam step are 28 (read parameter,
 // gradient and two moments, write parameter and moments; for the fused pass
 // 12 + 2 read, 12 + 2 written). Prints a ratio table at the end.
@@ -10,6 +11,7 @@
 #include <ATen/Parallel.h>
 #include <benchmark/benchmark.h>
 #include <roundpipe/optim/adam.h>
+#include <roundpipe/optim/grad_clip.h>
 #include <torch/optim/adamw.h>
 
 #include <cstdio>
@@ -131,11 +133,20 @@ void torch_adamw(benchmark::State& state) {
   set_rates(state, total_params(), 28);
 }
 
+// The pass a clipped step adds before its update: 2 bytes read per parameter.
+void grad_norm(benchmark::State& state) {
+  std::vector<at::Tensor> grads;
+  for (const auto& m : make_tensors(at::kFloat, 1)) grads.push_back(m.to(at::kBFloat16));
+  for (auto _ : state) benchmark::DoNotOptimize(roundpipe::optim::global_grad_norm(grads));
+  set_rates(state, total_params(), 2);
+}
+
 BENCHMARK(triad)->Unit(benchmark::kMillisecond)->MinTime(2)->UseRealTime();
 BENCHMARK(update)->Unit(benchmark::kMillisecond)->MinTime(2)->UseRealTime();
 BENCHMARK(roundpipe_adam)->Unit(benchmark::kMillisecond)->MinTime(2)->UseRealTime();
 BENCHMARK(roundpipe_fused)->Unit(benchmark::kMillisecond)->MinTime(2)->UseRealTime();
 BENCHMARK(torch_adamw)->Unit(benchmark::kMillisecond)->MinTime(2)->UseRealTime();
+BENCHMARK(grad_norm)->Unit(benchmark::kMillisecond)->MinTime(2)->UseRealTime();
 
 // Keeps each benchmark's rates for the summary.
 class SummaryReporter : public benchmark::ConsoleReporter {
@@ -176,5 +187,10 @@ int main(int argc, char** argv) {
   std::printf("%-18s %14s %10.2f\n", "triad", "", g["triad/min_time:2.000/real_time"]);
   std::printf("%-18s %14s %10.2f\n", "update (in place)", "", g["update/min_time:2.000/real_time"]);
   std::printf("bandwidth bound: %.2f GB/s\n", bound);
+  // Clipping's norm pass against the fused step it precedes, per parameter.
+  const double norm_rate = p["grad_norm/min_time:2.000/real_time"];
+  std::printf("grad_norm: %.1f Mparams/s (%.2f GB/s), %.1f%% of a fused step's time\n",
+              norm_rate / 1e6, g["grad_norm/min_time:2.000/real_time"],
+              100 * p["roundpipe_fused/min_time:2.000/real_time"] / norm_rate);
   return 0;
 }

@@ -82,18 +82,46 @@ def tokenize_prompt_completion(tokenizer, prompt: str, completion: str,
                    [trained_prompt] * len(prompt_ids) + [1] * len(completion_ids))
 
 
+def chat_template_text(tokenizer) -> Optional[str]:
+    """The template apply_chat_template uses: the tokenizer's, or its
+    "default" one where it has several (a dict)."""
+    template = tokenizer.chat_template
+    if isinstance(template, dict):
+        template = template.get("default")
+    return template
+
+
 def assistant_spans(tokenizer, messages: List[dict], text: str) -> List[Tuple[int, int]]:
     """Character spans of ``text`` (the whole conversation rendered) that
     hold the assistant turns: each one's content and the end-of-turn marker
     the template puts after it (found by rendering the conversation up to
-    that turn). Works with any template, including those that render
-    earlier turns differently once later ones follow (Qwen3's)."""
+    that turn). The content is looked for after the conversation before the
+    turn (rendered with the generation prompt, where that is how ``text``
+    begins), never in an earlier message that happens to hold the same
+    words. Works with templates that render earlier turns differently once
+    later ones follow (Qwen3's). A turn without content (a tool call) spans
+    what the template writes for it (its calls, its end of turn)."""
     spans, cursor = [], 0
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
         content = m["content"] or ""
-        start = text.find(content, cursor) if content else -1
+        before = tokenizer.apply_chat_template(messages[:i], add_generation_prompt=True,
+                                               tokenize=False) if i > 0 else ""
+        if before and text.startswith(before):
+            cursor = max(cursor, len(before))
+        if not content.strip():
+            upto = tokenizer.apply_chat_template(messages[:i + 1], tokenize=False)
+            written = upto[len(before):].rstrip() if upto.startswith(before) else ""
+            # (Rendered as the last turn it may carry more than it does
+            # here, as a prefix: the longest ending that is here counts.)
+            for k in range(len(written)):
+                if text.startswith(written[k:], cursor):
+                    spans.append((cursor, cursor + len(written) - k))
+                    cursor += len(written) - k
+                    break
+            continue
+        start = text.find(content, cursor)
         if start < 0 and content.strip():
             content = content.strip()
             start = text.find(content, cursor)
@@ -120,12 +148,12 @@ def tokenize_chat(tokenizer, messages: List[dict], train_on: str = "assistant",
     A template with ``{% generation %}`` markers gives transformers' own
     assistant mask; else the assistant spans (:func:`assistant_spans`) are
     mapped to tokens through the fast tokenizer's offsets."""
-    if tokenizer.chat_template is None:
+    template = chat_template_text(tokenizer)
+    if template is None:
         raise ValueError(f"tokenizer {tokenizer.name_or_path} has no chat template: chat data "
                          "needs one (pass the instruct model's tokenizer)")
     if use_generation_markers is None:
-        use_generation_markers = "{% generation %}" in tokenizer.chat_template or \
-            "{%- generation %}" in tokenizer.chat_template
+        use_generation_markers = "{% generation %}" in template or "{%- generation %}" in template
     if use_generation_markers:
         out = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
                                             return_assistant_tokens_mask=True)
@@ -158,7 +186,11 @@ def tokenizer_metadata(tokenizer, chat_template_used: bool) -> dict:
                 fingerprint = fnv1a64(f.read())
     except (OSError, ValueError):
         fingerprint = ""
-    template = tokenizer.chat_template if chat_template_used else None
+    # (Line ends as transformers reads the template: "\n"; the C++ check
+    # reads the file the same way.)
+    template = chat_template_text(tokenizer) if chat_template_used else None
+    if template:
+        template = template.replace("\r\n", "\n")
     return dict(tokenizer=tokenizer.name_or_path, vocab_size=len(tokenizer),
                 tokenizer_fingerprint=fingerprint,
                 chat_template_fingerprint=fnv1a64(template.encode()) if template else "",

@@ -49,9 +49,12 @@ class TrainingArguments:
     seq_len: int = 2048               # tokens per example (cut) and per packed row
     packing: bool = True              # pack examples into rows (position_ids), else pad
     num_microbatch: Optional[int] = None
+    # Held-out data, evaluated every eval_every steps (0: at the end only)
+    # with the weights the next step trains on (an async step's update is
+    # still running then), and at the end with the final weights.
     eval_data: Union[None, str, Sequence[Example]] = None
     eval_fraction: float = 0.0        # held out of the training data instead of eval_data
-    eval_every: int = 0               # steps between evaluations (0: at the end only)
+    eval_every: int = 0
     sync_step: bool = False
     seed: int = 0
     log_every: int = 10
@@ -72,6 +75,8 @@ class TrainingArguments:
         need(not (self.warmup_steps and self.warmup_ratio), "give warmup_steps or warmup_ratio, not both")
         need(self.max_grad_norm >= 0, f"max_grad_norm must be >= 0 (0: no clipping), got {self.max_grad_norm}")
         need(self.seq_len >= 2, f"seq_len must be at least 2, got {self.seq_len}")
+        need(self.log_every >= 1, f"log_every must be at least 1, got {self.log_every}")
+        need(self.eval_every >= 0, f"eval_every must be >= 0 (0: at the end only), got {self.eval_every}")
         need(0 <= self.eval_fraction < 1, f"eval_fraction must be in [0, 1), got {self.eval_fraction}")
         need(not (self.eval_fraction and self.eval_data is not None),
              "give eval_data or eval_fraction, not both")
@@ -190,16 +195,15 @@ def _open_data(data, seq_len):
 def evaluate(pipe, data: Sequence[Example], batch_size: int, num_microbatch: Optional[int] = None,
              pad_id: int = 0) -> float:
     """The mean loss over every labelled token of `data` (padded batches,
-    in inference mode)."""
-    batches = [collate([data[i] for i in range(b, min(b + batch_size, len(data)))], pad_id)
-               for b in range(0, len(data), batch_size)]
-    total = sum(_labelled(b["labels"]) for b in batches)
+    in inference mode; one batch in memory at a time)."""
+    total = sum(sum(1 for m in data[i].trained[1:] if m) for i in range(len(data)))
     if total == 0:
         return float("nan")
     from .run_config import RoundPipeRunConfig
     loss = 0.0
     with torch.no_grad():
-        for b in batches:
+        for start in range(0, len(data), batch_size):
+            b = collate([data[i] for i in range(start, min(start + batch_size, len(data)))], pad_id)
             # (A last batch of fewer rows than microbatches runs in fewer.)
             rows = b["input_ids"].shape[0]
             wanted = num_microbatch or pipe.model_run_config.num_microbatch or len(pipe.devices) + 1
@@ -237,9 +241,8 @@ def train(model, data, args: Optional[TrainingArguments] = None, **kwargs) -> Tr
         if held >= len(data):
             raise ValueError(f"eval_fraction {args.eval_fraction} holds out all {len(data)} examples")
         full = data
-        eval_data = [full[int(i)] for i in order[len(data) - held:]]
-        keep = sorted(int(i) for i in order[:len(data) - held])
-        data = _Subset(full, keep)
+        eval_data = _Subset(full, [int(i) for i in order[len(data) - held:]])
+        data = _Subset(full, sorted(int(i) for i in order[:len(data) - held]))
 
     if isinstance(model, RoundPipe):
         pipe, hf = model, getattr(model, "model", None)
@@ -286,14 +289,19 @@ def train(model, data, args: Optional[TrainingArguments] = None, **kwargs) -> Tr
     metrics = open(result.metrics_path, "w")
     unwritten: List[dict] = []
 
-    def write_known():
-        # A line waits for its step's norm and rate (known once the update ran).
+    def write_known(final=False):
+        # A line waits for its step's norm and rate (known once the update
+        # ran); at the end (or on an error) the rest are written without.
         while unwritten:
             line = unwritten[0]
             if "loss" in line:
                 k = line["step"] - 1
                 if k >= len(result.grad_norms):
-                    break
+                    if not final:
+                        break
+                    metrics.write(json.dumps(dict(line, grad_norm=None, lr=None)) + "\n")
+                    unwritten.pop(0)
+                    continue
                 line["grad_norm"], line["lr"] = result.grad_norms[k], result.learning_rates[k]
                 if writer is not None:
                     writer.add_scalar("train/grad_norm", line["grad_norm"], line["step"])
@@ -316,10 +324,12 @@ def train(model, data, args: Optional[TrainingArguments] = None, **kwargs) -> Tr
         for step in range(total_steps):
             batches = step_batches(data, args, step, rows_at_least, pad_id)
             items = sum(_labelled(b["labels"]) for b, _ in batches)
+            # (A step whose examples have no labels, cut by seq_len, gets
+            # zero loss and gradients rather than 0 / 0.)
             tokens = sum(n for _, n in batches)
             loss = 0.0
             for b, _ in batches:
-                loss += float(pipe.forward_backward(input_kwargs=dict(b, num_items_in_batch=items)))
+                loss += float(pipe.forward_backward(input_kwargs=dict(b, num_items_in_batch=max(items, 1))))
             if not math.isfinite(loss):
                 raise FloatingPointError(f"the loss is {loss} at step {step + 1}: training diverged "
                                          "(lower lr, or train in float32)")
@@ -341,13 +351,16 @@ def train(model, data, args: Optional[TrainingArguments] = None, **kwargs) -> Tr
                 last = time.perf_counter()  # (evaluations count for no step's time)
             write_known()
             if (step + 1) % args.log_every == 0 or step + 1 == total_steps:
-                norm = f"  grad norm {result.grad_norms[-1]:.3g}" if result.grad_norms else ""
+                # The newest norm known (an async step's arrives during the next).
+                norms = list(result.grad_norms)
+                norm = f"  grad norm {norms[-1]:.3g} (step {len(norms)})" if norms else ""
                 print(f"step {step + 1}/{total_steps}  loss {loss:.4f}{norm}  "
                       f"{line['tokens_per_second']:.0f} tokens/s", flush=True)
         pipe.synchronize()
         run_eval(total_steps)
         write_known()
     finally:
+        write_known(final=True)
         metrics.close()
         if writer is not None:
             writer.close()

@@ -31,13 +31,30 @@ std::string read_text(const fs::path& path) {
 // reads it: chat_template.jinja, else tokenizer_config.json's
 // "chat_template" string; "" where there is none.
 std::string chat_template_of(const fs::path& dir) {
-  if (fs::exists(dir / "chat_template.jinja")) return read_text(dir / "chat_template.jinja");
-  if (!fs::exists(dir / "tokenizer_config.json")) return "";
-  const auto config = nlohmann::json::parse(read_text(dir / "tokenizer_config.json"), nullptr,
-                                            /*allow_exceptions=*/false);
-  if (config.is_object() && config.contains("chat_template") && config["chat_template"].is_string())
-    return config["chat_template"].get<std::string>();
-  return "";
+  std::string text;
+  if (fs::exists(dir / "chat_template.jinja")) {
+    text = read_text(dir / "chat_template.jinja");
+  } else if (fs::exists(dir / "tokenizer_config.json")) {
+    const auto config = nlohmann::json::parse(read_text(dir / "tokenizer_config.json"), nullptr,
+                                              /*allow_exceptions=*/false);
+    const auto templates = config.is_object() && config.contains("chat_template")
+                               ? config["chat_template"]
+                               : nlohmann::json();
+    if (templates.is_string()) text = templates.get<std::string>();
+    // Several named templates: the "default" one.
+    if (templates.is_array()) {
+      for (const auto& t : templates)
+        if (t.is_object() && t.value("name", "") == "default" && t.contains("template") &&
+            t["template"].is_string())
+          text = t["template"].get<std::string>();
+    }
+  }
+  // Line ends as transformers reads the file (text mode): "\n".
+  std::string normalised;
+  normalised.reserve(text.size());
+  for (size_t i = 0; i < text.size(); ++i)
+    if (!(text[i] == '\r' && i + 1 < text.size() && text[i + 1] == '\n')) normalised += text[i];
+  return normalised;
 }
 
 }  // namespace
@@ -95,10 +112,15 @@ TokenFile::TokenFile(const std::string& path, int64_t max_tokens)
     num_examples_ = header.value("num_examples", int64_t{-1});
     num_tokens_ = header.value("num_tokens", int64_t{-1});
     max_token_id_ = header.value("max_token_id", int64_t{-1});
+    if (max_token_id_ < 0) fail("no max_token_id");
     tokenizer_ = header.value("tokenizer", "");
     tokenizer_fingerprint_ = header.value("tokenizer_fingerprint", "");
     chat_template_fingerprint_ = header.value("chat_template_fingerprint", "");
-    if (num_examples_ < 0 || num_tokens_ < 0) fail("no num_examples or num_tokens");
+    // (Counts bounded by the file's size first: no product below overflows.)
+    if (num_examples_ < 1 || num_tokens_ < 0 ||
+        static_cast<uint64_t>(num_examples_) >= mapped_bytes_ / 8 ||
+        static_cast<uint64_t>(num_tokens_) > mapped_bytes_)
+      fail("its num_examples or num_tokens is missing or larger than the file");
     if (!header.contains("sections") || !header["sections"].is_object()) fail("no sections");
     // Each section within the file, aligned for its type, of its size.
     const auto section = [&](const char* name, int64_t count, size_t item) -> const void* {
@@ -117,9 +139,13 @@ TokenFile::TokenFile(const std::string& path, int64_t max_tokens)
     offsets_ = static_cast<const int64_t*>(section("offsets", num_examples_ + 1, 8));
     input_ids_ = static_cast<const int32_t*>(section("input_ids", num_tokens_, 4));
     trained_ = static_cast<const uint8_t*>(section("trained", num_tokens_, 1));
+    // Offsets from 0 to num_tokens, never decreasing: every example lies
+    // within the tokens (checked once here, not per read).
     if (offsets_[0] != 0 || offsets_[num_examples_] != num_tokens_)
       fail("its offsets do not span its tokens");
-    if (num_examples_ == 0) fail("it holds no examples");
+    for (int64_t i = 0; i < num_examples_; ++i)
+      if (offsets_[i + 1] < offsets_[i])
+        fail("its offsets decrease at example " + std::to_string(i));
   } catch (const nlohmann::json::exception& e) {
     ::munmap(mapping_, mapped_bytes_);
     mapping_ = nullptr;
@@ -139,14 +165,19 @@ TokenFile::~TokenFile() {
 Example TokenFile::at(int64_t index) const {
   TORCH_CHECK(index >= 0 && index < num_examples_, path_, ": example ", index,
               " is outside the file's ", num_examples_);
-  const int64_t begin = offsets_[index], end = offsets_[index + 1];
-  TORCH_CHECK(begin <= end && end <= num_tokens_, path_, ": example ", index,
-              " has broken offsets; write the file again with python -m roundpipe.prepare");
+  const int64_t begin = offsets_[index], end = offsets_[index + 1];  // (checked at open)
   const int64_t length = std::min(end - begin, max_tokens_);
   Example ex;
   ex.input_ids.assign(input_ids_ + begin, input_ids_ + begin + length);
   ex.labels.resize(length);
-  for (int64_t t = 0; t < length; ++t) ex.labels[t] = trained_[begin + t] ? ex.input_ids[t] : -100;
+  for (int64_t t = 0; t < length; ++t) {
+    // The header's max_token_id was checked against the model; an id past
+    // it (or negative) is a damaged file, not one for the embedding.
+    TORCH_CHECK(ex.input_ids[t] >= 0 && ex.input_ids[t] <= max_token_id_, path_, ": example ",
+                index, " holds token id ", ex.input_ids[t], " outside the header's 0..",
+                max_token_id_, "; write the file again with python -m roundpipe.prepare");
+    ex.labels[t] = trained_[begin + t] ? ex.input_ids[t] : -100;
+  }
   return ex;
 }
 

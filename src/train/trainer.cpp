@@ -462,8 +462,18 @@ TrainSummary run_training(const TrainOptions& args) {
                 static_cast<long long>(first_step),
                 static_cast<long long>(total_steps - first_step));
   }
-  // Stops a diverged run: what went non-finite, the fix, what is kept.
+  // Writes the metrics lines whose steps' updates have run (set below).
+  std::function<void()> flush_metrics;
+  // Stops a diverged run: what went non-finite, the fix, what is kept (the
+  // metrics of the steps before it are written first).
   auto diverged = [&](const std::string& what) {
+    if (flush_metrics) {
+      try {
+        flush_metrics();
+      } catch (const std::exception&) {
+        // The divergence is the error to report.
+      }
+    }
     TORCH_CHECK(false, what, ": training diverged (lower --lr",
                 dtype == c10::kFloat ? "" : ", or train in float32", "); nothing of it was saved",
                 last_good_checkpoint >= 0
@@ -481,6 +491,9 @@ TrainSummary run_training(const TrainOptions& args) {
     roundpipe::save_checkpoint(paths.checkpoint, pipe, &adam, scaler.get(),
                                {{"step", std::to_string(steps_done)}});
     last_good_checkpoint = steps_done;
+    // Every update has run: the lines up to the checkpoint go to the file
+    // (a resume keeps them).
+    if (flush_metrics) flush_metrics();
   };
   if (signals.received()) {
     throw TrainingInterrupted("interrupted before training started", signals.received(), "");
@@ -525,6 +538,7 @@ TrainSummary run_training(const TrainOptions& args) {
     unwritten.erase(unwritten.begin(), unwritten.begin() + static_cast<std::ptrdiff_t>(written));
     metrics << std::flush;
   };
+  flush_metrics = write_metrics;
   const auto start = Clock::now();
   auto step_start = start;
   auto window_start = start;
@@ -638,7 +652,6 @@ TrainSummary run_training(const TrainOptions& args) {
     if (args.after_step) args.after_step(step + 1);
     if (signals.received() && !last) {
       save_training_checkpoint(step + 1);
-      write_metrics();  // (the checkpoint waited for every update)
       const char* name = signals.received() == SIGINT ? "SIGINT" : "SIGTERM";
       throw TrainingInterrupted(std::string("interrupted by ") + name + " after step " +
                                     std::to_string(step + 1) + " of " +

@@ -196,6 +196,36 @@ namespace {
 
 class FusedStepTest : public ::testing::TestWithParam<std::string> {};
 
+// Two copies of a bf16 model with fp32 masters, each in a RoundPipe with an
+// Adam: one stepped through a step function, one through the fused path.
+// One plan for both: automatic plans follow measured times, and two plans
+// may sum the same gradients in another order (a replicated tail adds its
+// replicas' sums), which is not what these tests compare.
+struct GeneralAndFused {
+  explicit GeneralAndFused(const std::string& devices)
+      : general_model(bf16_model()),
+        fused_model(bf16_model()),
+        general(general_model, options(devices, general_model->size())),
+        fused(fused_model, options(devices, fused_model->size())),
+        general_adam(general.optim_parameters(), adam_config()),
+        fused_adam(fused.optim_parameters(), adam_config()) {}
+  static torch::nn::Sequential bf16_model() {
+    auto model = make_model(ModelKind::kMlp);
+    model->to(at::kBFloat16);
+    return model;
+  }
+  static RoundPipeOptions options(const std::string& devices, size_t layers) {
+    const auto plan = ExecutePlan::one_layer_per_stage(static_cast<int>(layers), /*fused=*/true);
+    return RoundPipeOptions()
+        .set_devices(devices)
+        .set_optim_dtype(at::kFloat)
+        .set_model_run_config(RunConfig().set_execute_plan(plan));
+  }
+  torch::nn::Sequential general_model, fused_model;
+  RoundPipe general, fused;
+  optim::Adam general_adam, fused_adam;
+};
+
 // step(adam) (one fused pass) against step([&] { adam.step(); ... }) on a
 // bf16 model with fp32 masters: the same weights and masters, bit for bit,
 // in sync and async mode. The learning rate changes every step (a
@@ -204,20 +234,8 @@ class FusedStepTest : public ::testing::TestWithParam<std::string> {};
 TEST_P(FusedStepTest, FusedPathEqualsTheGeneralPath) {
   for (bool is_async : {false, true}) {
     SCOPED_TRACE(is_async ? "async" : "sync");
-    auto general_model = make_model(ModelKind::kMlp), fused_model = make_model(ModelKind::kMlp);
-    general_model->to(at::kBFloat16);
-    fused_model->to(at::kBFloat16);
-    // One plan for both: automatic plans follow measured times, and two
-    // plans may sum the same gradients in another order (a replicated tail
-    // adds its replicas' sums), which is not what this test compares.
-    const auto plan = ExecutePlan::one_layer_per_stage(general_model->size(), /*fused=*/true);
-    auto options = RoundPipeOptions()
-                       .set_devices(GetParam())
-                       .set_optim_dtype(at::kFloat)
-                       .set_model_run_config(RunConfig().set_execute_plan(plan));
-    RoundPipe general(general_model, options), fused(fused_model, options);
-    optim::Adam general_adam(general.optim_parameters(), adam_config());
-    optim::Adam fused_adam(fused.optim_parameters(), adam_config());
+    GeneralAndFused pipes(GetParam());
+    auto& [general_model, fused_model, general, fused, general_adam, fused_adam] = pipes;
     for (int step = 0; step < kSteps; ++step) {
       auto [x, y] = batch(step);
       x = x.to(at::kBFloat16);
@@ -257,17 +275,8 @@ TEST_P(FusedStepTest, FusedPathEqualsTheGeneralPath) {
 TEST_P(FusedStepTest, ClippingEqualsClipGradNormThenAdam) {
   for (bool is_async : {false, true}) {
     SCOPED_TRACE(is_async ? "async" : "sync");
-    auto general_model = make_model(ModelKind::kMlp), fused_model = make_model(ModelKind::kMlp);
-    general_model->to(at::kBFloat16);
-    fused_model->to(at::kBFloat16);
-    const auto plan = ExecutePlan::one_layer_per_stage(general_model->size(), /*fused=*/true);
-    auto options = RoundPipeOptions()
-                       .set_devices(GetParam())
-                       .set_optim_dtype(at::kFloat)
-                       .set_model_run_config(RunConfig().set_execute_plan(plan));
-    RoundPipe general(general_model, options), fused(fused_model, options);
-    optim::Adam general_adam(general.optim_parameters(), adam_config());
-    optim::Adam fused_adam(fused.optim_parameters(), adam_config());
+    GeneralAndFused pipes(GetParam());
+    auto& [general_model, fused_model, general, fused, general_adam, fused_adam] = pipes;
     // Small enough that every step clips (checked below).
     constexpr double kMaxNorm = 0.05;
     optim::GradClipper clip(kMaxNorm);

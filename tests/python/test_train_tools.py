@@ -53,21 +53,46 @@ def test_prompt_completion_trains_on_the_completion_and_eos_only(tokenizer):
     assert tokenize_prompt_completion(tokenizer, "hi", "five", train_on="all").trained == [1] * 4
 
 
+# The answer's words also appear earlier, in the system and user messages.
+ECHO = [{"role": "system", "content": "five or six"},
+        {"role": "user", "content": "what is two plus three ? five or six ?"},
+        {"role": "assistant", "content": "five"},
+        {"role": "user", "content": "and two plus four ?"},
+        {"role": "assistant", "content": "six"}]
+
+
 @pytest.mark.parametrize("template", [CHATML, CHATML_LAST_TURN_THINKS], ids=["chatml", "last_turn_thinks"])
-def test_chat_masks_are_transformers_assistant_masks(tokenizer, template):
+@pytest.mark.parametrize("chat", [CHAT, ECHO], ids=["chat", "answers_echo_the_prompt"])
+def test_chat_masks_are_transformers_assistant_masks(tokenizer, template, chat):
     """Assistant spans found in the rendered text (any template) give the
     mask transformers computes from the template's {% generation %} markers,
-    also where the last turn renders differently from earlier ones."""
+    also where the last turn renders differently from earlier ones and
+    where an answer's words appear earlier in the conversation."""
     tok = copy.deepcopy(tokenizer)
     tok.chat_template = template
-    ours = tokenize_chat(tok, CHAT, use_generation_markers=False)
-    theirs = tok.apply_chat_template(CHAT, tokenize=True, return_dict=True,
+    ours = tokenize_chat(tok, chat, use_generation_markers=False)
+    theirs = tok.apply_chat_template(chat, tokenize=True, return_dict=True,
                                      return_assistant_tokens_mask=True)
     assert ours.input_ids == list(theirs["input_ids"])
     assert ours.trained == [int(m) for m in theirs["assistant_masks"]]
-    assert sum(ours.trained) == 2 + 4  # "five <|im_end|>", "good bye ! <|im_end|>"
-    assert tokenize_chat(tok, CHAT) == ours  # the markers' path gives the same
-    assert tokenize_chat(tok, CHAT, train_on="all").trained == [1] * len(ours.input_ids)
+    answers = sum(len(m["content"].split()) + 1 for m in chat if m["role"] == "assistant")
+    assert sum(ours.trained) == answers  # each answer's words and its <|im_end|>
+    assert tokenize_chat(tok, chat) == ours  # the markers' path gives the same
+    assert tokenize_chat(tok, chat, train_on="all").trained == [1] * len(ours.input_ids)
+
+
+@pytest.mark.parametrize("template", [CHATML, CHATML_LAST_TURN_THINKS], ids=["chatml", "last_turn_thinks"])
+def test_an_assistant_turn_without_content_trains_what_the_template_writes(tokenizer, template):
+    """A turn without content (as a tool call's) is no error: what the
+    template writes for it (here its end of turn) is trained, as with
+    transformers' mask."""
+    tok = copy.deepcopy(tokenizer)
+    tok.chat_template = template
+    chat = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": ""},
+            {"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    ours = tokenize_chat(tok, chat, use_generation_markers=False)
+    assert ours == tokenize_chat(tok, chat, use_generation_markers=True)
+    assert sum(ours.trained) == 3  # "<|im_end|>", then "hello <|im_end|>"
 
 
 def test_sharegpt_conversations_are_messages(tokenizer):

@@ -6,7 +6,7 @@ import sys
 SPECIAL = ["<pad>", "<s>", "</s>", "<unk>", "<|im_start|>", "<|im_end|>"]
 WORDS = ("user assistant system you are a helpful bot hello hi how what is two plus three four "
          "five six the answer it sum of and thanks bye fine good name my friend think done "
-         "please add numbers , . ? !").split()
+         "please add numbers or , . ? !").split()
 
 # ChatML; the assistant's content and end of turn inside {% generation %}, so
 # that transformers gives its own assistant mask. "thinking" renders only

@@ -266,6 +266,15 @@ TEST(Trainer, DivergenceStopsAndKeepsTheLastGoodCheckpoint) {
   const auto error = error_of([&] { train::run_training(o); });
   EXPECT_HAS(error, "training diverged");
   EXPECT_FALSE(fs::exists(o.output + "/model.safetensors"));
+  // The metrics of the steps before it are written, norms and all.
+  std::ifstream metrics(o.output + "/metrics.jsonl");
+  int64_t lines = 0;
+  for (std::string line; std::getline(metrics, line);) {
+    const auto entry = nlohmann::json::parse(line);
+    EXPECT_EQ(entry["step"].get<int64_t>(), ++lines);
+    EXPECT_TRUE(entry.contains("grad_norm")) << line;
+  }
+  EXPECT_GE(lines, 1) << error;
   if (fs::exists(o.output + ".ckpt")) {  // the last good one holds finite masters
     const auto masters = safetensors::load_file(o.output + ".ckpt/master.safetensors");
     for (const auto& [name, t] : masters.tensors)
@@ -788,6 +797,10 @@ TEST(TokenFile, ReadsWhatPythonWrote) {
       "      Example(list(range(3, 40)), [i % 2 for i in range(37)])]\n"
       "write_token_file(sys.argv[2], ex, {'tokenizer': 'test', 'tokenizer_fingerprint': '',\n"
       "                                   'chat_template_fingerprint': ''})\n"
+      "header = write_token_file(sys.argv[2] + '.broken', ex, {'tokenizer': 'test'})\n"
+      "with open(sys.argv[2] + '.broken', 'r+b') as f:\n"
+      "    f.seek(header['sections']['offsets'][0] + 8)\n"
+      "    f.write((-5).to_bytes(8, 'little', signed=True))  # offsets decrease\n"
       "json.dump({'labels': [e.labels for e in ex], 'fnv': fnv1a64('héllo'.encode())},\n"
       "          open(sys.argv[-1], 'w'))\n",
       std::string(ROUNDPIPE_SOURCE_DIR) + " " + path);
@@ -809,13 +822,16 @@ TEST(TokenFile, ReadsWhatPythonWrote) {
   // Ids beyond the model's vocabulary, and a file that is not one.
   EXPECT_THROW(file.check_model(/*vocab_size=*/30, ""), c10::Error);
   EXPECT_NO_THROW(file.check_model(/*vocab_size=*/40, ""));
+  // Damaged files are errors naming the fix, never reads outside the file.
   const std::string bad = temp("bad.rpt");
   { std::ofstream(bad) << "RPTOKEN1 and then nothing sensible"; }
-  try {
-    train::TokenFile broken(bad, 16);
-    ADD_FAILURE() << "no error";
-  } catch (const c10::Error& e) {
-    EXPECT_NE(std::string(e.what()).find("roundpipe.prepare"), std::string::npos) << e.what();
+  for (const auto& damaged : {bad, path + ".broken"}) {
+    try {
+      train::TokenFile broken(damaged, 16);
+      ADD_FAILURE() << "no error for " << damaged;
+    } catch (const c10::Error& e) {
+      EXPECT_NE(std::string(e.what()).find("roundpipe.prepare"), std::string::npos) << e.what();
+    }
   }
 }
 

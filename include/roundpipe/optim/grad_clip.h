@@ -1,5 +1,7 @@
 // Gradient clipping by global norm for RoundPipe's fused step, with
-// torch.nn.utils.clip_grad_norm_'s arithmetic:
+// torch.nn.utils.clip_grad_norm_'s arithmetic (up to rounding: the squares
+// of the per-tensor norms add up in double here, so the coefficient may
+// differ from torch's in its last float32 bit):
 //
 //   norm = || (||g_1||, ..., ||g_n||) ||_2        (each in float32)
 //   g_i *= min(1, max_norm / (norm + 1e-6))
