@@ -30,6 +30,12 @@ void adam_f16(float* param, const c10::Half* grad, float* exp_avg, float* exp_av
 void adam_bf16(float* param, const c10::BFloat16* grad, float* exp_avg, float* exp_avg_sq,
                float* max_exp_avg_sq, c10::BFloat16* out, int64_t n, const AdamScalars& s);
 
+// The sum of the squares of g[0..n), each partial sum in float (the
+// gradient norm of clipping).
+double sum_of_squares(const float* g, int64_t n);
+double sum_of_squares(const c10::Half* g, int64_t n);
+double sum_of_squares(const c10::BFloat16* g, int64_t n);
+
 // Which instruction set the loaded clones run with.
 const char* adam_kernel_isa();
 

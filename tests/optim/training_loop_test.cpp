@@ -329,6 +329,18 @@ TEST(GradClip, CoefficientAndNormAreClipGradNorms) {
   for (size_t i = 0; i < grads.size(); ++i)
     EXPECT_TENSOR_NEAR(grads[i] * static_cast<float>(coefficient), params[i].grad(), 1e-6,
                        "gradient " << i);
+  // Every dtype of the vectorised sum, across chunks (2^16) and lane tails,
+  // and a strided tensor (ATen's norm): the norm of their float values, to
+  // the float rounding of a lane's 256 squares (adam_kernel.cpp: 7.5e-6).
+  const auto big = at::randn({3 * (1 << 16) + 37}, at::detail::createCPUGenerator(3));
+  for (auto dtype : {at::kFloat, at::kHalf, at::kBFloat16}) {
+    const std::vector<at::Tensor> mixed = {big.to(dtype), grads[0].to(dtype).t(),
+                                           grads[1].to(dtype)};
+    double squares = 0;
+    for (const auto& g : mixed) squares += g.to(at::kDouble).pow(2).sum().item<double>();
+    EXPECT_NEAR(optim::global_grad_norm(mixed), std::sqrt(squares), 1e-5 * std::sqrt(squares))
+        << dtype;
+  }
   EXPECT_EQ(optim::clip_coefficient(0.1, 0.5), 1.0);  // under the limit: untouched
   EXPECT_EQ(optim::clip_coefficient(3.0, 0.0), 1.0);  // 0: measure only
   EXPECT_THROW(optim::GradClipper(-1.0), c10::Error);
