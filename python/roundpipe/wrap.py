@@ -19,7 +19,8 @@ from .roundpipe import RoundPipe, in_step_function
 from .run_config import RoundPipeRunConfig
 
 # HuggingFace class name -> native preset (the C++ Qwen3/Llama layers).
-PRESETS = {"Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama"}
+PRESETS = {"Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe",
+           "LlamaForCausalLM": "llama"}
 
 
 class CausalLMRoundPipe(RoundPipe):

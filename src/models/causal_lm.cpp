@@ -405,6 +405,81 @@ struct MLPImpl : torch::nn::Cloneable<MLPImpl> {
 };
 TORCH_MODULE(MLP);
 
+// Qwen3-MoE's sparse MLP, with transformers 5's parameters: the router
+// "gate.weight" [experts, hidden] and the experts' stacked projections
+// "experts.gate_up_proj" [experts, 2 x intermediate, hidden] (gate rows
+// first) and "experts.down_proj" [experts, hidden, intermediate].
+struct MoeRouterImpl : torch::nn::Cloneable<MoeRouterImpl> {
+  int64_t experts, hidden;
+  at::Tensor weight;
+  MoeRouterImpl(int64_t e, int64_t h) : experts(e), hidden(h) { reset(); }
+  void reset() override { weight = register_parameter("weight", at::empty({experts, hidden})); }
+};
+TORCH_MODULE(MoeRouter);
+
+struct MoeExpertsImpl : torch::nn::Cloneable<MoeExpertsImpl> {
+  int64_t experts, hidden, intermediate;
+  at::Tensor gate_up_proj, down_proj;
+  MoeExpertsImpl(int64_t e, int64_t h, int64_t i) : experts(e), hidden(h), intermediate(i) {
+    reset();
+  }
+  void reset() override {
+    gate_up_proj =
+        register_parameter("gate_up_proj", at::empty({experts, 2 * intermediate, hidden}));
+    down_proj = register_parameter("down_proj", at::empty({experts, hidden, intermediate}));
+  }
+};
+TORCH_MODULE(MoeExperts);
+
+// Note [Expert routing]
+// As transformers: router logits in the model's dtype, a float softmax,
+// the top num_experts_per_tok probabilities (renormalised with
+// norm_topk_prob) cast back to the logits' dtype; each chosen expert's
+// SwiGLU output times its weight, added into the token's output. Here the
+// (token, choice) pairs are sorted by expert (a stable sort: the order is
+// the same on every run), each expert runs one matrix product over its
+// contiguous rows, and index_add puts the weighted rows back. The routing
+// is a function of the layer's input alone, so the recompute of a backward
+// stage routes exactly as the forward did. (The experts' row counts come
+// to the host for the loop's bounds.)
+struct SparseMoeImpl : torch::nn::Cloneable<SparseMoeImpl> {
+  CausalLMConfig config;
+  MoeRouter gate{nullptr};
+  MoeExperts experts{nullptr};
+  explicit SparseMoeImpl(CausalLMConfig c) : config(std::move(c)) { reset(); }
+  void reset() override {
+    gate = register_module("gate", MoeRouter(config.num_experts, config.hidden_size));
+    experts = register_module("experts", MoeExperts(config.num_experts, config.hidden_size,
+                                                    config.moe_intermediate_size));
+  }
+  at::Tensor forward(const at::Tensor& x) {
+    const int64_t E = config.num_experts, k = config.num_experts_per_tok;
+    const auto flat = x.reshape({-1, x.size(-1)});
+    const auto logits = at::linear(flat, gate->weight);
+    auto [top_p, top_e] = at::topk(at::softmax(logits, -1, at::kFloat), k, -1);
+    if (config.norm_topk_prob) top_p = top_p / top_p.sum(-1, /*keepdim=*/true);
+    const auto weights = top_p.to(logits.scalar_type()).reshape({-1});
+    const auto expert_of = top_e.reshape({-1});
+    const auto order = at::argsort(expert_of, /*stable=*/true, /*dim=*/0, /*descending=*/false);
+    const auto token_of = at::floor_divide(order, k);
+    const auto counts = at::bincount(expert_of, {}, E).cpu();
+    const auto* count = counts.data_ptr<int64_t>();
+    const auto rows = flat.index_select(0, token_of);
+    std::vector<at::Tensor> outs;
+    int64_t start = 0;
+    for (int64_t e = 0; e < E; ++e) {
+      if (count[e] == 0) continue;
+      const auto gate_up = at::linear(rows.narrow(0, start, count[e]), experts->gate_up_proj[e]);
+      const auto parts = gate_up.chunk(2, -1);
+      outs.push_back(at::linear(ops::swiglu(parts[0], parts[1]), experts->down_proj[e]));
+      start += count[e];
+    }
+    const auto weighted = at::cat(outs) * weights.index_select(0, order).unsqueeze(-1);
+    return at::zeros_like(flat).index_add_(0, token_of, weighted).view(x.sizes());
+  }
+};
+TORCH_MODULE(SparseMoe);
+
 // The decoder layers' and output adapter's input (the input adapter's
 // output tuple) in chunks of rows (Note [Tail row chunks], layer.h). Only
 // with labels (the output is then the loss, a sum over tokens divided by
@@ -483,7 +558,8 @@ struct DecoderLayerImpl : torch::nn::Cloneable<DecoderLayerImpl>, SplitsInputRow
   int64_t mlp_chunk_tokens;
   int64_t index;  // which layer: its attention window
   Attention self_attn{nullptr};
-  MLP mlp{nullptr};
+  MLP mlp{nullptr};        // a dense layer's
+  SparseMoe moe{nullptr};  // a sparse one's (registered as "mlp", as transformers names it)
   RMSNorm input_layernorm{nullptr}, post_attention_layernorm{nullptr};
   LoraOptions lora;
   DecoderLayerImpl(CausalLMConfig c, int64_t mlp_chunk, int64_t layer, LoraOptions l)
@@ -493,12 +569,16 @@ struct DecoderLayerImpl : torch::nn::Cloneable<DecoderLayerImpl>, SplitsInputRow
   void reset() override {
     self_attn =
         register_module("self_attn", Attention(config, config.attention_window(index), lora));
-    mlp = register_module("mlp", MLP(config, lora));
-    // (The token-chunked MLP takes the base weights only.)
-    const bool mlp_lora = lora.rank > 0 && (lora.targets_projection("gate_proj") ||
-                                            lora.targets_projection("up_proj") ||
-                                            lora.targets_projection("down_proj"));
-    mlp->chunk_tokens = mlp_lora ? 0 : mlp_chunk_tokens;
+    if (config.sparse_layer(index)) {
+      moe = register_module("mlp", SparseMoe(config));
+    } else {
+      mlp = register_module("mlp", MLP(config, lora));
+      // (The token-chunked MLP takes the base weights only.)
+      const bool mlp_lora = lora.rank > 0 && (lora.targets_projection("gate_proj") ||
+                                              lora.targets_projection("up_proj") ||
+                                              lora.targets_projection("down_proj"));
+      mlp->chunk_tokens = mlp_lora ? 0 : mlp_chunk_tokens;
+    }
     input_layernorm =
         register_module("input_layernorm", RMSNorm(config.hidden_size, config.rms_norm_eps));
     post_attention_layernorm = register_module("post_attention_layernorm",
@@ -509,7 +589,8 @@ struct DecoderLayerImpl : torch::nn::Cloneable<DecoderLayerImpl>, SplitsInputRow
     auto h = e[0].toTensor();
     h = h + self_attn(input_layernorm(h), e[1].toTensor(), e[2].toTensor(),
                       SequenceLayout::from_ivalue(e[3]));
-    h = h + mlp(post_attention_layernorm(h));
+    const auto normed = post_attention_layernorm(h);
+    h = h + (moe ? moe(normed) : mlp(normed));
     std::vector<c10::IValue> out(e.begin(), e.end());  // everything but the hidden state passes on
     out[0] = h;
     return c10::ivalue::Tuple::create(std::move(out));
@@ -764,6 +845,43 @@ std::vector<std::pair<std::string, at::Tensor>> CausalLM::hf_state_dict() const 
   return out;
 }
 
+namespace {
+
+// Note [Expert checkpoint layout]
+// Checkpoints on disk (the hub's, and what transformers 5 saves) hold each
+// expert's projections apart: "<layer>.mlp.experts.<e>.{gate,up,down}_proj.
+// weight". The preset (as transformers in memory) stacks them:
+// "experts.gate_up_proj" [E, 2I, H] is gate's rows then up's, per expert;
+// "experts.down_proj" [E, H, I]. Loading stacks (a copy: stacked experts
+// are never the file's mapped pages); saving writes the per-expert tensors.
+bool is_stacked_expert_name(const std::string& name) {
+  const auto ends = [&](const std::string& suffix) {
+    return name.size() > suffix.size() &&
+           name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0;
+  };
+  return ends(".experts.gate_up_proj") || ends(".experts.down_proj");
+}
+
+// The per-expert tensors of a stacked one, in checkpoint order.
+safetensors::NamedTensors per_expert_tensors(const std::string& name, const at::Tensor& stacked) {
+  const auto dot = name.rfind('.');
+  const std::string prefix = name.substr(0, dot + 1), what = name.substr(dot + 1);
+  safetensors::NamedTensors out;
+  for (int64_t e = 0; e < stacked.size(0); ++e) {
+    const std::string expert = prefix + std::to_string(e) + ".";
+    if (what == "down_proj") {
+      out.emplace_back(expert + "down_proj.weight", stacked[e]);
+    } else {
+      const auto halves = stacked[e].chunk(2, 0);
+      out.emplace_back(expert + "gate_proj.weight", halves[0]);
+      out.emplace_back(expert + "up_proj.weight", halves[1]);
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
 CausalLM CausalLM::from_pretrained(const std::string& dir, CausalLMOptions options) {
   auto config = CausalLMConfig::from_json_file((fs::path(dir) / "config.json").string());
   const bool map = options.map_weights && !options.pin_memory;
@@ -789,7 +907,19 @@ CausalLM CausalLM::from_pretrained(const std::string& dir, CausalLMOptions optio
   c10::NoGradGuard no_grad;
   for (auto& [name, p] : model.hf_state_dict()) {
     if (is_lora_name(name)) continue;  // an adapter, not the base model's
-    auto t = tensor_named(name);
+    at::Tensor t;
+    if (is_stacked_expert_name(name)) {  // Note [Expert checkpoint layout]
+      std::vector<at::Tensor> experts;
+      for (const auto& named : per_expert_tensors(name, p))
+        experts.push_back(tensor_named(named.first));
+      const auto down = name.compare(name.size() - 9, 9, "down_proj") == 0;
+      std::vector<at::Tensor> stacked;
+      for (size_t i = 0; i < experts.size(); i += down ? 1 : 2)
+        stacked.push_back(down ? experts[i] : at::cat({experts[i], experts[i + 1]}, 0));
+      t = at::stack(stacked);
+    } else {
+      t = tensor_named(name);
+    }
     TORCH_CHECK(t.sizes() == p.sizes(), dir, ": '", name, "' has shape ", t.sizes(),
                 " in the checkpoint but the config gives ", p.sizes());
     if (map && t.scalar_type() == p.scalar_type()) {
@@ -882,7 +1012,10 @@ void CausalLM::save_pretrained(const std::string& dir, int64_t max_shard_bytes) 
             shards.emplace_back();
             shard_bytes = 0;
           }
-          shards.back().emplace_back(name, t);
+          // (Stacked experts go to disk one tensor per expert and projection.)
+          auto tensors = is_stacked_expert_name(name) ? per_expert_tensors(name, t)
+                                                      : safetensors::NamedTensors{{name, t}};
+          for (auto& [saved_name, saved] : tensors) shards.back().emplace_back(saved_name, saved);
           shard_bytes += t.nbytes();
           total += t.nbytes();
         }

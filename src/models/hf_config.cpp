@@ -26,6 +26,10 @@ bool has_kind(const nlohmann::json& v) {
   } else if constexpr (std::is_same_v<T, std::vector<std::string>>) {
     return v.is_array() &&
            std::all_of(v.begin(), v.end(), [](const nlohmann::json& e) { return e.is_string(); });
+  } else if constexpr (std::is_same_v<T, std::vector<int64_t>>) {
+    return v.is_array() && std::all_of(v.begin(), v.end(), [](const nlohmann::json& e) {
+             return e.is_number_integer();
+           });
   } else {
     return v.is_string();
   }
@@ -41,6 +45,8 @@ const char* kind_name() {
     return "a number";
   } else if constexpr (std::is_same_v<T, std::vector<std::string>>) {
     return "a list of strings";
+  } else if constexpr (std::is_same_v<T, std::vector<int64_t>>) {
+    return "a list of whole numbers";
   } else {
     return "a string";
   }
@@ -65,7 +71,7 @@ T optional(const nlohmann::json& j, const char* key, T fallback, const std::stri
 // then the layers layer_types names "sliding_attention", or without
 // layer_types those from max_window_layers on. Llama has none.
 void parse_attention_windows(const nlohmann::json& j, CausalLMConfig& c, const std::string& what) {
-  if (c.model_type != "qwen3") return;
+  if (c.model_type != "qwen3" && c.model_type != "qwen3_moe") return;
   const bool use = optional<bool>(j, "use_sliding_window", false, what);
   // (An absent sliding_window is transformers' default, 4096; null is none.)
   int64_t window = 0;
@@ -91,6 +97,32 @@ void parse_attention_windows(const nlohmann::json& j, CausalLMConfig& c, const s
   }
 }
 
+// Qwen3-MoE's experts (transformers 5 writes num_experts as
+// num_local_experts).
+void parse_experts(const nlohmann::json& j, CausalLMConfig& c, const std::string& what) {
+  c.num_experts = j.contains("num_experts") ? required<int64_t>(j, "num_experts", what)
+                                            : optional<int64_t>(j, "num_local_experts", 0, what);
+  c.num_experts_per_tok = optional<int64_t>(j, "num_experts_per_tok", 8, what);
+  c.moe_intermediate_size = optional<int64_t>(j, "moe_intermediate_size", 768, what);
+  c.norm_topk_prob = optional<bool>(j, "norm_topk_prob", false, what);
+  c.decoder_sparse_step = optional<int64_t>(j, "decoder_sparse_step", 1, what);
+  if (j.contains("mlp_only_layers") && !j["mlp_only_layers"].is_null())
+    c.mlp_only_layers = required<std::vector<int64_t>>(j, "mlp_only_layers", what);
+  TORCH_CHECK(c.num_experts >= 0 && c.decoder_sparse_step >= 1, what,
+              ": num_experts must be >= 0 and decoder_sparse_step >= 1");
+  TORCH_CHECK(
+      c.num_experts == 0 || (c.num_experts_per_tok >= 1 && c.num_experts_per_tok <= c.num_experts &&
+                             c.moe_intermediate_size >= 1),
+      what,
+      ": num_experts_per_tok must be in [1, num_experts] and "
+      "moe_intermediate_size positive");
+  // The load-balancing loss couples every layer and microbatch of a batch:
+  // not implemented yet (an error, never a silent difference).
+  TORCH_CHECK(!optional<bool>(j, "output_router_logits", false, what), what,
+              ": output_router_logits (the router's load-balancing loss) is not implemented by "
+              "the qwen3_moe preset yet; set it to false (transformers' default)");
+}
+
 }  // namespace
 
 CausalLMConfig CausalLMConfig::from_json_file(const std::string& path) {
@@ -112,8 +144,9 @@ CausalLMConfig CausalLMConfig::from_json_string(const std::string& text, const s
   CausalLMConfig c;
   c.json = text;
   c.model_type = required<std::string>(j, "model_type", what);
-  TORCH_CHECK(c.model_type == "qwen3" || c.model_type == "llama", what, ": model_type '",
-              c.model_type, "' has no preset; supported presets: qwen3, llama");
+  TORCH_CHECK(c.model_type == "qwen3" || c.model_type == "qwen3_moe" || c.model_type == "llama",
+              what, ": model_type '", c.model_type,
+              "' has no preset; supported presets: qwen3, qwen3_moe, llama");
   c.vocab_size = required<int64_t>(j, "vocab_size", what);
   c.hidden_size = required<int64_t>(j, "hidden_size", what);
   c.intermediate_size = required<int64_t>(j, "intermediate_size", what);
@@ -126,7 +159,8 @@ CausalLMConfig CausalLMConfig::from_json_string(const std::string& text, const s
   c.tie_word_embeddings = optional<bool>(j, "tie_word_embeddings", false, what);
   c.attention_bias = optional<bool>(j, "attention_bias", false, what);
   c.mlp_bias = optional<bool>(j, "mlp_bias", false, what);
-  c.qk_norm = c.model_type == "qwen3";
+  c.qk_norm = c.model_type == "qwen3" || c.model_type == "qwen3_moe";
+  if (c.model_type == "qwen3_moe") parse_experts(j, c, what);
   // What else changes the computation: a setting the presets do not
   // implement is an error here, never a silent approximation.
   const auto act = optional<std::string>(j, "hidden_act", "silu", what);

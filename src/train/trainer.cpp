@@ -374,14 +374,15 @@ TrainSummary run_training(const TrainOptions& args) {
     torch::NoGradGuard no_grad;
     std::vector<int64_t> order(eval_data->size());
     std::iota(order.begin(), order.end(), 0);
-    std::vector<Batch> batches;
-    int64_t labelled = 0;
-    for (int64_t b = 0; b < eval_data->size(); b += args.batch_size) {
+    const auto batch_at = [&](int64_t b) {
       const auto count = std::min<int64_t>(args.batch_size, eval_data->size() - b);
-      const auto examples = gather(*eval_data, order, b, count);
-      batches.push_back(collate(examples, identity_order(count), 0, count));
-      labelled += batches.back().loss_tokens;
-    }
+      return collate(gather(*eval_data, order, b, count), identity_order(count), 0, count);
+    };
+    // Two passes, one batch in memory at a time: the labelled tokens of
+    // all, then each batch's share of their mean.
+    int64_t labelled = 0;
+    for (int64_t b = 0; b < eval_data->size(); b += args.batch_size)
+      labelled += batch_at(b).loss_tokens;
     if (labelled == 0) return -1;
     const auto add_up = [](const std::vector<c10::IValue>& shares) {
       at::Tensor sum = shares.front().toTensor();
@@ -389,7 +390,8 @@ TrainSummary run_training(const TrainOptions& args) {
       return c10::IValue(sum);
     };
     double loss = 0;
-    for (const auto& batch : batches) {
+    for (int64_t b = 0; b < eval_data->size(); b += args.batch_size) {
+      const auto batch = batch_at(b);
       roundpipe::models::CausalLMInput input;
       input.input_ids = batch.input_ids;
       input.labels = batch.labels;

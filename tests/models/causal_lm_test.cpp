@@ -1,4 +1,5 @@
-// The native Qwen3 / Llama presets against HuggingFace transformers 5.17:
+// The native Qwen3 / Qwen3-MoE / Llama presets against HuggingFace
+// transformers 5.17 (MoE: checkpoints with per-expert tensors, stacked here):
 // logits, loss and parameter gradients (fp32, relative error <= 1e-4), plain
 // and through RoundPipe, without padding, with right and left padding and
 // with packed documents, tied and untied embeddings, Llama 3.1 rope scaling;
@@ -61,7 +62,9 @@ const std::vector<std::string> kCases = {"qwen3",
                                          "llama_packed",
                                          "qwen3_sliding",
                                          "qwen3_sliding_left",
-                                         "qwen3_sliding_packed"};
+                                         "qwen3_sliding_packed",
+                                         "qwen3_moe_padded",
+                                         "qwen3_moe_packed"};
 
 at::Tensor maybe(const safetensors::File& ref, const std::string& name) {
   for (const auto& [n, t] : ref.tensors) {
@@ -596,7 +599,20 @@ TEST(CausalLMConfig, WhatThePresetsDoNotComputeIsAnError) {
 
 TEST(CausalLMConfig, ErrorsNameTheFieldAndTheFix) {
   EXPECT_NE(config_error("{").find("not valid JSON"), std::string::npos);
-  EXPECT_NE(config_error(R"({"model_type":"gpt2"})").find("supported presets: qwen3, llama"),
+  EXPECT_NE(
+      config_error(R"({"model_type":"gpt2"})").find("supported presets: qwen3, qwen3_moe, llama"),
+      std::string::npos);
+  // Qwen3-MoE: what is not implemented yet is refused, not approximated.
+  const std::string moe =
+      R"({"model_type":"qwen3_moe","vocab_size":10,"hidden_size":8,"intermediate_size":16,
+          "num_hidden_layers":2,"num_attention_heads":2,"num_experts":4,"num_experts_per_tok":2,
+          "moe_intermediate_size":4)";
+  EXPECT_EQ(config_error(moe + "}"), "(accepted)");
+  EXPECT_NE(config_error(moe + R"(,"output_router_logits":true})").find("load-balancing loss"),
+            std::string::npos);
+  EXPECT_NE(config_error(moe + R"(,"num_experts_per_tok":5})").find("num_experts_per_tok"),
+            std::string::npos);
+  EXPECT_NE(config_error(moe + R"(,"mlp_only_layers":["1"]})").find("list of whole numbers"),
             std::string::npos);
   EXPECT_NE(config_error(R"({"model_type":"qwen3","vocab_size":10})").find("'hidden_size'"),
             std::string::npos);

@@ -13,7 +13,8 @@ import sys
 
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import (AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen3Config,
+                          Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
 COMMON = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
               num_attention_heads=4, num_key_value_heads=2, head_dim=8,
@@ -23,6 +24,11 @@ LLAMA31_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
                 "original_max_position_embeddings": 256}  # 3 bands: kept, smoothed, scaled
 SLIDING = dict(tie_word_embeddings=False, use_sliding_window=True, sliding_window=3,
                max_window_layers=1)
+# Qwen3-MoE: 4 experts, 2 a token; layer 1 dense (mlp_only_layers), or
+# every second layer sparse without renormalised top-k probabilities.
+MOE = dict(tie_word_embeddings=False, moe_intermediate_size=16, num_experts=4,
+           num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[1])
+MOE_EVERY_2ND = dict(MOE, norm_topk_prob=False, decoder_sparse_step=2, mlp_only_layers=[])
 # name: (config, model, config extras, input kind)
 CASES = {
     "qwen3": (Qwen3Config, Qwen3ForCausalLM, dict(tie_word_embeddings=False), "plain"),
@@ -39,6 +45,8 @@ CASES = {
     "qwen3_sliding": (Qwen3Config, Qwen3ForCausalLM, SLIDING, "plain"),
     "qwen3_sliding_left": (Qwen3Config, Qwen3ForCausalLM, SLIDING, "left"),
     "qwen3_sliding_packed": (Qwen3Config, Qwen3ForCausalLM, SLIDING, "packed"),
+    "qwen3_moe_padded": (Qwen3MoeConfig, Qwen3MoeForCausalLM, MOE, "right"),
+    "qwen3_moe_packed": (Qwen3MoeConfig, Qwen3MoeForCausalLM, MOE_EVERY_2ND, "packed"),
 }
 PACKED_DOCUMENTS = (5, 7, 1, 4)  # one row of 17 tokens, a one-token document among them
 

@@ -28,9 +28,27 @@ def tiny_llama(tie=False, seed=0, rope_scaling=False):
     return LlamaForCausalLM(config).float().eval()
 
 
+def tiny_qwen3_moe(seed=0, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=(1,)):
+    """Qwen3-MoE: 4 experts, 2 per token; layer 1 dense (mlp_only_layers)."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen3MoeConfig(vocab_size=96, hidden_size=32, intermediate_size=64,
+                            moe_intermediate_size=16, num_hidden_layers=3, num_attention_heads=4,
+                            num_key_value_heads=2, head_dim=8, max_position_embeddings=128,
+                            num_experts=4, num_experts_per_tok=2, norm_topk_prob=norm_topk_prob,
+                            decoder_sparse_step=decoder_sparse_step,
+                            mlp_only_layers=list(mlp_only_layers), use_cache=False,
+                            attn_implementation="sdpa")
+    return Qwen3MoeForCausalLM(config).float().eval()
+
+
 MODELS = {
     "qwen3": lambda: tiny_qwen3(),
     "qwen3-tied": lambda: tiny_qwen3(tie=True),
     "llama": lambda: tiny_llama(),
     "llama-tied-rope-scaling": lambda: tiny_llama(tie=True, rope_scaling=True),
+    "qwen3-moe": lambda: tiny_qwen3_moe(),
+    "qwen3-moe-every-2nd": lambda: tiny_qwen3_moe(norm_topk_prob=False, decoder_sparse_step=2,
+                                                  mlp_only_layers=()),
 }

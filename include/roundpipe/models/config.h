@@ -1,4 +1,5 @@
-// HuggingFace config.json for decoder-only causal LMs (Qwen3, Llama 3.x).
+// HuggingFace config.json for decoder-only causal LMs (Qwen3, Qwen3-MoE,
+// Llama 3.x).
 #pragma once
 
 #include <cstdint>
@@ -16,7 +17,7 @@ struct RopeScaling {
 };
 
 struct CausalLMConfig {
-  std::string model_type;  // "qwen3" or "llama"
+  std::string model_type;  // "qwen3", "qwen3_moe" or "llama"
   int64_t vocab_size = 0;
   int64_t hidden_size = 0;
   int64_t intermediate_size = 0;
@@ -38,6 +39,17 @@ struct CausalLMConfig {
   // transformers: key j is seen from query i when i - window < j <= i).
   // Empty: every layer full.
   std::vector<int64_t> attention_windows;
+  // Mixture of experts (Qwen3-MoE; num_experts 0: every layer dense). A
+  // layer is sparse unless mlp_only_layers names it, and where
+  // (layer + 1) % decoder_sparse_step == 0: a router of num_experts picks
+  // num_experts_per_tok experts of moe_intermediate_size per token (their
+  // probabilities renormalised to sum to 1 with norm_topk_prob).
+  int64_t num_experts = 0;
+  int64_t num_experts_per_tok = 0;
+  int64_t moe_intermediate_size = 0;
+  bool norm_topk_prob = false;
+  int64_t decoder_sparse_step = 1;
+  std::vector<int64_t> mlp_only_layers;
   std::string torch_dtype;  // as written, e.g. "bfloat16"
   std::string json;         // the whole file, kept for save_pretrained
 
@@ -48,6 +60,12 @@ struct CausalLMConfig {
   // Layer `layer`'s attention window (0: full causal attention).
   int64_t attention_window(int64_t layer) const {
     return attention_windows.empty() ? 0 : attention_windows.at(layer);
+  }
+  // Whether layer `layer`'s MLP is a mixture of experts.
+  bool sparse_layer(int64_t layer) const {
+    for (int64_t l : mlp_only_layers)
+      if (l == layer) return false;
+    return num_experts > 0 && (layer + 1) % decoder_sparse_step == 0;
   }
 };
 
