@@ -461,7 +461,7 @@ struct SparseMoeImpl : torch::nn::Cloneable<SparseMoeImpl> {
     const auto weights = top_p.to(logits.scalar_type()).reshape({-1});
     const auto expert_of = top_e.reshape({-1});
     const auto order = at::argsort(expert_of, /*stable=*/true, /*dim=*/0, /*descending=*/false);
-    const auto token_of = at::floor_divide(order, k);
+    const auto token_of = at::div(order, k, "floor");
     const auto counts = at::bincount(expert_of, {}, E).cpu();
     const auto* count = counts.data_ptr<int64_t>();
     const auto rows = flat.index_select(0, token_of);
@@ -474,6 +474,7 @@ struct SparseMoeImpl : torch::nn::Cloneable<SparseMoeImpl> {
       outs.push_back(at::linear(ops::swiglu(parts[0], parts[1]), experts->down_proj[e]));
       start += count[e];
     }
+    if (outs.empty()) return at::zeros_like(x);  // (no tokens)
     const auto weighted = at::cat(outs) * weights.index_select(0, order).unsqueeze(-1);
     return at::zeros_like(flat).index_add_(0, token_of, weighted).view(x.sizes());
   }

@@ -756,7 +756,7 @@ TEST(WrapModel, PresetChoicesAndUnknownTypes) {
   std::ofstream(other / "config.json") << R"({"model_type": "gpt2", "vocab_size": 10})";
   EXPECT_NE(what([&] {
               wrap_model_to_roundpipe(other.string());
-            }).find("supported presets: qwen3, llama"),
+            }).find("supported presets: qwen3, qwen3_moe, llama"),
             std::string::npos);
   EXPECT_EQ(what([&] {
               wrap_model_to_roundpipe(dir.string(),

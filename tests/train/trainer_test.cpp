@@ -959,3 +959,39 @@ TEST(Trainer, EvalFractionHoldsOutPartOfTheData) {
 
 }  // namespace
 }  // namespace roundpipe::testing
+
+namespace roundpipe::testing {
+namespace {
+
+// roundpipe-train on a Qwen3-MoE model (layer 1 dense): the loss falls,
+// and the saved checkpoint (experts per expert, as the hub's) loads back
+// with the trained weights.
+TEST(Trainer, TrainsAQwen3MoeModel) {
+  const std::string config = temp("moe_config.json");
+  std::ofstream(config) << R"({"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+    "vocab_size": 259, "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32,
+    "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+    "max_position_embeddings": 64, "num_experts": 4, "num_experts_per_tok": 2,
+    "norm_topk_prob": true, "mlp_only_layers": [1], "tie_word_embeddings": true,
+    "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0})";
+  auto o = tiny("moe");
+  o.config = config;
+  o.steps = 60;
+  o.log_every = 1;  // first_loss: the first step's
+  o.lr = 1e-3;
+  o.sync_step = true;
+  o.overwrite = true;
+  const auto s = train::run_training(o);
+  EXPECT_LT(s.final_loss, 0.7 * s.first_loss) << s.first_loss << " -> " << s.final_loss;
+  auto model = models::CausalLM::from_pretrained(o.output);
+  EXPECT_EQ(model.config().model_type, "qwen3_moe");
+  EXPECT_TRUE(fs::exists(o.output + "/model.safetensors"));
+  const auto saved = safetensors::load_file(o.output + "/model.safetensors");
+  bool per_expert = false;
+  for (const auto& [name, t] : saved.tensors)
+    per_expert |= name == "model.layers.0.mlp.experts.3.up_proj.weight";
+  EXPECT_TRUE(per_expert) << "experts not saved one tensor per expert";
+}
+
+}  // namespace
+}  // namespace roundpipe::testing
