@@ -12,10 +12,27 @@
 #include <torch/nn/modules/dropout.h>
 #include <torch/nn/modules/linear.h>
 
+#include <stdlib.h>
+
+#include <filesystem>
 #include <string>
 #include <vector>
 
 namespace roundpipe::testing {
+
+// A directory of this test process's own, made fresh (mkdtemp): the files a
+// test writes there never meet those an earlier process with the same pid
+// left behind.
+inline const std::filesystem::path& process_temp_dir() {
+  static const std::filesystem::path dir = [] {
+    std::string pattern =
+        (std::filesystem::temp_directory_path() / "roundpipe_test_XXXXXX").string();
+    TORCH_CHECK(::mkdtemp(pattern.data()) != nullptr, "cannot make a temporary directory in ",
+                std::filesystem::temp_directory_path().string());
+    return std::filesystem::path(pattern);
+  }();
+  return dir;
+}
 
 // sim with 1, 2 and 3 devices (the multi-device ones with copy jitter to
 // shake out missing waits), and the CUDA GPUs when there are any.

@@ -34,14 +34,15 @@ namespace {
 // Weights are allocated uninitialised: a new model is initialised by
 // CausalLM's constructor (as transformers does), a loaded one overwritten,
 // and a RoundPipe instance rebound to device copies.
-// One factor of a LoRA adapter: a bare weight ("lora_A.weight").
-struct LoraFactorImpl : torch::nn::Cloneable<LoraFactorImpl> {
+// A bare weight [rows, cols] under the name "weight": one factor of a LoRA
+// adapter ("lora_A.weight"), a MoE router ("gate.weight").
+struct BareWeightImpl : torch::nn::Cloneable<BareWeightImpl> {
   int64_t rows, cols;
   at::Tensor weight;
-  LoraFactorImpl(int64_t r, int64_t c) : rows(r), cols(c) { reset(); }
+  BareWeightImpl(int64_t r, int64_t c) : rows(r), cols(c) { reset(); }
   void reset() override { weight = register_parameter("weight", at::empty({rows, cols})); }
 };
-TORCH_MODULE(LoraFactor);
+TORCH_MODULE(BareWeight);
 
 // A projection, with a LoRA adapter where `lora.rank` > 0 (LoraOptions).
 struct LinearImpl : torch::nn::Cloneable<LinearImpl> {
@@ -49,7 +50,7 @@ struct LinearImpl : torch::nn::Cloneable<LinearImpl> {
   bool has_bias;
   LoraOptions lora;
   at::Tensor weight, bias;
-  LoraFactor lora_A{nullptr}, lora_B{nullptr};
+  BareWeight lora_A{nullptr}, lora_B{nullptr};
   LinearImpl(int64_t i, int64_t o, bool b, LoraOptions l = {})
       : in(i), out(o), has_bias(b), lora(std::move(l)) {
     reset();
@@ -58,8 +59,8 @@ struct LinearImpl : torch::nn::Cloneable<LinearImpl> {
     weight = register_parameter("weight", at::empty({out, in}));
     if (has_bias) bias = register_parameter("bias", at::empty({out}));
     if (lora.rank > 0) {
-      lora_A = register_module("lora_A", LoraFactor(lora.rank, in));
-      lora_B = register_module("lora_B", LoraFactor(out, lora.rank));
+      lora_A = register_module("lora_A", BareWeight(lora.rank, in));
+      lora_B = register_module("lora_B", BareWeight(out, lora.rank));
     }
   }
   // Note [LoRA compute dtype]
@@ -409,14 +410,6 @@ TORCH_MODULE(MLP);
 // "gate.weight" [experts, hidden] and the experts' stacked projections
 // "experts.gate_up_proj" [experts, 2 x intermediate, hidden] (gate rows
 // first) and "experts.down_proj" [experts, hidden, intermediate].
-struct MoeRouterImpl : torch::nn::Cloneable<MoeRouterImpl> {
-  int64_t experts, hidden;
-  at::Tensor weight;
-  MoeRouterImpl(int64_t e, int64_t h) : experts(e), hidden(h) { reset(); }
-  void reset() override { weight = register_parameter("weight", at::empty({experts, hidden})); }
-};
-TORCH_MODULE(MoeRouter);
-
 struct MoeExpertsImpl : torch::nn::Cloneable<MoeExpertsImpl> {
   int64_t experts, hidden, intermediate;
   at::Tensor gate_up_proj, down_proj;
@@ -444,11 +437,11 @@ TORCH_MODULE(MoeExperts);
 // to the host for the loop's bounds.)
 struct SparseMoeImpl : torch::nn::Cloneable<SparseMoeImpl> {
   CausalLMConfig config;
-  MoeRouter gate{nullptr};
+  BareWeight gate{nullptr};  // the router
   MoeExperts experts{nullptr};
   explicit SparseMoeImpl(CausalLMConfig c) : config(std::move(c)) { reset(); }
   void reset() override {
-    gate = register_module("gate", MoeRouter(config.num_experts, config.hidden_size));
+    gate = register_module("gate", BareWeight(config.num_experts, config.hidden_size));
     experts = register_module("experts", MoeExperts(config.num_experts, config.hidden_size,
                                                     config.moe_intermediate_size));
   }

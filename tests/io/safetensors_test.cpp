@@ -3,6 +3,8 @@
 #include <gtest/gtest.h>
 #include <roundpipe/safetensors.h>
 
+#include "test_util.h"
+
 #include <unistd.h>
 
 #include <filesystem>
@@ -12,9 +14,7 @@ namespace roundpipe {
 namespace {
 
 std::string temp_path(const std::string& name) {
-  return (std::filesystem::temp_directory_path() /
-          ("roundpipe_" + std::to_string(::getpid()) + "_" + name))
-      .string();
+  return (roundpipe::testing::process_temp_dir() / name).string();
 }
 
 std::string error_loading(const std::string& path) {

@@ -34,7 +34,7 @@ constexpr double kTol = 1e-4;
 // Made once per test process by transformers (tests/models/hf_reference.py).
 const fs::path& reference_root() {
   static const fs::path root = [] {
-    fs::path dir = fs::temp_directory_path() / ("roundpipe_hf_" + std::to_string(::getpid()));
+    fs::path dir = process_temp_dir() / "hf";
     const std::string cmd = std::string(ROUNDPIPE_PYTHON) + " " + ROUNDPIPE_SOURCE_DIR +
                             "/tests/models/hf_reference.py make " + dir.string() + " > " +
                             dir.string() + ".log 2>&1";
@@ -809,7 +809,7 @@ int64_t write_wide_checkpoint(const fs::path& dir) {
 // that the measure sees it).
 TEST(CausalLMCheckpoint, MappedWeightsAreTheFilesPagesNotACopy) {
   if (anonymous_kib() < 0) GTEST_SKIP() << "no /proc/self/smaps_rollup";
-  const auto dir = fs::temp_directory_path() / ("roundpipe_mapped_" + std::to_string(::getpid()));
+  const auto dir = process_temp_dir() / "mapped";
   const int64_t checkpoint_kib = write_wide_checkpoint(dir);
   ASSERT_GT(checkpoint_kib, 30 * 1024);
   const auto ids = at::arange(16).reshape({2, 8});
@@ -856,7 +856,7 @@ std::vector<std::pair<uintptr_t, uintptr_t>> mappings_of(const fs::path& file) {
 // arena). (Resident memory is measured on the GPU, bench/lora_bench.py: a
 // simulated device's memory is this process's own.)
 TEST(CausalLMCheckpoint, LoraWithPinModelOffTrainsOnTheMappedPages) {
-  const auto dir = fs::temp_directory_path() / ("roundpipe_off_" + std::to_string(::getpid()));
+  const auto dir = process_temp_dir() / "off";
   write_wide_checkpoint(dir);
   models::CausalLMInput in;
   in.input_ids = at::randint(0, 256, {4, 16}, at::detail::createCPUGenerator(7));

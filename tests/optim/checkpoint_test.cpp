@@ -44,9 +44,7 @@ class CheckpointTest : public ::testing::TestWithParam<std::string> {};
 
 // A directory of this test process alone (ctest runs backends in parallel).
 std::string test_dir(const std::string& what) {
-  return (std::filesystem::temp_directory_path() /
-          ("roundpipe_" + what + "_" + std::to_string(::getpid())))
-      .string();
+  return (process_temp_dir() / what).string();
 }
 
 TEST_P(CheckpointTest, ResumingGivesTheSameNextLosses) {

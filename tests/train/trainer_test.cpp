@@ -28,9 +28,7 @@ namespace {
 namespace fs = std::filesystem;
 
 std::string temp(const std::string& name) {
-  return (fs::temp_directory_path() /
-          ("roundpipe_train_" + std::to_string(::getpid()) + "_" + name))
-      .string();
+  return (process_temp_dir() / ("train_" + name)).string();
 }
 
 train::TrainOptions tiny(const std::string& name) {
