@@ -199,7 +199,7 @@ at::Tensor token_positions(const CausalLMInput& in, int64_t B, int64_t T,
 // Embedding, rotary tables and the attention layout, computed once per
 // microbatch and handed to every decoder layer in the tuple (hidden, cos,
 // sin, layout or None, labels or None, return_logits or None,
-// num_items_in_batch or None).
+// num_items_in_batch or None[, router statistics]).
 struct InputAdapterImpl : torch::nn::Cloneable<InputAdapterImpl> {
   CausalLMConfig config;
   Embedding embed_tokens{nullptr};
@@ -243,9 +243,17 @@ struct InputAdapterImpl : torch::nn::Cloneable<InputAdapterImpl> {
       layout = l->to_ivalue();
     }
     auto optional = [](const auto& v) { return v ? c10::IValue(*v) : c10::IValue(); };
-    return c10::ivalue::Tuple::create(
-        {hidden, cos, sin, layout, in.labels.defined() ? c10::IValue(in.labels) : c10::IValue(),
-         optional(in.return_logits), optional(in.num_items_in_batch)});
+    std::vector<c10::IValue> out{hidden,
+                                 cos,
+                                 sin,
+                                 layout,
+                                 in.labels.defined() ? c10::IValue(in.labels) : c10::IValue(),
+                                 optional(in.return_logits),
+                                 optional(in.num_items_in_batch)};
+    // (Note [Router load-balancing loss]: the loss's router statistics.)
+    if (config.router_loss() && in.labels.defined())
+      out.emplace_back(at::zeros({2 * config.num_experts + 1}, inv_freq.options()));
+    return c10::ivalue::Tuple::create(std::move(out));
   }
 };
 TORCH_MODULE(InputAdapter);
@@ -430,45 +438,132 @@ TORCH_MODULE(MoeExperts);
 // norm_topk_prob) cast back to the logits' dtype; each chosen expert's
 // SwiGLU output times its weight, added into the token's output. Here the
 // (token, choice) pairs are sorted by expert (a stable sort: the order is
-// the same on every run), each expert runs one matrix product over its
-// contiguous rows, and index_add puts the weighted rows back. The routing
-// is a function of the layer's input alone, so the recompute of a backward
-// stage routes exactly as the forward did. (The experts' row counts come
-// to the host for the loop's bounds.)
+// the same on every run), the experts run over their contiguous rows, and
+// index_add puts the weighted rows back. The routing is a function of the
+// layer's input alone, so the recompute of a backward stage routes exactly
+// as the forward did.
+//
+// The experts run as one grouped matrix product per projection
+// (at::_grouped_mm: rows [N, in] against the stacked weights [E, in, out],
+// split at each expert's end offset, computed on the device by a binary
+// search of the sorted expert ids: no host round trip, no per-expert
+// launch on Hopper and later with bf16, where LibTorch has a grouped
+// kernel; elsewhere it loops inside LibTorch). Where _grouped_mm refuses
+// the shapes (its rows must be 16-byte aligned) or set_grouped_experts is
+// off, a loop of one product per expert over row counts read on the host.
+bool grouped_mm_takes(const at::Tensor& rows, int64_t in, int64_t out) {
+  const auto st = rows.scalar_type();
+  if (st != at::kFloat && st != at::kBFloat16 && st != at::kHalf) return false;
+  const int64_t bytes = static_cast<int64_t>(c10::elementSize(st));
+  return (in * bytes) % 16 == 0 && (out * bytes) % 16 == 0;
+}
+
+// rows [N, in] sorted by expert, weight [E, out, in], ends [E] int32 (the
+// end of each expert's rows); counts: the same as host numbers, for the loop.
+at::Tensor expert_matmul(const at::Tensor& rows, const at::Tensor& weight, const at::Tensor& ends,
+                         bool grouped) {
+  if (grouped) return at::_grouped_mm(rows, weight.transpose(1, 2), ends);
+  const auto host_ends = ends.to(at::kCPU, at::kLong);
+  const auto* end = host_ends.data_ptr<int64_t>();
+  std::vector<at::Tensor> outs;
+  int64_t start = 0;
+  for (int64_t e = 0; e < weight.size(0); ++e) {
+    if (end[e] > start)
+      outs.push_back(at::linear(rows.narrow(0, start, end[e] - start), weight[e]));
+    start = end[e];
+  }
+  if (outs.empty()) return at::zeros({0, weight.size(1)}, rows.options());
+  return at::cat(outs);
+}
+
+// Note [Router load-balancing loss]
+// transformers' load_balancing_loss_func (Switch Transformer's loss): over
+// the sparse layers' tokens (those the attention mask keeps), with f_e the
+// fraction of top-k assignments that go to expert e and P_e the mean
+// router probability of e, both averaged over every sparse layer's tokens
+// together, aux = E * sum_e f_e P_e, and the loss gains
+// router_aux_loss_coef * aux. Layers sum into one carried statistic,
+// [assignment counts (E), probability sums (E), tokens (1)], a float
+// tensor appended to the decoder tuple; the output adapter forms aux from
+// it. Its gradient reaches each router through the probability sums (the
+// counts are constants), so the pipeline's stage boundaries carry it like
+// the hidden state.
+//
+// The statistic is a microbatch's own: f is only known once every layer
+// has routed the tokens, and a microbatch's backward starts before the
+// next one's forward is done. A microbatch's aux is weighted like its
+// cross-entropy: by its labelled tokens over num_items_in_batch where that
+// is given (the microbatches' weights then add up to 1 for the batch),
+// else 1 (each microbatch's loss is then its own mean as well). With one
+// microbatch this is transformers' loss exactly; with several it is
+// Megatron's micro-batch load balancing. Splitting a microbatch into row
+// chunks would change the statistic: layers carrying it do not split rows.
+at::Tensor router_statistics(const at::Tensor& probs, const at::Tensor& top_e,
+                             const std::optional<SequenceLayout>& layout) {
+  auto p = probs, e = top_e;
+  if (layout) {
+    p = p.index_select(0, layout->token_index);
+    e = e.index_select(0, layout->token_index);
+  }
+  const int64_t E = probs.size(1);
+  const auto chosen = e.reshape({-1});
+  auto counts = at::zeros({E}, p.options().requires_grad(false))
+                    .index_add_(0, chosen, at::ones({chosen.numel()}, p.options()));
+  const auto tokens = at::full({1}, static_cast<double>(p.size(0)), p.options());
+  return at::cat({counts, p.sum(0), tokens});
+}
+
+at::Tensor router_aux_loss(const at::Tensor& stats) {
+  const int64_t E = (stats.size(0) - 1) / 2;
+  const auto tokens = stats.narrow(0, 2 * E, 1).clamp_min(1);
+  return (stats.narrow(0, 0, E) / tokens * (stats.narrow(0, E, E) / tokens)).sum() *
+         static_cast<double>(E);
+}
+
 struct SparseMoeImpl : torch::nn::Cloneable<SparseMoeImpl> {
   CausalLMConfig config;
+  bool grouped;
   BareWeight gate{nullptr};  // the router
   MoeExperts experts{nullptr};
-  explicit SparseMoeImpl(CausalLMConfig c) : config(std::move(c)) { reset(); }
+  SparseMoeImpl(CausalLMConfig c, bool grouped_experts)
+      : config(std::move(c)), grouped(grouped_experts) {
+    reset();
+  }
   void reset() override {
     gate = register_module("gate", BareWeight(config.num_experts, config.hidden_size));
     experts = register_module("experts", MoeExperts(config.num_experts, config.hidden_size,
                                                     config.moe_intermediate_size));
   }
-  at::Tensor forward(const at::Tensor& x) {
+  std::shared_ptr<torch::nn::Module> clone(
+      const std::optional<c10::Device>& device = std::nullopt) const override {
+    return copy_module(*this, [&] { return std::make_shared<SparseMoeImpl>(config, grouped); });
+  }
+  // The layer's output; with `stats`, its router statistics added into it
+  // (Note [Router load-balancing loss]).
+  at::Tensor forward(const at::Tensor& x, const std::optional<SequenceLayout>& layout = {},
+                     at::Tensor* stats = nullptr) {
     const int64_t E = config.num_experts, k = config.num_experts_per_tok;
+    const int64_t H = config.hidden_size, I = config.moe_intermediate_size;
     const auto flat = x.reshape({-1, x.size(-1)});
     const auto logits = at::linear(flat, gate->weight);
-    auto [top_p, top_e] = at::topk(at::softmax(logits, -1, at::kFloat), k, -1);
+    const auto probs = at::softmax(logits, -1, at::kFloat);
+    auto [top_p, top_e] = at::topk(probs, k, -1);
+    if (stats) *stats = *stats + router_statistics(probs, top_e, layout);
     if (config.norm_topk_prob) top_p = top_p / top_p.sum(-1, /*keepdim=*/true);
     const auto weights = top_p.to(logits.scalar_type()).reshape({-1});
     const auto expert_of = top_e.reshape({-1});
     const auto order = at::argsort(expert_of, /*stable=*/true, /*dim=*/0, /*descending=*/false);
     const auto token_of = at::div(order, k, "floor");
-    const auto counts = at::bincount(expert_of, {}, E).cpu();
-    const auto* count = counts.data_ptr<int64_t>();
+    const auto ends = at::searchsorted(expert_of.index_select(0, order),
+                                       at::arange(E, expert_of.options()), /*out_int32=*/true,
+                                       /*right=*/true);
     const auto rows = flat.index_select(0, token_of);
-    std::vector<at::Tensor> outs;
-    int64_t start = 0;
-    for (int64_t e = 0; e < E; ++e) {
-      if (count[e] == 0) continue;
-      const auto gate_up = at::linear(rows.narrow(0, start, count[e]), experts->gate_up_proj[e]);
-      const auto parts = gate_up.chunk(2, -1);
-      outs.push_back(at::linear(ops::swiglu(parts[0], parts[1]), experts->down_proj[e]));
-      start += count[e];
-    }
-    if (outs.empty()) return at::zeros_like(x);  // (no tokens)
-    const auto weighted = at::cat(outs) * weights.index_select(0, order).unsqueeze(-1);
+    const bool group = grouped && grouped_mm_takes(rows, H, 2 * I) && grouped_mm_takes(rows, I, H);
+    const auto gate_up = expert_matmul(rows, experts->gate_up_proj, ends, group);
+    const auto parts = gate_up.chunk(2, -1);
+    const auto out = expert_matmul(ops::swiglu(parts[0], parts[1]).contiguous(), experts->down_proj,
+                                   ends, group);
+    const auto weighted = out * weights.index_select(0, order).unsqueeze(-1);
     return at::zeros_like(flat).index_add_(0, token_of, weighted).view(x.sizes());
   }
 };
@@ -551,20 +646,25 @@ struct DecoderLayerImpl : torch::nn::Cloneable<DecoderLayerImpl>, SplitsInputRow
   CausalLMConfig config;
   int64_t mlp_chunk_tokens;
   int64_t index;  // which layer: its attention window
+  bool grouped_experts;
   Attention self_attn{nullptr};
   MLP mlp{nullptr};        // a dense layer's
   SparseMoe moe{nullptr};  // a sparse one's (registered as "mlp", as transformers names it)
   RMSNorm input_layernorm{nullptr}, post_attention_layernorm{nullptr};
   LoraOptions lora;
-  DecoderLayerImpl(CausalLMConfig c, int64_t mlp_chunk, int64_t layer, LoraOptions l)
-      : config(std::move(c)), mlp_chunk_tokens(mlp_chunk), index(layer), lora(std::move(l)) {
+  DecoderLayerImpl(CausalLMConfig c, int64_t mlp_chunk, int64_t layer, bool grouped, LoraOptions l)
+      : config(std::move(c)),
+        mlp_chunk_tokens(mlp_chunk),
+        index(layer),
+        grouped_experts(grouped),
+        lora(std::move(l)) {
     reset();
   }
   void reset() override {
     self_attn =
         register_module("self_attn", Attention(config, config.attention_window(index), lora));
     if (config.sparse_layer(index)) {
-      moe = register_module("mlp", SparseMoe(config));
+      moe = register_module("mlp", SparseMoe(config, grouped_experts));
     } else {
       mlp = register_module("mlp", MLP(config, lora));
       // (The token-chunked MLP takes the base weights only.)
@@ -581,26 +681,33 @@ struct DecoderLayerImpl : torch::nn::Cloneable<DecoderLayerImpl>, SplitsInputRow
   c10::IValue forward(c10::IValue input) {
     const auto& e = input.toTupleRef().elements();
     auto h = e[0].toTensor();
-    h = h + self_attn(input_layernorm(h), e[1].toTensor(), e[2].toTensor(),
-                      SequenceLayout::from_ivalue(e[3]));
+    const auto layout = SequenceLayout::from_ivalue(e[3]);
+    h = h + self_attn(input_layernorm(h), e[1].toTensor(), e[2].toTensor(), layout);
     const auto normed = post_attention_layernorm(h);
-    h = h + (moe ? moe(normed) : mlp(normed));
-    std::vector<c10::IValue> out(e.begin(), e.end());  // everything but the hidden state passes on
+    at::Tensor stats = e.size() > 7 && e[7].isTensor() ? e[7].toTensor() : at::Tensor();
+    h = h + (moe ? moe(normed, layout, stats.defined() ? &stats : nullptr) : mlp(normed));
+    // Everything but the hidden state and the router statistics passes on.
+    std::vector<c10::IValue> out(e.begin(), e.end());
     out[0] = h;
+    if (stats.defined()) out[7] = stats;
     return c10::ivalue::Tuple::create(std::move(out));
   }
   std::shared_ptr<torch::nn::Module> clone(
       const std::optional<c10::Device>& device = std::nullopt) const override {
     return copy_module(*this, [&] {
-      return std::make_shared<DecoderLayerImpl>(config, mlp_chunk_tokens, index, lora);
+      return std::make_shared<DecoderLayerImpl>(config, mlp_chunk_tokens, index, grouped_experts,
+                                                lora);
     });
   }
   std::vector<c10::IValue> split_input_rows(const c10::IValue& input,
                                             const std::vector<int64_t>& rows) const override {
     return split_decoder_input_rows(input, rows);
   }
-  // LoRA dropout draws random numbers: a row chunk would draw others.
-  bool splits_rows() const override { return lora.rank == 0 || lora.dropout == 0; }
+  // LoRA dropout draws random numbers: a row chunk would draw others; the
+  // router statistics are the whole microbatch's.
+  bool splits_rows() const override {
+    return (lora.rank == 0 || lora.dropout == 0) && !config.router_loss();
+  }
 };
 TORCH_MODULE(DecoderLayer);
 
@@ -652,9 +759,19 @@ struct OutputAdapterImpl : torch::nn::Cloneable<OutputAdapterImpl>, SplitsInputR
         e.size() > 5 && e[5].isBool() ? e[5].toBool() : options.return_logits;
     const std::optional<double> divisor =
         e.size() > 6 && e[6].isDouble() ? std::optional<double>(e[6].toDouble()) : std::nullopt;
+    // Note [Router load-balancing loss]: weighted like the cross-entropy.
+    at::Tensor router_loss;
+    if (e.size() > 7 && e[7].isTensor()) {
+      router_loss = router_aux_loss(e[7].toTensor()) * config.router_aux_loss_coef;
+      if (divisor)  // (the labelled tokens counted on the device: no host round trip)
+        router_loss = router_loss * shifted.ne(-100).sum().to(router_loss.scalar_type()) / *divisor;
+    }
+    auto plus_router_loss = [&](const at::Tensor& loss) {
+      return router_loss.defined() ? loss + router_loss.to(loss.scalar_type()) : loss;
+    };
     if (!return_logits) {
-      return chunked_linear_cross_entropy(h.reshape({-1, D}), weight, shifted.reshape({-1}),
-                                          options.loss_chunk_tokens, divisor);
+      return plus_router_loss(chunked_linear_cross_entropy(
+          h.reshape({-1, D}), weight, shifted.reshape({-1}), options.loss_chunk_tokens, divisor));
     }
     auto logits = at::linear(h, weight);
     const auto flat = logits.to(at::kFloat).reshape({-1, logits.size(-1)});
@@ -663,12 +780,13 @@ struct OutputAdapterImpl : torch::nn::Cloneable<OutputAdapterImpl>, SplitsInputR
             ? at::cross_entropy_loss(flat, shifted.reshape({-1}), {}, at::Reduction::Sum, -100)
                   .div(*divisor)
             : at::cross_entropy_loss(flat, shifted.reshape({-1}), {}, at::Reduction::Mean, -100);
-    return c10::ivalue::Tuple::create({loss, logits});
+    return c10::ivalue::Tuple::create({plus_router_loss(loss), logits});
   }
   std::vector<c10::IValue> split_input_rows(const c10::IValue& input,
                                             const std::vector<int64_t>& rows) const override {
     return split_decoder_input_rows(input, rows);
   }
+  bool splits_rows() const override { return !config.router_loss(); }
 };
 TORCH_MODULE(OutputAdapter);
 
@@ -751,7 +869,8 @@ CausalLM::CausalLM(CausalLMConfig config, CausalLMOptions options)
   InputAdapter input(config_);
   sequential_->push_back(input);
   for (int64_t i = 0; i < config_.num_hidden_layers; ++i)
-    sequential_->push_back(DecoderLayer(config_, options_.mlp_chunk_tokens, i, options_.lora));
+    sequential_->push_back(DecoderLayer(config_, options_.mlp_chunk_tokens, i,
+                                        options_.grouped_experts, options_.lora));
   sequential_->push_back(OutputAdapter(
       config_, options_, config_.tie_word_embeddings ? input->embed_tokens->weight : at::Tensor()));
   c10::NoGradGuard no_grad;

@@ -116,11 +116,10 @@ void parse_experts(const nlohmann::json& j, CausalLMConfig& c, const std::string
       what,
       ": num_experts_per_tok must be in [1, num_experts] and "
       "moe_intermediate_size positive");
-  // The load-balancing loss couples every layer and microbatch of a batch:
-  // not implemented yet (an error, never a silent difference).
-  TORCH_CHECK(!optional<bool>(j, "output_router_logits", false, what), what,
-              ": output_router_logits (the router's load-balancing loss) is not implemented by "
-              "the qwen3_moe preset yet; set it to false (transformers' default)");
+  c.output_router_logits = optional<bool>(j, "output_router_logits", false, what);
+  c.router_aux_loss_coef = optional<double>(j, "router_aux_loss_coef", 0.001, what);
+  TORCH_CHECK(std::isfinite(c.router_aux_loss_coef) && c.router_aux_loss_coef >= 0, what,
+              ": router_aux_loss_coef must be a finite number >= 0, got ", c.router_aux_loss_coef);
 }
 
 }  // namespace

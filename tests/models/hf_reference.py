@@ -29,6 +29,9 @@ SLIDING = dict(tie_word_embeddings=False, use_sliding_window=True, sliding_windo
 MOE = dict(tie_word_embeddings=False, moe_intermediate_size=16, num_experts=4,
            num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[1])
 MOE_EVERY_2ND = dict(MOE, norm_topk_prob=False, decoder_sparse_step=2, mlp_only_layers=[])
+# With the router's load-balancing loss, its coefficient large enough to
+# show in every gradient.
+ROUTER_LOSS = dict(output_router_logits=True, router_aux_loss_coef=0.5)
 # name: (config, model, config extras, input kind)
 CASES = {
     "qwen3": (Qwen3Config, Qwen3ForCausalLM, dict(tie_word_embeddings=False), "plain"),
@@ -47,6 +50,10 @@ CASES = {
     "qwen3_sliding_packed": (Qwen3Config, Qwen3ForCausalLM, SLIDING, "packed"),
     "qwen3_moe_padded": (Qwen3MoeConfig, Qwen3MoeForCausalLM, MOE, "right"),
     "qwen3_moe_packed": (Qwen3MoeConfig, Qwen3MoeForCausalLM, MOE_EVERY_2ND, "packed"),
+    "qwen3_moe_router_loss": (Qwen3MoeConfig, Qwen3MoeForCausalLM, dict(MOE, **ROUTER_LOSS),
+                              "left"),
+    "qwen3_moe_router_loss_packed": (Qwen3MoeConfig, Qwen3MoeForCausalLM,
+                                     dict(MOE_EVERY_2ND, **ROUTER_LOSS), "packed"),
 }
 PACKED_DOCUMENTS = (5, 7, 1, 4)  # one row of 17 tokens, a one-token document among them
 
@@ -103,9 +110,34 @@ def make(out):
             tensors["position_ids"] = positions
         for n, p in model.named_parameters():
             tensors["grad." + n] = p.grad.contiguous()
+        if getattr(config, "output_router_logits", False) and ids.size(0) > 1:
+            tensors.update(two_microbatches(model, ids, mask, labels))
         save_file(tensors, f"{out}/{name}/reference.safetensors")
         with open(f"{out}/{name}/case.json", "w") as f:
             json.dump({"kind": kind, "tied": extra.get("tie_word_embeddings", False)}, f)
+
+
+def two_microbatches(model, ids, mask, labels):
+    """The loss and gradients of the batch in two microbatches of rows
+    (first half, second half) as RoundPipe defines them with the router's
+    load-balancing loss: each microbatch's cross-entropy summed over its
+    tokens and divided by the batch's labelled tokens N, plus the
+    coefficient times its own load-balancing loss (transformers' aux_loss
+    of the microbatch) weighted by its labelled tokens over N."""
+    model.zero_grad()
+    count = lambda l: (l[:, 1:] != -100).sum().item()
+    total, half = count(labels), ids.size(0) // 2
+    coef = model.config.router_aux_loss_coef
+    loss = 0
+    for rows in (slice(0, half), slice(half, None)):
+        res = model(input_ids=ids[rows], attention_mask=None if mask is None else mask[rows],
+                    labels=labels[rows], num_items_in_batch=total, use_cache=False)
+        loss = loss + res.loss - coef * res.aux_loss * (1 - count(labels[rows]) / total)
+    loss.backward()
+    out = {"two_microbatches.loss": loss.detach().reshape(())}
+    for n, p in model.named_parameters():
+        out["two_microbatches.grad." + n] = p.grad.contiguous()
+    return out
 
 
 def check(directory, reference):

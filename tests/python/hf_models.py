@@ -28,7 +28,8 @@ def tiny_llama(tie=False, seed=0, rope_scaling=False):
     return LlamaForCausalLM(config).float().eval()
 
 
-def tiny_qwen3_moe(seed=0, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=(1,)):
+def tiny_qwen3_moe(seed=0, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=(1,),
+                   **extra):
     """Qwen3-MoE: 4 experts, 2 per token; layer 1 dense (mlp_only_layers)."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
@@ -39,7 +40,7 @@ def tiny_qwen3_moe(seed=0, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_
                             num_experts=4, num_experts_per_tok=2, norm_topk_prob=norm_topk_prob,
                             decoder_sparse_step=decoder_sparse_step,
                             mlp_only_layers=list(mlp_only_layers), use_cache=False,
-                            attn_implementation="sdpa")
+                            attn_implementation="sdpa", **extra)
     return Qwen3MoeForCausalLM(config).float().eval()
 
 

@@ -18,7 +18,7 @@ import roundpipe
 from roundpipe import CausalLMRoundPipe, RoundPipeRunConfig, wrap_model_to_roundpipe
 
 from conftest import ADAM_EPS, assert_adam_weights_close, assert_close
-from hf_models import MODELS, tiny_qwen3
+from hf_models import MODELS, tiny_qwen3, tiny_qwen3_moe
 
 TOL = 2e-5
 
@@ -340,3 +340,35 @@ def test_a_short_budget_runs_the_tail_in_chunks_of_rows_with_transformers_result
         grads_close(hf, oracle)
         chunked.append(pipe.pipeline_stats()["tail_microbatches_in_row_chunks"])
     assert any(c > 0 for c in chunked), f"no budget ran the tail in chunks of rows: {chunked}"
+
+
+@pytest.mark.parametrize("kind", ["left", "packed"])
+def test_the_router_load_balancing_loss_is_transformers(devices, kind):
+    """output_router_logits: in one microbatch the loss and every gradient
+    are transformers' (its load-balancing loss included); in two, each
+    microbatch's router loss is its own, weighted by its labelled tokens
+    (Note [Router load-balancing loss]), computed here from transformers'
+    aux_loss of each half."""
+    inputs = masked_batch(kind)
+    rows = inputs["input_ids"].shape[0]
+    for microbatches in (1, 2):
+        if microbatches > rows:
+            continue
+        hf = tiny_qwen3_moe(output_router_logits=True, router_aux_loss_coef=0.5)
+        oracle = copy.deepcopy(hf)
+        pipe = wrap_model_to_roundpipe(hf, devices=devices,
+                                       model_run_config=RoundPipeRunConfig(num_microbatch=microbatches))
+        loss = pipe.forward_backward(input_kwargs=inputs)
+        pipe.synchronize()
+        if microbatches == 1:
+            expected = oracle(**inputs).loss
+        else:
+            labels = inputs["labels"]
+            count = lambda l: (l[:, 1:] != -100).sum().item()
+            total, expected = count(labels), 0
+            for part in (slice(0, rows // 2), slice(rows // 2, None)):
+                res = oracle(**{k: v[part] for k, v in inputs.items()}, num_items_in_batch=total)
+                expected = expected + res.loss - 0.5 * res.aux_loss * (1 - count(labels[part]) / total)
+        expected.backward()
+        assert_close(loss, expected.detach(), TOL)
+        grads_close(hf, oracle)

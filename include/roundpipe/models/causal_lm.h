@@ -132,6 +132,14 @@ struct CausalLMOptions {
     map_weights = v;
     return *this;
   }
+  // Mixture-of-experts layers run their experts as one grouped matrix
+  // product (at::_grouped_mm) where it takes the shapes, else one product
+  // per expert (Note [Expert routing]); false: always the loop.
+  bool grouped_experts = true;
+  CausalLMOptions& set_grouped_experts(bool v) {
+    grouped_experts = v;
+    return *this;
+  }
   LoraOptions lora;  // rank 0: none
   CausalLMOptions& set_lora(LoraOptions v) {
     lora = std::move(v);

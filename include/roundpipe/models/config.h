@@ -50,6 +50,10 @@ struct CausalLMConfig {
   bool norm_topk_prob = false;
   int64_t decoder_sparse_step = 1;
   std::vector<int64_t> mlp_only_layers;
+  // The router's load-balancing loss (Note [Router load-balancing loss]):
+  // with output_router_logits the loss gains router_aux_loss_coef times it.
+  bool output_router_logits = false;
+  double router_aux_loss_coef = 0.001;
   std::string torch_dtype;  // as written, e.g. "bfloat16"
   std::string json;         // the whole file, kept for save_pretrained
 
@@ -61,6 +65,8 @@ struct CausalLMConfig {
   int64_t attention_window(int64_t layer) const {
     return attention_windows.empty() ? 0 : attention_windows.at(layer);
   }
+  // Whether the loss includes the router's load-balancing loss.
+  bool router_loss() const { return output_router_logits && num_experts > 0; }
   // Whether layer `layer`'s MLP is a mixture of experts.
   bool sparse_layer(int64_t layer) const {
     for (int64_t l : mlp_only_layers)
