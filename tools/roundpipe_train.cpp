@@ -82,6 +82,9 @@ int main(int argc, char** argv) {
   app.add_option("--lora-targets", a.lora_targets,
                  "LoRA: all-linear, or projections (q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,"
                  "down_proj), comma-separated");
+  app.add_option("--lora-target-parameters", a.lora_target_parameters,
+                 "LoRA: mixture-of-experts weights (mlp.experts.gate_up_proj,"
+                 "mlp.experts.down_proj), comma-separated, as peft's target_parameters");
   app.add_flag("--merge", a.merge,
                "LoRA: write the merged full weights instead of the adapter (peft's layout)");
   app.add_option("--log-every", a.log_every, "steps between progress lines");

@@ -187,7 +187,7 @@ def _peft_view(model: nn.Module):
     if len(active) != 1:
         raise NotImplementedError(f"the preset runs one active LoRA adapter, the model has {sorted(active)}")
     adapter = active.pop()
-    specs, targets = set(), set()
+    specs, targets, expert_weights = {}, set(), set()  # specs: per projection or expert weight
     for name, m in lora_layers:
         if m.use_dora.get(adapter, False):
             raise NotImplementedError("DoRA (use_dora=True) is not supported by the preset: use plain LoRA")
@@ -196,27 +196,59 @@ def _peft_view(model: nn.Module):
         rslora = r > 1 and math.isclose(scaling, alpha / math.sqrt(r))
         if not (rslora or math.isclose(scaling, alpha / r)):
             raise NotImplementedError(f"{name}: LoRA scaling {scaling} is neither alpha / r nor alpha / sqrt(r)")
-        specs.add((r, float(alpha), float(getattr(drop, "p", 0.0)), rslora))
-        targets.add(name.rsplit(".", 1)[-1])
+        spec = (r, float(alpha), float(getattr(drop, "p", 0.0)), rslora)
+        if hasattr(m, "parameter_name"):  # peft's ParamWrapper: target_parameters
+            expert_weights.add(_strip_base_layers(name).rsplit(".", 1)[-1] + "." + m.parameter_name)
+            specs.setdefault(m.parameter_name, set()).add(spec)
+        else:
+            targets.add(name.rsplit(".", 1)[-1])
+            specs.setdefault("projections", set()).add(spec)
     projections = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
     if not targets <= projections:
         raise NotImplementedError(f"LoRA on {sorted(targets - projections)}: the preset takes it on the decoder "
                                   f"layers' projections {sorted(projections)}")
-    if len(specs) != 1:
+    experts = {"experts.gate_up_proj", "experts.down_proj"}
+    if not expert_weights <= experts:
+        raise NotImplementedError(f"LoRA on the parameters {sorted(expert_weights - experts)}: the preset takes "
+                                  f"target_parameters on the experts' {sorted(experts)}")
+    # One rank and alpha for the projections, and one per expert weight (peft
+    # gives the fused gate_up_proj twice the rank and alpha when it maps
+    # target_modules gate_proj + up_proj onto it); one dropout and scaling rule.
+    if any(len(v) != 1 for v in specs.values()) or len({v[2:] for s in specs.values() for v in s}) != 1:
         raise NotImplementedError("LoRA with different ranks, alphas or dropouts per module (rank_pattern, "
-                                  "alpha_pattern) is not supported by the preset")
-    if len(lora_layers) != hf.config.num_hidden_layers * len(targets):
+                                  "alpha_pattern) is not supported by the preset, except per expert weight")
+    expected = 0  # every decoder layer's targeted projections and expert weights
+    for layer in hf.model.layers:
+        expected += len(targets & {k.rsplit(".", 1)[-1] for k, _ in layer.named_modules() if k})
+        expected += len(expert_weights) if hasattr(layer.mlp, "experts") else 0
+    if len(lora_layers) != expected:
         raise NotImplementedError("LoRA on some decoder layers only (layers_to_transform) is not supported by the "
                                   "preset: adapt every layer")
-    rank, alpha, dropout, rslora = specs.pop()
+    specs = {k: v.pop() for k, v in specs.items()}
+    rank, alpha, dropout, rslora = specs.get("projections") or specs[sorted(specs)[0]]
+    expert_rank = {k: v[0] for k, v in specs.items() if k != "projections" and v[0] != rank}
+    expert_alpha = {k: v[1] for k, v in specs.items() if k != "projections" and v[1] != alpha}
     parameters = {}
     for n, t in hf.named_parameters(remove_duplicate=False):
-        n = n.replace(".base_layer.", ".")
-        n = n.replace(f".lora_A.{adapter}.", ".lora_A.").replace(f".lora_B.{adapter}.", ".lora_B.")
+        if ".lora_" in n:
+            # (Nested expert adapters keep peft's "base_layer" in their names.)
+            n = n.replace(f".lora_A.{adapter}.", ".lora_A.").replace(f".lora_B.{adapter}.", ".lora_B.")
+        else:
+            n = _strip_base_layers(n)
         parameters[n] = t
     dtype = lora_layers[0][1].lora_A[adapter].weight.dtype
     return hf, parameters, dict(rank=rank, alpha=alpha, dropout=dropout, use_rslora=rslora,
-                                targets=sorted(targets), dtype=dtype)
+                                targets=sorted(targets), target_parameters=sorted(expert_weights),
+                                expert_rank=expert_rank, expert_alpha=expert_alpha, dtype=dtype)
+
+
+def _strip_base_layers(name):
+    """peft's wrapped name without its wrappers: "experts.base_layer.base_layer.down_proj" -> "experts.down_proj"."""
+    while ".base_layer." in name or name.endswith(".base_layer"):
+        name = name.replace(".base_layer.", ".")
+        if name.endswith(".base_layer"):
+            name = name[:-len(".base_layer")]
+    return name
 
 
 def _loss_labels(labels, shift_labels, ignore_index):

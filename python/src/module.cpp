@@ -247,12 +247,17 @@ PYBIND11_MODULE(_C, m) {
          bool return_logits, int64_t loss_chunk_tokens, py::object lora) {
         auto config = models::CausalLMConfig::from_json_string(config_json, "the model's config");
         models::LoraOptions adapters;
-        if (!lora.is_none()) {  // {rank, alpha, dropout, use_rslora, targets, dtype}
+        if (!lora.is_none()) {  // {rank, alpha, dropout, use_rslora, targets,
+                                // target_parameters, dtype}
           adapters.rank = lora["rank"].cast<int64_t>();
           adapters.alpha = lora["alpha"].cast<double>();
           adapters.dropout = lora["dropout"].cast<double>();
           adapters.use_rslora = lora["use_rslora"].cast<bool>();
           adapters.targets = lora["targets"].cast<std::vector<std::string>>();
+          adapters.target_parameters =
+              lora["target_parameters"].cast<std::vector<std::string>>();
+          adapters.expert_rank = lora["expert_rank"].cast<std::map<std::string, int64_t>>();
+          adapters.expert_alpha = lora["expert_alpha"].cast<std::map<std::string, double>>();
           adapters.dtype = lora["dtype"].cast<at::ScalarType>();
         }
         models::CausalLM skeleton(config, models::CausalLMOptions()

@@ -418,16 +418,92 @@ TORCH_MODULE(MLP);
 // "gate.weight" [experts, hidden] and the experts' stacked projections
 // "experts.gate_up_proj" [experts, 2 x intermediate, hidden] (gate rows
 // first) and "experts.down_proj" [experts, hidden, intermediate].
+//
+// Note [Expert LoRA]
+// peft adapts a stacked weight [E, out, in] (target_parameters, its
+// lora.ParamWrapper) with one pair of factors for all experts: A [r E, in]
+// whose rows e r .. e r + r - 1 are expert e's, and B [out, r E] whose
+// columns e, E + e, 2 E + e, ... are expert e's, so that expert e's weight
+// is W_e + scaling B_e A_e. Here the adapter runs as two more products over
+// the same sorted rows (x A_e^T, then B_e^T; never W + BA materialised).
+// Adapting both weights, peft nests its wrappers in the order the module
+// registers them: gate_up_proj's inside, its factors named
+// "experts.base_layer.lora_{A,B}.weight", down_proj's outside,
+// "experts.lora_{A,B}.weight"; one alone is "experts.lora_{A,B}.weight".
+// The names here are those, so that adapters load from and save to peft.
+struct LoraFactorsImpl : torch::nn::Cloneable<LoraFactorsImpl> {
+  int64_t experts, in, out, rank;
+  double scaling;
+  BareWeight lora_A{nullptr}, lora_B{nullptr};
+  LoraFactorsImpl(int64_t e, int64_t i, int64_t o, const LoraOptions& lora)
+      : experts(e), in(i), out(o), rank(lora.rank), scaling(lora.scaling()) {
+    reset();
+  }
+  void reset() override {
+    lora_A = register_module("lora_A", BareWeight(rank * experts, in));
+    lora_B = register_module("lora_B", BareWeight(out, rank * experts));
+  }
+  // [E, r, in]: expert e's A.
+  at::Tensor a(at::ScalarType dtype) const {
+    return lora_A->weight.to(dtype).view({experts, rank, in});
+  }
+  // [E, out, r]: expert e's B (a copy: _grouped_mm takes row- or
+  // column-major operands only).
+  at::Tensor b(at::ScalarType dtype) const {
+    return lora_B->weight.to(dtype).view({out, rank, experts}).permute({2, 0, 1}).contiguous();
+  }
+};
+TORCH_MODULE(LoraFactors);
+
+// rows [N, in] sorted by expert, weight [E, out, in], ends [E] int32 (the
+// end of each expert's rows).
+at::Tensor expert_matmul(const at::Tensor& rows, const at::Tensor& weight, const at::Tensor& ends,
+                         bool grouped);
+bool grouped_mm_takes(const at::Tensor& rows, int64_t in, int64_t out);
+
 struct MoeExpertsImpl : torch::nn::Cloneable<MoeExpertsImpl> {
   int64_t experts, hidden, intermediate;
+  LoraOptions lora;
   at::Tensor gate_up_proj, down_proj;
-  MoeExpertsImpl(int64_t e, int64_t h, int64_t i) : experts(e), hidden(h), intermediate(i) {
+  LoraFactors gate_up_lora{nullptr}, down_lora{nullptr};  // Note [Expert LoRA]
+  MoeExpertsImpl(int64_t e, int64_t h, int64_t i, LoraOptions l)
+      : experts(e), hidden(h), intermediate(i), lora(std::move(l)) {
     reset();
   }
   void reset() override {
     gate_up_proj =
         register_parameter("gate_up_proj", at::empty({experts, 2 * intermediate, hidden}));
     down_proj = register_parameter("down_proj", at::empty({experts, hidden, intermediate}));
+    const bool gate_up = lora.targets_experts("gate_up_proj");
+    const bool down = lora.targets_experts("down_proj");
+    auto factors = [&](int64_t in, int64_t out, const char* weight) {
+      return LoraFactors(experts, in, out, lora.for_experts(weight));
+    };
+    if (gate_up && down) {
+      gate_up_lora =
+          register_module("base_layer", factors(hidden, 2 * intermediate, "gate_up_proj"));
+    } else if (gate_up) {
+      gate_up_lora = factors(hidden, 2 * intermediate, "gate_up_proj");
+    }
+    if (down) down_lora = factors(intermediate, hidden, "down_proj");
+    // The outer (or only) adapter's factors sit on this module itself.
+    const auto outer = down ? down_lora : (gate_up && !down ? gate_up_lora : nullptr);
+    if (outer) {
+      register_module("lora_A", outer->lora_A);
+      register_module("lora_B", outer->lora_B);
+    }
+  }
+  // One stacked projection of the rows, with its adapter if it has one.
+  at::Tensor project(const at::Tensor& rows, const at::Tensor& weight, const LoraFactors& adapter,
+                     const at::Tensor& ends, bool grouped) const {
+    const int64_t in = weight.size(2), out = weight.size(1);
+    auto y = expert_matmul(rows, weight, ends, grouped && grouped_mm_takes(rows, in, out));
+    if (!adapter) return y;
+    const bool group = grouped && grouped_mm_takes(rows, in, adapter->rank) &&
+                       grouped_mm_takes(rows, adapter->rank, out);
+    const auto dtype = rows.scalar_type();
+    const auto low = expert_matmul(rows, adapter->a(dtype), ends, group);
+    return at::add(y, expert_matmul(low, adapter->b(dtype), ends, group), adapter->scaling);
   }
 };
 TORCH_MODULE(MoeExperts);
@@ -523,27 +599,28 @@ at::Tensor router_aux_loss(const at::Tensor& stats) {
 struct SparseMoeImpl : torch::nn::Cloneable<SparseMoeImpl> {
   CausalLMConfig config;
   bool grouped;
+  LoraOptions lora;
   BareWeight gate{nullptr};  // the router
   MoeExperts experts{nullptr};
-  SparseMoeImpl(CausalLMConfig c, bool grouped_experts)
-      : config(std::move(c)), grouped(grouped_experts) {
+  SparseMoeImpl(CausalLMConfig c, bool grouped_experts, LoraOptions l)
+      : config(std::move(c)), grouped(grouped_experts), lora(std::move(l)) {
     reset();
   }
   void reset() override {
     gate = register_module("gate", BareWeight(config.num_experts, config.hidden_size));
     experts = register_module("experts", MoeExperts(config.num_experts, config.hidden_size,
-                                                    config.moe_intermediate_size));
+                                                    config.moe_intermediate_size, lora));
   }
   std::shared_ptr<torch::nn::Module> clone(
       const std::optional<c10::Device>& device = std::nullopt) const override {
-    return copy_module(*this, [&] { return std::make_shared<SparseMoeImpl>(config, grouped); });
+    return copy_module(*this,
+                       [&] { return std::make_shared<SparseMoeImpl>(config, grouped, lora); });
   }
   // The layer's output; with `stats`, its router statistics added into it
   // (Note [Router load-balancing loss]).
   at::Tensor forward(const at::Tensor& x, const std::optional<SequenceLayout>& layout = {},
                      at::Tensor* stats = nullptr) {
     const int64_t E = config.num_experts, k = config.num_experts_per_tok;
-    const int64_t H = config.hidden_size, I = config.moe_intermediate_size;
     const auto flat = x.reshape({-1, x.size(-1)});
     const auto logits = at::linear(flat, gate->weight);
     const auto probs = at::softmax(logits, -1, at::kFloat);
@@ -558,11 +635,11 @@ struct SparseMoeImpl : torch::nn::Cloneable<SparseMoeImpl> {
                                        at::arange(E, expert_of.options()), /*out_int32=*/true,
                                        /*right=*/true);
     const auto rows = flat.index_select(0, token_of);
-    const bool group = grouped && grouped_mm_takes(rows, H, 2 * I) && grouped_mm_takes(rows, I, H);
-    const auto gate_up = expert_matmul(rows, experts->gate_up_proj, ends, group);
+    const auto& ex = *experts;
+    const auto gate_up = ex.project(rows, ex.gate_up_proj, ex.gate_up_lora, ends, grouped);
     const auto parts = gate_up.chunk(2, -1);
-    const auto out = expert_matmul(ops::swiglu(parts[0], parts[1]).contiguous(), experts->down_proj,
-                                   ends, group);
+    const auto out = ex.project(ops::swiglu(parts[0], parts[1]).contiguous(), ex.down_proj,
+                                ex.down_lora, ends, grouped);
     const auto weighted = out * weights.index_select(0, order).unsqueeze(-1);
     return at::zeros_like(flat).index_add_(0, token_of, weighted).view(x.sizes());
   }
@@ -664,7 +741,7 @@ struct DecoderLayerImpl : torch::nn::Cloneable<DecoderLayerImpl>, SplitsInputRow
     self_attn =
         register_module("self_attn", Attention(config, config.attention_window(index), lora));
     if (config.sparse_layer(index)) {
-      moe = register_module("mlp", SparseMoe(config, grouped_experts));
+      moe = register_module("mlp", SparseMoe(config, grouped_experts, lora));
     } else {
       mlp = register_module("mlp", MLP(config, lora));
       // (The token-chunked MLP takes the base weights only.)
@@ -849,9 +926,34 @@ double LoraOptions::scaling() const {
 
 bool LoraOptions::targets_projection(const std::string& projection) const {
   if (rank <= 0 || projection.empty()) return false;
-  if (targets.empty()) return true;
+  if (targets.empty()) return target_parameters.empty();
   return std::find(targets.begin(), targets.end(), projection) != targets.end() ||
          std::find(targets.begin(), targets.end(), "all-linear") != targets.end();
+}
+
+namespace {
+// Whether `target` names the stacked expert weight `weight` as peft
+// matches target_parameters: the whole "mlp.experts.<weight>" or an
+// ending of it at a dot.
+bool names_expert_weight(const std::string& target, const std::string& weight) {
+  const std::string full = "mlp.experts." + weight;
+  if (target.empty() || target.size() > full.size()) return false;
+  const size_t at = full.size() - target.size();
+  return full.compare(at, target.size(), target) == 0 && (at == 0 || full[at - 1] == '.');
+}
+}  // namespace
+
+LoraOptions LoraOptions::for_experts(const std::string& weight) const {
+  LoraOptions o = *this;
+  if (auto it = expert_rank.find(weight); it != expert_rank.end()) o.rank = it->second;
+  if (auto it = expert_alpha.find(weight); it != expert_alpha.end()) o.alpha = it->second;
+  return o;
+}
+
+bool LoraOptions::targets_experts(const std::string& weight) const {
+  if (rank <= 0) return false;
+  return std::any_of(target_parameters.begin(), target_parameters.end(),
+                     [&](const std::string& t) { return names_expert_weight(t, weight); });
 }
 
 bool CausalLM::is_lora_name(const std::string& hf_name) {
@@ -885,6 +987,20 @@ CausalLM::CausalLM(CausalLMConfig config, CausalLMOptions options)
                   "up_proj, down_proj, or all-linear");
     TORCH_CHECK(lora.dropout >= 0 && lora.dropout < 1, "LoRA dropout must be in [0, 1), got ",
                 lora.dropout);
+    for (const auto& t : lora.target_parameters)
+      TORCH_CHECK(names_expert_weight(t, "gate_up_proj") || names_expert_weight(t, "down_proj"),
+                  "LoRA target parameter '", t,
+                  "' is not an expert weight of the presets: name mlp.experts.gate_up_proj or "
+                  "mlp.experts.down_proj");
+    TORCH_CHECK(lora.target_parameters.empty() || config_.num_experts > 0,
+                "LoRA targets the "
+                "experts' weights, but this ",
+                config_.model_type,
+                " model has no experts: leave "
+                "target_parameters empty");
+    TORCH_CHECK(lora.target_parameters.empty() || lora.dropout == 0,
+                "LoRA on the experts' weights (target_parameters) takes no dropout, as in peft: "
+                "set the dropout to 0");
   }
   if (!options_.init_weights) {
     // Uninitialised, in the model dtype, memory untouched (rotary tables stay fp32).
@@ -1061,13 +1177,23 @@ void CausalLM::save_adapter(const std::string& dir, const std::string& base_mode
       {"lora_alpha", lora.alpha},
       {"lora_dropout", lora.dropout},
       {"use_rslora", lora.use_rslora},
-      {"target_modules", targets},
+      {"target_modules",
+       targets.empty() ? nlohmann::ordered_json() : nlohmann::ordered_json(targets)},
       {"bias", "none"},
       {"fan_in_fan_out", false},
       {"inference_mode", true},
       {"init_lora_weights", true},
       {"modules_to_save", nullptr},
       {"use_dora", false}};
+  std::vector<std::string> expert_weights;
+  for (const char* w : {"gate_up_proj", "down_proj"})
+    if (lora.targets_experts(w)) expert_weights.push_back(std::string("mlp.experts.") + w);
+  if (!expert_weights.empty()) config["target_parameters"] = expert_weights;
+  // peft's patterns: a regular expression matched against the module path.
+  for (const auto& [weight, r] : lora.expert_rank)
+    config["rank_pattern"][".*\\.mlp\\.experts\\." + weight] = r;
+  for (const auto& [weight, a] : lora.expert_alpha)
+    config["alpha_pattern"][".*\\.mlp\\.experts\\." + weight] = a;
   safetensors::NamedTensors tensors;
   for (const auto& [name, t] : hf_state_dict())
     if (is_lora_name(name))
@@ -1089,6 +1215,18 @@ void CausalLM::merge_lora() {
   if (lora.rank <= 0) return;
   c10::NoGradGuard no_grad;
   for (const auto& module : sequential_->modules(/*include_self=*/false)) {
+    if (auto* experts = dynamic_cast<MoeExpertsImpl*>(module.get())) {  // Note [Expert LoRA]
+      auto merge = [&](at::Tensor& weight, const LoraFactors& adapter) {
+        if (!adapter) return;
+        const auto delta =
+            at::bmm(adapter->b(at::kFloat), adapter->a(at::kFloat)) * adapter->scaling;
+        weight.copy_(weight.to(at::kFloat) + delta);
+        adapter->lora_B->weight.zero_();
+      };
+      merge(experts->gate_up_proj, experts->gate_up_lora);
+      merge(experts->down_proj, experts->down_lora);
+      continue;
+    }
     auto* linear = dynamic_cast<LinearImpl*>(module.get());
     if (linear == nullptr || linear->lora.rank == 0) continue;
     const auto& A = linear->lora_A->weight;

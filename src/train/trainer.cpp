@@ -266,16 +266,21 @@ TrainSummary run_training(const TrainOptions& args) {
   auto model_options =
       roundpipe::models::CausalLMOptions().set_dtype(dtype).set_loss_chunk_tokens(args.loss_chunk);
   if (args.lora_rank > 0) {
-    std::vector<std::string> targets;
-    std::stringstream list(args.lora_targets);
-    for (std::string t; std::getline(list, t, ',');)
-      if (!t.empty()) targets.push_back(t);
+    auto split = [](const std::string& text) {
+      std::vector<std::string> names;
+      std::stringstream list(text);
+      for (std::string t; std::getline(list, t, ',');)
+        if (!t.empty()) names.push_back(t);
+      return names;
+    };
+    const auto targets = split(args.lora_targets);
     // Adapters in float32 on a half-precision base, as peft keeps them.
     model_options.set_lora(roundpipe::models::LoraOptions()
                                .set_rank(args.lora_rank)
                                .set_alpha(args.lora_alpha)
                                .set_dropout(args.lora_dropout)
-                               .set_targets(targets));
+                               .set_targets(targets)
+                               .set_target_parameters(split(args.lora_target_parameters)));
     model_options.lora.dtype = c10::kFloat;
   }
   roundpipe::RunConfig run_config;

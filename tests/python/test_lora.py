@@ -123,3 +123,37 @@ def test_what_the_preset_cannot_compute_is_refused():
     head = peft.get_peft_model(tiny_qwen3(), peft.LoraConfig(r=2, target_modules=["lm_head"]))
     with pytest.raises(NotImplementedError, match="lm_head"):
         wrap_model_to_roundpipe(head, devices="sim:1")
+
+
+@pytest.mark.parametrize("modules,experts", [
+    (["q_proj"], ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]),
+    (["q_proj"], ["experts.down_proj"]),
+    # peft maps these onto the experts: gate_up_proj at twice the rank and alpha
+    (["q_proj", "gate_proj", "up_proj", "down_proj"], None),
+])
+def test_lora_on_the_experts_matches_peft(devices, modules, experts):
+    """peft's LoRA on Qwen3-MoE's stacked expert weights (target_parameters,
+    or the projections peft maps onto them; Note [Expert LoRA]) with the
+    attention's q_proj: loss and every adapter gradient as peft's."""
+    from hf_models import tiny_qwen3_moe
+
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=modules,
+                             target_parameters=experts, lora_dropout=0.0)
+    model = peft.get_peft_model(tiny_qwen3_moe(), config)
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(5)
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    oracle = copy.deepcopy(model)
+    pipe = wrap_model_to_roundpipe(model, devices=devices, model_run_config=RoundPipeRunConfig(num_microbatch=2))
+    adapters = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert sum(".experts." in n for n in adapters) == 2 * 2 * len(experts or [1, 2])  # A and B, 2 sparse layers
+    assert len(pipe.optim_parameters()) == len(adapters)
+    inputs = padded_batch()
+    loss = pipe.forward_backward(input_kwargs=inputs)
+    pipe.synchronize()
+    expected = oracle(**inputs).loss
+    expected.backward()
+    assert_close(loss, expected.detach(), TOL)
+    adapter_grads_close(model, oracle)

@@ -964,14 +964,18 @@ namespace {
 // roundpipe-train on a Qwen3-MoE model (layer 1 dense): the loss falls,
 // and the saved checkpoint (experts per expert, as the hub's) loads back
 // with the trained weights.
-TEST(Trainer, TrainsAQwen3MoeModel) {
-  const std::string config = temp("moe_config.json");
-  std::ofstream(config) << R"({"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+// A tiny Qwen3-MoE: 4 experts, 2 a token, layer 1 dense.
+const char* const kTinyMoeConfig =
+    R"({"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
     "vocab_size": 259, "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32,
     "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
     "max_position_embeddings": 64, "num_experts": 4, "num_experts_per_tok": 2,
     "norm_topk_prob": true, "mlp_only_layers": [1], "tie_word_embeddings": true,
     "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0})";
+
+TEST(Trainer, TrainsAQwen3MoeModel) {
+  const std::string config = temp("moe_config.json");
+  std::ofstream(config) << kTinyMoeConfig;
   auto o = tiny("moe");
   o.config = config;
   o.steps = 60;
@@ -989,6 +993,48 @@ TEST(Trainer, TrainsAQwen3MoeModel) {
   for (const auto& [name, t] : saved.tensors)
     per_expert |= name == "model.layers.0.mlp.experts.3.up_proj.weight";
   EXPECT_TRUE(per_expert) << "experts not saved one tensor per expert";
+}
+
+// --lora-target-parameters (Note [Expert LoRA]): adapters on both stacked
+// expert weights and q_proj; peft loads the adapter onto the base (its
+// nested names and target_parameters as peft writes them) with the same
+// model (loss) as the merged weights transformers loads.
+TEST(Trainer, LoraOnTheExpertsWritesAPeftAdapterOrMergedWeights) {
+  const std::string base = temp("moe_lora_base");
+  fs::remove_all(base);
+  torch::manual_seed(3);
+  models::CausalLM(models::CausalLMConfig::from_json_string(kTinyMoeConfig, "moe"))
+      .save_pretrained(base);
+  auto options = [&](const std::string& name, bool merge) {
+    auto o = tiny(name);
+    o.model = base;
+    o.steps = 6;
+    o.lr = 1e-2;
+    o.lora_rank = 4;
+    o.lora_alpha = 8;
+    o.lora_targets = "q_proj";
+    o.lora_target_parameters = "mlp.experts.gate_up_proj,mlp.experts.down_proj";
+    o.merge = merge;
+    o.sync_step = true;
+    o.overwrite = true;
+    return o;
+  };
+  const auto adapter = options("moe_lora_adapter", false);
+  const auto merged = options("moe_lora_merged", true);
+  train::run_training(adapter);
+  train::run_training(merged);
+  const auto keys = safetensors::load_file(adapter.output + "/adapter_model.safetensors");
+  EXPECT_EQ(keys.tensors.size(), 2u * (3 + 2 * 2)) << "A and B of q_proj in 3 layers and of 2 "
+                                                      "expert weights in the 2 sparse layers";
+  const double base_loss = python_loss(base, "", "moe_lora_base_loss");
+  const double adapted = python_loss(base, adapter.output, "moe_lora_adapted_loss");
+  const double whole = python_loss(merged.output, "", "moe_lora_merged_loss");
+  EXPECT_GT(std::abs(adapted - base_loss), 1e-3) << "training changed nothing";
+  EXPECT_NEAR(adapted, whole, 1e-4 * std::abs(whole));
+  auto dense = tiny("moe_lora_dense");
+  dense.lora_rank = 2;
+  dense.lora_target_parameters = "mlp.experts.down_proj";  // the dense tiny Qwen3 has no experts
+  EXPECT_THROW(train::run_training(dense), c10::Error);
 }
 
 }  // namespace

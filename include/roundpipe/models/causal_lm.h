@@ -34,6 +34,7 @@
 #include <ATen/core/ivalue.h>
 #include <torch/nn/modules/container/sequential.h>
 
+#include <map>
 #include <optional>
 #include <string>
 #include <utility>
@@ -58,11 +59,28 @@ struct LoraOptions {
   // half-precision model in float32: the adapter path then computes in it.
   std::optional<c10::ScalarType> dtype;
   // Projections: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj,
-  // down_proj; empty or {"all-linear"}: all of them (never lm_head).
+  // down_proj; {"all-linear"}: all of them (never lm_head); empty: all of
+  // them too, unless target_parameters is set (peft's target_modules=None).
   std::vector<std::string> targets;
+  // Mixture-of-experts layers' stacked expert weights, as peft's
+  // target_parameters names them: "mlp.experts.gate_up_proj",
+  // "mlp.experts.down_proj" (or a dot-separated ending of those, e.g.
+  // "experts.down_proj"). One adapter per stacked weight, rank r per
+  // expert (Note [Expert LoRA]); peft allows no dropout on them.
+  std::vector<std::string> target_parameters;
+  // Another rank and alpha for an expert weight ("gate_up_proj",
+  // "down_proj"): peft's rank_pattern and alpha_pattern, which peft sets
+  // when it maps target_modules gate_proj + up_proj of a transformers 5 MoE
+  // model onto the fused gate_up_proj (twice the rank and alpha).
+  std::map<std::string, int64_t> expert_rank;
+  std::map<std::string, double> expert_alpha;
 
   double scaling() const;
+  // These options with the rank and alpha of expert weight `weight`.
+  LoraOptions for_experts(const std::string& weight) const;
   bool targets_projection(const std::string& projection) const;
+  // Whether the experts' "gate_up_proj" or "down_proj" gets an adapter.
+  bool targets_experts(const std::string& weight) const;
   LoraOptions& set_rank(int64_t v) {
     rank = v;
     return *this;
@@ -81,6 +99,10 @@ struct LoraOptions {
   }
   LoraOptions& set_targets(std::vector<std::string> v) {
     targets = std::move(v);
+    return *this;
+  }
+  LoraOptions& set_target_parameters(std::vector<std::string> v) {
+    target_parameters = std::move(v);
     return *this;
   }
 };

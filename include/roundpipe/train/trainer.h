@@ -44,11 +44,14 @@ struct TrainOptions {
   double warmup_ratio = 0;
   bool resume = false, sync_step = false;
   // LoRA (lora_rank > 0): adapters on lora_targets ("all-linear" or
-  // projection names, comma-separated); the output is the adapter in
-  // peft's layout, or with merge the merged full weights.
+  // projection names, comma-separated) and on lora_target_parameters (the
+  // experts' stacked weights, peft's target_parameters: e.g.
+  // "mlp.experts.gate_up_proj,mlp.experts.down_proj"); the output is the
+  // adapter in peft's layout, or with merge the merged full weights.
   int64_t lora_rank = 0;
   double lora_alpha = 16, lora_dropout = 0;
   std::string lora_targets = "all-linear";
+  std::string lora_target_parameters;
   bool merge = false;
   // Pack a step's examples into rows (train::pack) instead of one padded
   // example a row (train::collate); either way the loss is the mean over
