@@ -33,10 +33,12 @@ def padded_batch():
     return dict(input_ids=ids, attention_mask=mask, labels=labels)
 
 
-def lora_model(targets, rslora=False, seed=0):
-    """A peft model with non-zero B (so that A's gradients show)."""
-    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, use_rslora=rslora, lora_dropout=0.0)
-    model = peft.get_peft_model(tiny_qwen3(seed=seed), config)
+def lora_model(targets, rslora=False, seed=0, base=None, target_parameters=None):
+    """A peft model (on tiny_qwen3, or `base`) with non-zero B (so that A's
+    gradients show)."""
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, use_rslora=rslora, lora_dropout=0.0,
+                             target_parameters=target_parameters)
+    model = peft.get_peft_model(base if base is not None else tiny_qwen3(seed=seed), config)
     with torch.no_grad():
         g = torch.Generator().manual_seed(5)
         for n, p in model.named_parameters():
@@ -137,14 +139,7 @@ def test_lora_on_the_experts_matches_peft(devices, modules, experts):
     attention's q_proj: loss and every adapter gradient as peft's."""
     from hf_models import tiny_qwen3_moe
 
-    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=modules,
-                             target_parameters=experts, lora_dropout=0.0)
-    model = peft.get_peft_model(tiny_qwen3_moe(), config)
-    with torch.no_grad():
-        g = torch.Generator().manual_seed(5)
-        for n, p in model.named_parameters():
-            if "lora_B" in n:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    model = lora_model(modules, base=tiny_qwen3_moe(), target_parameters=experts)
     oracle = copy.deepcopy(model)
     pipe = wrap_model_to_roundpipe(model, devices=devices, model_run_config=RoundPipeRunConfig(num_microbatch=2))
     adapters = [n for n, p in model.named_parameters() if p.requires_grad]
