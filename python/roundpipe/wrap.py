@@ -20,7 +20,7 @@ from .run_config import RoundPipeRunConfig
 
 # HuggingFace class name -> native preset (the C++ Qwen3/Llama layers).
 PRESETS = {"Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe",
-           "LlamaForCausalLM": "llama"}
+           "LlamaForCausalLM": "llama", "GptOssForCausalLM": "gpt_oss"}
 
 
 class CausalLMRoundPipe(RoundPipe):

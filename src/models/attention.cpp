@@ -4,6 +4,7 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <limits>
 #include <vector>
 
 #ifdef ROUNDPIPE_WITH_CUDA
@@ -86,10 +87,37 @@ at::Tensor as_batch_of_one(const at::Tensor& x, int64_t start, int64_t length) {
   return x.narrow(0, start, length).transpose(0, 1).unsqueeze(0);
 }
 
+// Note [Attention sinks]
+// GPT-OSS gives each head a learned logit s_h that joins every query's
+// softmax as one more key with no value: the weights are exp(score_j) /
+// (sum_j exp(score_j) + exp(s_h)), so a query may attend to nothing. Here
+// the scores are formed explicitly ([heads, len, len] per sequence: memory
+// quadratic in the sequence, unlike the flash paths, which take no sink),
+// the sink appended as a last column and dropped after the softmax, as
+// transformers' eager attention does.
+at::Tensor attention_with_sinks(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                double scale, int64_t window, const at::Tensor& sinks) {
+  const int64_t B = q.size(0), H = q.size(1), len = q.size(2), groups = H / k.size(1);
+  const auto keys = k.repeat_interleave(groups, 1), values = v.repeat_interleave(groups, 1);
+  auto scores = at::matmul(q, keys.transpose(-2, -1)) * scale;  // [B, H, len, len]
+  const auto i = at::arange(len, q.options().dtype(at::kLong));
+  const auto behind = i.unsqueeze(1) - i.unsqueeze(0);  // query - key
+  auto seen = behind.ge(0);
+  if (window > 0) seen = seen.logical_and(behind.lt(window));
+  scores = scores.masked_fill(seen.logical_not(), -std::numeric_limits<double>::infinity());
+  const auto sink = sinks.to(scores.scalar_type()).view({1, H, 1, 1}).expand({B, H, len, 1});
+  auto logits = at::cat({scores, sink}, -1);
+  logits = logits - std::get<0>(logits.max(-1, /*keepdim=*/true)).detach();
+  const auto weights = at::softmax(logits, -1).narrow(-1, 0, len);
+  return at::matmul(weights.to(values.scalar_type()), values);
+}
+
 // Causal attention of [B, heads, len, hd] tensors through SDPA; a window
-// takes a [len, len] mask of the keys each query sees.
+// takes a [len, len] mask of the keys each query sees; sinks: Note
+// [Attention sinks].
 at::Tensor sdpa_causal(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
-                       int64_t window) {
+                       int64_t window, const at::Tensor& sinks = {}) {
+  if (sinks.defined()) return attention_with_sinks(q, k, v, scale, window, sinks);
   if (window <= 0) {
     return at::scaled_dot_product_attention(q, k, v, std::nullopt, 0.0, /*is_causal=*/true, scale,
                                             /*enable_gqa=*/true);
@@ -105,7 +133,8 @@ at::Tensor sdpa_causal(const at::Tensor& q, const at::Tensor& k, const at::Tenso
 // each sequence's attention memory linear in its length (not with a window:
 // its mask is [len, len]).
 at::Tensor attention_per_sequence(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                  const SequenceLayout& layout, double scale, int64_t window) {
+                                  const SequenceLayout& layout, double scale, int64_t window,
+                                  const at::Tensor& sinks) {
   const auto starts = layout.cu_seqlens.to(at::kCPU);
   const auto s = starts.accessor<int32_t, 1>();
   std::vector<at::Tensor> outs;
@@ -113,7 +142,7 @@ at::Tensor attention_per_sequence(const at::Tensor& q, const at::Tensor& k, cons
   for (int64_t i = 0; i + 1 < starts.size(0); ++i) {
     const int64_t start = s[i], length = s[i + 1] - s[i];
     auto out = sdpa_causal(as_batch_of_one(q, start, length), as_batch_of_one(k, start, length),
-                           as_batch_of_one(v, start, length), scale, window);
+                           as_batch_of_one(v, start, length), scale, window, sinks);
     outs.push_back(out.squeeze(0).transpose(0, 1));  // [length, heads, hd]
   }
   return at::cat(outs, 0);
@@ -194,13 +223,15 @@ std::optional<SequenceLayout> sequence_layout(const at::Tensor& attention_mask,
 
 at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             const std::optional<SequenceLayout>& layout, double scale,
-                            int64_t window) {
+                            int64_t window, const at::Tensor& sinks) {
   if (!layout) {
 #ifdef ROUNDPIPE_WITH_CUDA
     // (SDPA takes no window: a window goes to the flash kernel directly.)
-    if (window > 0 && flash_takes(q)) return attention_flash_rows(q, k, v, scale, window);
+    if (window > 0 && !sinks.defined() && flash_takes(q))
+      return attention_flash_rows(q, k, v, scale, window);
 #endif
-    auto out = sdpa_causal(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale, window);
+    auto out =
+        sdpa_causal(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale, window, sinks);
     return out.transpose(1, 2);
   }
   const int64_t B = q.size(0), T = q.size(1), H = q.size(2), hd = q.size(3);
@@ -213,9 +244,11 @@ at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::
   const auto qs = gather(q), ks = gather(k), vs = gather(v);
   at::Tensor attended;
 #ifdef ROUNDPIPE_WITH_CUDA
-  if (flash_takes(qs)) attended = attention_flash_varlen(qs, ks, vs, *layout, scale, window);
+  if (!sinks.defined() && flash_takes(qs))
+    attended = attention_flash_varlen(qs, ks, vs, *layout, scale, window);
 #endif
-  if (!attended.defined()) attended = attention_per_sequence(qs, ks, vs, *layout, scale, window);
+  if (!attended.defined())
+    attended = attention_per_sequence(qs, ks, vs, *layout, scale, window, sinks);
   return out.index_copy(0, layout->token_index, attended).view({B, T, H, hd});
 }
 

@@ -51,9 +51,10 @@ std::optional<SequenceLayout> sequence_layout(const at::Tensor& attention_mask,
 // LibTorch's flash attention kernel in one call (variable-length with a
 // layout); elsewhere (CPU, the simulated devices; float32)
 // scaled_dot_product_attention runs sequence by sequence (with a window,
-// through a [len, len] mask).
+// through a [len, len] mask). `sinks` [heads] (GPT-OSS): a learned logit per
+// head in every softmax (Note [Attention sinks], attention.cpp).
 at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             const std::optional<SequenceLayout>& layout, double scale,
-                            int64_t window = 0);
+                            int64_t window = 0, const at::Tensor& sinks = {});
 
 }  // namespace roundpipe::models

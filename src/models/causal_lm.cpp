@@ -122,6 +122,27 @@ TORCH_MODULE(RMSNorm);
 at::Tensor inverse_frequencies(const CausalLMConfig& c) {
   const int64_t dim = c.head_dim;
   auto inv = 1.0 / at::pow(c.rope_theta, at::arange(0, dim, 2, at::kLong).to(at::kFloat) / dim);
+  if (c.rope_scaling.type == "yarn") {
+    // Interpolated (inv / factor) below the ramp, extrapolated (inv) above,
+    // linear in between; the ramp's ends are the dimensions that turn
+    // beta_fast and beta_slow times over the original context.
+    const auto& r = c.rope_scaling;
+    const double base = c.rope_theta, len = static_cast<double>(r.original_max_position_embeddings);
+    auto dim_of = [&](double rotations) {
+      return dim * std::log(len / (rotations * 2 * M_PI)) / (2 * std::log(base));
+    };
+    double low = dim_of(r.beta_fast), high = dim_of(r.beta_slow);
+    if (r.truncate) {
+      low = std::floor(low);
+      high = std::ceil(high);
+    }
+    low = std::max(low, 0.0);
+    high = std::min(high, static_cast<double>(dim - 1));
+    if (low == high) high += 0.001;
+    const auto ramp = ((at::arange(dim / 2, at::kFloat) - low) / (high - low)).clamp(0, 1);
+    const auto extrapolated = 1 - ramp;
+    return inv / r.factor * (1 - extrapolated) + inv * extrapolated;
+  }
   if (c.rope_scaling.type != "llama3") return inv;
   const auto& r = c.rope_scaling;
   const double old_len = static_cast<double>(r.original_max_position_embeddings);
@@ -232,8 +253,13 @@ struct InputAdapterImpl : torch::nn::Cloneable<InputAdapterImpl> {
     const auto positions = token_positions(in, B, T, inv_freq.options());
     auto freqs = positions.unsqueeze(-1) * inv_freq;  // [rows, T, head_dim / 2]
     auto emb = at::cat({freqs, freqs}, -1);           // [rows, T, head_dim]
-    auto cos = emb.cos().to(hidden.scalar_type());
-    auto sin = emb.sin().to(hidden.scalar_type());
+    auto cos = emb.cos(), sin = emb.sin();
+    if (config.rope_scaling.type == "yarn") {  // (yarn's attention factor)
+      cos = cos * config.rope_scaling.attention_factor;
+      sin = sin * config.rope_scaling.attention_factor;
+    }
+    cos = cos.to(hidden.scalar_type());
+    sin = sin.to(hidden.scalar_type());
     // Padding and packing become variable-length sequences (no [T, T]
     // mask); read on the host, then the offsets travel with the activations.
     c10::IValue layout;
@@ -270,6 +296,7 @@ struct AttentionImpl : torch::nn::Cloneable<AttentionImpl> {
   int64_t window;  // sliding window; 0: full causal attention
   Linear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, o_proj{nullptr};
   RMSNorm q_norm{nullptr}, k_norm{nullptr};
+  at::Tensor sinks;  // GPT-OSS: Note [Attention sinks]
   LoraOptions lora;
   AttentionImpl(CausalLMConfig c, int64_t w, LoraOptions l)
       : config(std::move(c)), window(w), lora(std::move(l)) {
@@ -293,6 +320,7 @@ struct AttentionImpl : torch::nn::Cloneable<AttentionImpl> {
       q_norm = register_module("q_norm", RMSNorm(c.head_dim, c.rms_norm_eps));
       k_norm = register_module("k_norm", RMSNorm(c.head_dim, c.rms_norm_eps));
     }
+    if (c.attention_sinks) sinks = register_parameter("sinks", at::empty({c.num_attention_heads}));
   }
   at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
                      const std::optional<SequenceLayout>& layout) {
@@ -308,7 +336,8 @@ struct AttentionImpl : torch::nn::Cloneable<AttentionImpl> {
     // attention takes that layout too.
     q = ops::rotary(q, cos, sin);
     k = ops::rotary(k, cos, sin);
-    auto attn = causal_attention(q, k, v, layout, 1.0 / std::sqrt(static_cast<double>(hd)), window);
+    auto attn =
+        causal_attention(q, k, v, layout, 1.0 / std::sqrt(static_cast<double>(hd)), window, sinks);
     return o_proj(attn.reshape({B, T, -1}));
   }
 };
@@ -461,19 +490,40 @@ at::Tensor expert_matmul(const at::Tensor& rows, const at::Tensor& weight, const
                          bool grouped);
 bool grouped_mm_takes(const at::Tensor& rows, int64_t in, int64_t out);
 
+// Note [GPT-OSS]
+// GPT-OSS's experts (transformers' GptOssExperts) store their weights
+// [E, in, out] ("gate_up_proj" [E, H, 2I], "down_proj" [E, I, H], so on
+// disk too), add a bias per expert ("gate_up_proj_bias", "down_proj_bias"),
+// interleave gate and up columns (gate the even ones), and gate with
+// (clamp(up, -l, l) + 1) * g * sigmoid(1.702 g), g = min(gate, l), l = 7.
+// The router is a linear layer with a bias ("router.weight", ".bias"); its
+// top-k logits' softmax is the full softmax's top k renormalised, which is
+// what the routing here computes. The attention has biases and a sink per
+// head (Note [Attention sinks]); layers alternate sliding-window (128) and
+// full attention; rotary is yarn-scaled.
 struct MoeExpertsImpl : torch::nn::Cloneable<MoeExpertsImpl> {
   int64_t experts, hidden, intermediate;
+  bool gpt_oss;  // Note [GPT-OSS]
   LoraOptions lora;
-  at::Tensor gate_up_proj, down_proj;
+  at::Tensor gate_up_proj, down_proj, gate_up_proj_bias, down_proj_bias;
   LoraFactors gate_up_lora{nullptr}, down_lora{nullptr};  // Note [Expert LoRA]
-  MoeExpertsImpl(int64_t e, int64_t h, int64_t i, LoraOptions l)
-      : experts(e), hidden(h), intermediate(i), lora(std::move(l)) {
+  MoeExpertsImpl(int64_t e, int64_t h, int64_t i, bool gpt_oss_layout, LoraOptions l)
+      : experts(e), hidden(h), intermediate(i), gpt_oss(gpt_oss_layout), lora(std::move(l)) {
     reset();
   }
   void reset() override {
-    gate_up_proj =
-        register_parameter("gate_up_proj", at::empty({experts, 2 * intermediate, hidden}));
-    down_proj = register_parameter("down_proj", at::empty({experts, hidden, intermediate}));
+    if (gpt_oss) {
+      gate_up_proj =
+          register_parameter("gate_up_proj", at::empty({experts, hidden, 2 * intermediate}));
+      gate_up_proj_bias =
+          register_parameter("gate_up_proj_bias", at::empty({experts, 2 * intermediate}));
+      down_proj = register_parameter("down_proj", at::empty({experts, intermediate, hidden}));
+      down_proj_bias = register_parameter("down_proj_bias", at::empty({experts, hidden}));
+    } else {
+      gate_up_proj =
+          register_parameter("gate_up_proj", at::empty({experts, 2 * intermediate, hidden}));
+      down_proj = register_parameter("down_proj", at::empty({experts, hidden, intermediate}));
+    }
     const bool gate_up = lora.targets_experts("gate_up_proj");
     const bool down = lora.targets_experts("down_proj");
     auto factors = [&](int64_t in, int64_t out, const char* weight) {
@@ -493,11 +543,19 @@ struct MoeExpertsImpl : torch::nn::Cloneable<MoeExpertsImpl> {
       register_module("lora_B", outer->lora_B);
     }
   }
-  // One stacked projection of the rows, with its adapter if it has one.
-  at::Tensor project(const at::Tensor& rows, const at::Tensor& weight, const LoraFactors& adapter,
-                     const at::Tensor& ends, bool grouped) const {
+  // A stacked weight as [E, out, in] (a view).
+  at::Tensor out_in(const at::Tensor& weight) const {
+    return gpt_oss ? weight.transpose(1, 2) : weight;
+  }
+  // One stacked projection of the rows (expert_of: each row's expert), with
+  // its bias and adapter where it has them.
+  at::Tensor project(const at::Tensor& rows, const at::Tensor& stacked, const at::Tensor& bias,
+                     const LoraFactors& adapter, const at::Tensor& ends,
+                     const at::Tensor& expert_of, bool grouped) const {
+    const auto weight = out_in(stacked);
     const int64_t in = weight.size(2), out = weight.size(1);
     auto y = expert_matmul(rows, weight, ends, grouped && grouped_mm_takes(rows, in, out));
+    if (bias.defined()) y = y + bias.index_select(0, expert_of);
     if (!adapter) return y;
     const bool group = grouped && grouped_mm_takes(rows, in, adapter->rank) &&
                        grouped_mm_takes(rows, adapter->rank, out);
@@ -600,16 +658,22 @@ struct SparseMoeImpl : torch::nn::Cloneable<SparseMoeImpl> {
   CausalLMConfig config;
   bool grouped;
   LoraOptions lora;
-  BareWeight gate{nullptr};  // the router
+  BareWeight gate{nullptr};  // the router (Qwen3-MoE)
+  Linear router{nullptr};    // GPT-OSS's, with a bias
   MoeExperts experts{nullptr};
   SparseMoeImpl(CausalLMConfig c, bool grouped_experts, LoraOptions l)
       : config(std::move(c)), grouped(grouped_experts), lora(std::move(l)) {
     reset();
   }
   void reset() override {
-    gate = register_module("gate", BareWeight(config.num_experts, config.hidden_size));
-    experts = register_module("experts", MoeExperts(config.num_experts, config.hidden_size,
-                                                    config.moe_intermediate_size, lora));
+    if (config.router_bias) {
+      router = register_module("router", Linear(config.hidden_size, config.num_experts, true));
+    } else {
+      gate = register_module("gate", BareWeight(config.num_experts, config.hidden_size));
+    }
+    experts = register_module(
+        "experts", MoeExperts(config.num_experts, config.hidden_size, config.moe_intermediate_size,
+                              config.gpt_oss_experts, lora));
   }
   std::shared_ptr<torch::nn::Module> clone(
       const std::optional<c10::Device>& device = std::nullopt) const override {
@@ -622,7 +686,7 @@ struct SparseMoeImpl : torch::nn::Cloneable<SparseMoeImpl> {
                      at::Tensor* stats = nullptr) {
     const int64_t E = config.num_experts, k = config.num_experts_per_tok;
     const auto flat = x.reshape({-1, x.size(-1)});
-    const auto logits = at::linear(flat, gate->weight);
+    const auto logits = router ? router(flat) : at::linear(flat, gate->weight);
     const auto probs = at::softmax(logits, -1, at::kFloat);
     auto [top_p, top_e] = at::topk(probs, k, -1);
     if (stats) *stats = *stats + router_statistics(probs, top_e, layout);
@@ -635,11 +699,22 @@ struct SparseMoeImpl : torch::nn::Cloneable<SparseMoeImpl> {
                                        at::arange(E, expert_of.options()), /*out_int32=*/true,
                                        /*right=*/true);
     const auto rows = flat.index_select(0, token_of);
+    const auto sorted_experts = expert_of.index_select(0, order);
     const auto& ex = *experts;
-    const auto gate_up = ex.project(rows, ex.gate_up_proj, ex.gate_up_lora, ends, grouped);
-    const auto parts = gate_up.chunk(2, -1);
-    const auto out = ex.project(ops::swiglu(parts[0], parts[1]).contiguous(), ex.down_proj,
-                                ex.down_lora, ends, grouped);
+    const auto gate_up = ex.project(rows, ex.gate_up_proj, ex.gate_up_proj_bias, ex.gate_up_lora,
+                                    ends, sorted_experts, grouped);
+    at::Tensor act;
+    if (config.gpt_oss_experts) {  // Note [GPT-OSS]
+      const double limit = config.swiglu_limit;
+      const auto g = gate_up.slice(-1, 0, c10::nullopt, 2).clamp_max(limit);
+      const auto up = gate_up.slice(-1, 1, c10::nullopt, 2).clamp(-limit, limit);
+      act = ((up + 1) * (g * at::sigmoid(g * 1.702))).contiguous();
+    } else {
+      const auto parts = gate_up.chunk(2, -1);
+      act = ops::swiglu(parts[0], parts[1]).contiguous();
+    }
+    const auto out = ex.project(act, ex.down_proj, ex.down_proj_bias, ex.down_lora, ends,
+                                sorted_experts, grouped);
     const auto weighted = out * weights.index_select(0, order).unsqueeze(-1);
     return at::zeros_like(flat).index_add_(0, token_of, weighted).view(x.sizes());
   }
@@ -1091,6 +1166,44 @@ bool is_stacked_expert_name(const std::string& name) {
   return ends(".experts.gate_up_proj") || ends(".experts.down_proj");
 }
 
+// Note [MXFP4 experts]
+// GPT-OSS's released checkpoints store the experts' weights in MXFP4 (its
+// config's quantization_config): for "<...>.experts.gate_up_proj" the
+// tensors "<...>_blocks" [E, out, in / 32, 16] uint8, two 4-bit e2m1 values
+// a byte (the low nibble first), and "<...>_scales" [E, out, in / 32] uint8,
+// one power of two per 32 values (its exponent + 127). They are
+// dequantised as they load, on the host, one expert at a time, into the
+// model's dtype and transposed to the preset's [E, in, out]: the host then
+// holds 2 bytes a value in bf16 instead of MXFP4's 17/32 (3.8 x; GPT-OSS-20B's
+// experts, 19.1 G values, grow from 10.1 GB to 38.2 GB). The values are
+// exact in bf16 (e2m1 times a power of two), so nothing is lost but memory.
+// save_pretrained writes them dequantised, without the quantization_config.
+at::Tensor dequantize_mxfp4(const at::Tensor& blocks, const at::Tensor& scales,
+                            at::ScalarType dtype) {
+  TORCH_CHECK(blocks.scalar_type() == at::kByte && scales.scalar_type() == at::kByte &&
+                  blocks.dim() == 4 && scales.dim() == 3 &&
+                  blocks.sizes().slice(0, 3) == scales.sizes(),
+              "MXFP4 weights need uint8 blocks [experts, out, groups, bytes] and uint8 scales "
+              "[experts, out, groups], got ",
+              blocks.scalar_type(), " ", blocks.sizes(), " and ", scales.scalar_type(), " ",
+              scales.sizes());
+  static const float kE2M1[16] = {+0.0f, +0.5f, +1.0f, +1.5f, +2.0f, +3.0f, +4.0f, +6.0f,
+                                  -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+  const auto values = at::from_blob(const_cast<float*>(kE2M1), {16}, at::kFloat);
+  const int64_t E = blocks.size(0), out = blocks.size(1), groups = blocks.size(2);
+  const int64_t in = groups * blocks.size(3) * 2;
+  auto result = at::empty({E, in, out}, at::TensorOptions().dtype(dtype));
+  for (int64_t e = 0; e < E; ++e) {
+    const auto bytes = blocks[e].to(at::kLong);  // [out, groups, 16]
+    const auto pairs = at::stack(
+        {values.index({bytes.bitwise_and(15)}), values.index({bytes.bitwise_right_shift(4)})},
+        -1);  // [out, groups, 16, 2]: low nibble first
+    const auto exponents = scales[e].to(at::kInt).sub(127).view({out, groups, 1, 1});
+    result[e].copy_(at::ldexp(pairs, exponents).view({out, in}).t());
+  }
+  return result;
+}
+
 // The per-expert tensors of a stacked one, in checkpoint order.
 safetensors::NamedTensors per_expert_tensors(const std::string& name, const at::Tensor& stacked) {
   const auto dot = name.rfind('.');
@@ -1119,11 +1232,12 @@ CausalLM CausalLM::from_pretrained(const std::string& dir, CausalLMOptions optio
   CausalLM model(config, map ? CausalLMOptions(options).set_init_weights(false) : options);
   const auto files = weight_files(dir);
   std::map<std::string, safetensors::File> loaded;
-  auto tensor_named = [&](const std::string& name) -> at::Tensor {
+  // The tensor `name`, undefined if the checkpoint has none.
+  auto find_tensor = [&](const std::string& name) -> at::Tensor {
     std::string file = files.count("") ? files.at("") : "";
     if (file.empty()) {
       auto it = files.find(name);
-      TORCH_CHECK(it != files.end(), dir, ": the checkpoint has no tensor '", name, "'");
+      if (it == files.end()) return {};
       file = it->second;
     }
     auto& f = loaded[file];
@@ -1131,13 +1245,26 @@ CausalLM CausalLM::from_pretrained(const std::string& dir, CausalLMOptions optio
     for (const auto& [n, t] : f.tensors) {
       if (n == name) return t;
     }
-    TORCH_CHECK(false, dir, ": the checkpoint has no tensor '", name, "' (in ", file, ")");
+    return {};
+  };
+  auto tensor_named = [&](const std::string& name) {
+    auto t = find_tensor(name);
+    TORCH_CHECK(t.defined(), dir, ": the checkpoint has no tensor '", name, "'");
+    return t;
   };
   c10::NoGradGuard no_grad;
+  const bool per_expert_on_disk = !config.gpt_oss_experts;
   for (auto& [name, p] : model.hf_state_dict()) {
     if (is_lora_name(name)) continue;  // an adapter, not the base model's
     at::Tensor t;
-    if (is_stacked_expert_name(name)) {  // Note [Expert checkpoint layout]
+    if (!per_expert_on_disk && is_stacked_expert_name(name) && !find_tensor(name).defined()) {
+      // Note [MXFP4 experts]
+      const auto blocks = find_tensor(name + "_blocks"), scales = find_tensor(name + "_scales");
+      TORCH_CHECK(blocks.defined() && scales.defined(), dir, ": the checkpoint has no tensor '",
+                  name, "' nor its MXFP4 blocks and scales ('", name, "_blocks', '_scales')");
+      t = dequantize_mxfp4(blocks, scales, p.scalar_type());
+    } else if (per_expert_on_disk && is_stacked_expert_name(name)) {
+      // Note [Expert checkpoint layout]
       std::vector<at::Tensor> experts;
       for (const auto& named : per_expert_tensors(name, p))
         experts.push_back(tensor_named(named.first));
@@ -1216,10 +1343,11 @@ void CausalLM::merge_lora() {
   c10::NoGradGuard no_grad;
   for (const auto& module : sequential_->modules(/*include_self=*/false)) {
     if (auto* experts = dynamic_cast<MoeExpertsImpl*>(module.get())) {  // Note [Expert LoRA]
-      auto merge = [&](at::Tensor& weight, const LoraFactors& adapter) {
+      auto merge = [&](const at::Tensor& stacked, const LoraFactors& adapter) {
         if (!adapter) return;
         const auto delta =
             at::bmm(adapter->b(at::kFloat), adapter->a(at::kFloat)) * adapter->scaling;
+        auto weight = experts->out_in(stacked);  // (a view: the copy writes the weights)
         weight.copy_(weight.to(at::kFloat) + delta);
         adapter->lora_B->weight.zero_();
       };
@@ -1264,8 +1392,9 @@ void CausalLM::save_pretrained(const std::string& dir, int64_t max_shard_bytes) 
             shard_bytes = 0;
           }
           // (Stacked experts go to disk one tensor per expert and projection.)
-          auto tensors = is_stacked_expert_name(name) ? per_expert_tensors(name, t)
-                                                      : safetensors::NamedTensors{{name, t}};
+          auto tensors = is_stacked_expert_name(name) && !config_.gpt_oss_experts
+                             ? per_expert_tensors(name, t)
+                             : safetensors::NamedTensors{{name, t}};
           for (auto& [saved_name, saved] : tensors) shards.back().emplace_back(saved_name, saved);
           shard_bytes += t.nbytes();
           total += t.nbytes();

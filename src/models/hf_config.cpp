@@ -97,6 +97,41 @@ void parse_attention_windows(const nlohmann::json& j, CausalLMConfig& c, const s
   }
 }
 
+// GPT-OSS (Note [GPT-OSS]): every layer sparse, experts of
+// intermediate_size, the router's top-k logits softmaxed (the full
+// softmax's top-k renormalised), sliding_window (128) on the layers
+// layer_types names sliding_attention (by default every even layer).
+void parse_gpt_oss(const nlohmann::json& j, CausalLMConfig& c, const std::string& what) {
+  c.num_experts = optional<int64_t>(j, "num_local_experts", 128, what);
+  c.num_experts_per_tok = optional<int64_t>(j, "num_experts_per_tok", 4, what);
+  c.moe_intermediate_size = c.intermediate_size;
+  c.norm_topk_prob = true;
+  c.router_bias = true;
+  c.gpt_oss_experts = true;
+  c.swiglu_limit = 7.0;  // transformers' GptOssExperts.limit
+  c.attention_sinks = true;
+  TORCH_CHECK(
+      c.num_experts >= 1 && c.num_experts_per_tok >= 1 && c.num_experts_per_tok <= c.num_experts,
+      what, ": num_experts_per_tok must be in [1, num_local_experts]");
+  const auto window = optional<int64_t>(j, "sliding_window", 128, what);
+  std::vector<std::string> types;
+  if (j.contains("layer_types") && !j["layer_types"].is_null()) {
+    types = required<std::vector<std::string>>(j, "layer_types", what);
+  } else {
+    for (int64_t l = 0; l < c.num_hidden_layers; ++l)
+      types.push_back(l % 2 == 0 ? "sliding_attention" : "full_attention");
+  }
+  TORCH_CHECK(static_cast<int64_t>(types.size()) == c.num_hidden_layers, what, ": layer_types has ",
+              types.size(), " entries for ", c.num_hidden_layers, " layers");
+  for (const auto& t : types) {
+    TORCH_CHECK(t == "full_attention" || t == "sliding_attention", what, ": layer type '", t,
+                "' is not implemented by the presets (full_attention, sliding_attention)");
+    TORCH_CHECK(t == "full_attention" || window > 0, what,
+                ": sliding_attention layers need a positive sliding_window");
+    c.attention_windows.push_back(t == "sliding_attention" ? window : 0);
+  }
+}
+
 // Qwen3-MoE's experts (transformers 5 writes num_experts as
 // num_local_experts).
 void parse_experts(const nlohmann::json& j, CausalLMConfig& c, const std::string& what) {
@@ -143,9 +178,11 @@ CausalLMConfig CausalLMConfig::from_json_string(const std::string& text, const s
   CausalLMConfig c;
   c.json = text;
   c.model_type = required<std::string>(j, "model_type", what);
-  TORCH_CHECK(c.model_type == "qwen3" || c.model_type == "qwen3_moe" || c.model_type == "llama",
-              what, ": model_type '", c.model_type,
-              "' has no preset; supported presets: qwen3, qwen3_moe, llama");
+  const bool gpt_oss = c.model_type == "gpt_oss";
+  TORCH_CHECK(
+      c.model_type == "qwen3" || c.model_type == "qwen3_moe" || c.model_type == "llama" || gpt_oss,
+      what, ": model_type '", c.model_type,
+      "' has no preset; supported presets: qwen3, qwen3_moe, llama, gpt_oss");
   c.vocab_size = required<int64_t>(j, "vocab_size", what);
   c.hidden_size = required<int64_t>(j, "hidden_size", what);
   c.intermediate_size = required<int64_t>(j, "intermediate_size", what);
@@ -154,12 +191,19 @@ CausalLMConfig CausalLMConfig::from_json_string(const std::string& text, const s
   c.num_key_value_heads = optional<int64_t>(j, "num_key_value_heads", c.num_attention_heads, what);
   c.head_dim = optional<int64_t>(j, "head_dim", c.hidden_size / c.num_attention_heads, what);
   c.max_position_embeddings = optional<int64_t>(j, "max_position_embeddings", 4096, what);
-  c.rms_norm_eps = optional<double>(j, "rms_norm_eps", 1e-6, what);
+  c.rms_norm_eps = optional<double>(j, "rms_norm_eps", gpt_oss ? 1e-5 : 1e-6, what);
   c.tie_word_embeddings = optional<bool>(j, "tie_word_embeddings", false, what);
-  c.attention_bias = optional<bool>(j, "attention_bias", false, what);
+  c.attention_bias = optional<bool>(j, "attention_bias", gpt_oss, what);
   c.mlp_bias = optional<bool>(j, "mlp_bias", false, what);
   c.qk_norm = c.model_type == "qwen3" || c.model_type == "qwen3_moe";
   if (c.model_type == "qwen3_moe") parse_experts(j, c, what);
+  if (gpt_oss) {
+    parse_gpt_oss(j, c, what);
+    c.output_router_logits = optional<bool>(j, "output_router_logits", false, what);
+    c.router_aux_loss_coef = optional<double>(j, "router_aux_loss_coef", 0.001, what);
+    TORCH_CHECK(std::isfinite(c.router_aux_loss_coef) && c.router_aux_loss_coef >= 0, what,
+                ": router_aux_loss_coef must be a finite number >= 0");
+  }
   // What else changes the computation: a setting the presets do not
   // implement is an error here, never a silent approximation.
   const auto act = optional<std::string>(j, "hidden_act", "silu", what);
@@ -185,8 +229,8 @@ CausalLMConfig CausalLMConfig::from_json_string(const std::string& text, const s
       optional<double>(rope, "rope_theta", optional<double>(j, "rope_theta", 10000.0, what), what);
   const std::string type = optional<std::string>(
       rope, "rope_type", optional<std::string>(rope, "type", "default", what), what);
-  TORCH_CHECK(type == "default" || type == "llama3", what, ": rope type '", type,
-              "' is not supported (supported: default, llama3)");
+  TORCH_CHECK(type == "default" || type == "llama3" || type == "yarn", what, ": rope type '", type,
+              "' is not supported (supported: default, llama3, yarn)");
   c.rope_scaling.type = type;
   if (type == "llama3") {
     c.rope_scaling.factor = required<double>(rope, "factor", what + " rope_scaling");
@@ -196,6 +240,33 @@ CausalLMConfig CausalLMConfig::from_json_string(const std::string& text, const s
         required<double>(rope, "high_freq_factor", what + " rope_scaling");
     c.rope_scaling.original_max_position_embeddings =
         required<int64_t>(rope, "original_max_position_embeddings", what + " rope_scaling");
+  }
+  if (type == "yarn") {  // transformers' _compute_yarn_parameters
+    auto& r = c.rope_scaling;
+    const std::string w = what + " rope_parameters";
+    r.original_max_position_embeddings =
+        required<int64_t>(rope, "original_max_position_embeddings", w);
+    r.factor = optional<double>(rope, "factor",
+                                static_cast<double>(c.max_position_embeddings) /
+                                    static_cast<double>(r.original_max_position_embeddings),
+                                w);
+    r.beta_fast = optional<double>(rope, "beta_fast", 32, w);
+    r.beta_slow = optional<double>(rope, "beta_slow", 1, w);
+    r.truncate = optional<bool>(rope, "truncate", true, w);
+    TORCH_CHECK(r.factor > 0 && r.original_max_position_embeddings > 0 && r.beta_fast > 0 &&
+                    r.beta_slow > 0,
+                w,
+                ": yarn needs factor, beta_fast, beta_slow and "
+                "original_max_position_embeddings > 0");
+    auto mscale = [](double scale, double m) {
+      return scale <= 1 ? 1.0 : 0.1 * m * std::log(scale) + 1.0;
+    };
+    const double m = optional<double>(rope, "mscale", 0, w);
+    const double m_all = optional<double>(rope, "mscale_all_dim", 0, w);
+    r.attention_factor = optional<double>(
+        rope, "attention_factor",
+        m != 0 && m_all != 0 ? mscale(r.factor, m) / mscale(r.factor, m_all) : mscale(r.factor, 1),
+        w);
   }
   TORCH_CHECK(c.vocab_size > 0 && c.hidden_size > 0 && c.intermediate_size > 0 &&
                   c.num_hidden_layers > 0 && c.num_attention_heads > 0 &&
@@ -222,7 +293,12 @@ CausalLMConfig CausalLMConfig::from_json_string(const std::string& text, const s
 }
 
 std::string CausalLMConfig::to_json_string() const {
-  return json;
+  // The weights are saved dequantised (Note [MXFP4 experts]): a
+  // quantization_config would tell transformers otherwise.
+  if (json.find("quantization_config") == std::string::npos) return json;
+  auto j = nlohmann::ordered_json::parse(json);
+  j.erase("quantization_config");
+  return j.dump(2);
 }
 
 }  // namespace roundpipe::models

@@ -66,7 +66,9 @@ const std::vector<std::string> kCases = {"qwen3",
                                          "qwen3_moe_padded",
                                          "qwen3_moe_packed",
                                          "qwen3_moe_router_loss",
-                                         "qwen3_moe_router_loss_packed"};
+                                         "qwen3_moe_router_loss_packed",
+                                         "gpt_oss_left_padded",
+                                         "gpt_oss_router_loss"};
 
 bool has_router_loss(const std::string& name) {
   return name.find("router_loss") != std::string::npos;
@@ -368,7 +370,8 @@ TEST(CausalLMRouterLoss, MicrobatchesWeightTheirOwnRouterLossByTokens) {
 // per-expert products give transformers' results alike (the reference
 // cases' shapes take the grouped path; CausalLMTest runs that).
 TEST(CausalLMExperts, LoopedExpertsMatchTransformers) {
-  for (const std::string name : {"qwen3_moe_padded", "qwen3_moe_router_loss_packed"}) {
+  for (const std::string name :
+       {"qwen3_moe_padded", "qwen3_moe_router_loss_packed", "gpt_oss_left_padded"}) {
     SCOPED_TRACE(name);
     const auto dir = reference_root() / name;
     const auto ref = safetensors::load_file((dir / "reference.safetensors").string());
@@ -464,6 +467,38 @@ TEST(CausalLMLora, OnlyTheAdaptersTrainLikePlainLibTorch) {
                    dir.string(), models::CausalLMOptions().set_lora(
                                      models::LoraOptions().set_rank(2).set_targets({"lm_head"}))),
                c10::Error);
+}
+
+// Note [MXFP4 experts]: a GPT-OSS checkpoint with MXFP4 experts loads
+// dequantised to exactly what transformers dequantises them to, in bf16 or
+// float32, and saves as plain weights without the quantization_config.
+TEST(GptOss, Mxfp4ExpertsLoadAsTransformersDequantisesThem) {
+  const auto dir = reference_root() / "gpt_oss_mxfp4";
+  const auto ref = safetensors::load_file((dir / "mxfp4_reference.safetensors").string());
+  ASSERT_EQ(ref.tensors.size(), 2u * 3) << "gate_up_proj and down_proj of 3 layers";
+  for (const auto dtype : {at::kBFloat16, at::kFloat}) {
+    auto model =
+        models::CausalLM::from_pretrained(dir.string(), models::CausalLMOptions().set_dtype(dtype));
+    const auto state = model.hf_state_dict();
+    for (const auto& [name, expected] : ref.tensors) {
+      const auto it = std::find_if(state.begin(), state.end(),
+                                   [&](const auto& item) { return item.first == name; });
+      ASSERT_NE(it, state.end()) << name;
+      EXPECT_TRUE(at::equal(it->second, expected.to(dtype))) << name << " in " << dtype;
+    }
+    if (dtype != at::kFloat) continue;
+    const auto out = process_temp_dir() / "gpt_oss_mxfp4_saved";
+    model.save_pretrained(out.string());
+    std::ifstream config(out / "config.json");
+    const std::string text((std::istreambuf_iterator<char>(config)), {});
+    EXPECT_EQ(text.find("quantization_config"), std::string::npos);
+    EXPECT_NE(text.find("\"gpt_oss\""), std::string::npos);
+    auto again = models::CausalLM::from_pretrained(out.string());
+    const auto reloaded = again.hf_state_dict();
+    ASSERT_EQ(reloaded.size(), state.size());
+    for (size_t i = 0; i < state.size(); ++i)
+      EXPECT_TRUE(at::equal(reloaded[i].second, state[i].second)) << state[i].first;
+  }
 }
 
 // Note [Expert LoRA]: adapters on the experts' stacked weights, grouped or
@@ -748,9 +783,9 @@ TEST(CausalLMConfig, WhatThePresetsDoNotComputeIsAnError) {
 
 TEST(CausalLMConfig, ErrorsNameTheFieldAndTheFix) {
   EXPECT_NE(config_error("{").find("not valid JSON"), std::string::npos);
-  EXPECT_NE(
-      config_error(R"({"model_type":"gpt2"})").find("supported presets: qwen3, qwen3_moe, llama"),
-      std::string::npos);
+  EXPECT_NE(config_error(R"({"model_type":"gpt2"})")
+                .find("supported presets: qwen3, qwen3_moe, llama, gpt_oss"),
+            std::string::npos);
   const std::string moe =
       R"({"model_type":"qwen3_moe","vocab_size":10,"hidden_size":8,"intermediate_size":16,
           "num_hidden_layers":2,"num_attention_heads":2,"num_experts":4,"num_experts_per_tok":2,
@@ -784,7 +819,7 @@ TEST(CausalLMConfig, ErrorsNameTheFieldAndTheFix) {
       std::string::npos);
   EXPECT_NE(
       config_error(R"({"model_type":"llama","vocab_size":10,"hidden_size":8,"intermediate_size":8,
-      "num_hidden_layers":1,"num_attention_heads":2,"rope_scaling":{"rope_type":"yarn"}})")
+      "num_hidden_layers":1,"num_attention_heads":2,"rope_scaling":{"rope_type":"dynamic"}})")
           .find("not supported"),
       std::string::npos);
 }
@@ -905,7 +940,7 @@ TEST(WrapModel, PresetChoicesAndUnknownTypes) {
   std::ofstream(other / "config.json") << R"({"model_type": "gpt2", "vocab_size": 10})";
   EXPECT_NE(what([&] {
               wrap_model_to_roundpipe(other.string());
-            }).find("supported presets: qwen3, qwen3_moe, llama"),
+            }).find("supported presets: qwen3, qwen3_moe, llama, gpt_oss"),
             std::string::npos);
   EXPECT_EQ(what([&] {
               wrap_model_to_roundpipe(dir.string(),

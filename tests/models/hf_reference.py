@@ -13,8 +13,9 @@ import sys
 
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import (AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen3Config,
-                          Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
+from transformers import (AutoModelForCausalLM, GptOssConfig, GptOssForCausalLM, LlamaConfig,
+                          LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig,
+                          Qwen3MoeForCausalLM)
 
 COMMON = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
               num_attention_heads=4, num_key_value_heads=2, head_dim=8,
@@ -32,6 +33,13 @@ MOE_EVERY_2ND = dict(MOE, norm_topk_prob=False, decoder_sparse_step=2, mlp_only_
 # With the router's load-balancing loss, its coefficient large enough to
 # show in every gradient.
 ROUTER_LOSS = dict(output_router_logits=True, router_aux_loss_coef=0.5)
+# GPT-OSS: 4 experts of 32, 2 a token; layers 0 and 2 see the last 3 keys
+# (sliding_window), layer 1 all; yarn rotary as the released models have it.
+GPT_OSS = dict(intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, sliding_window=3,
+               max_position_embeddings=131072,
+               rope_parameters={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
+                                "beta_slow": 1.0, "truncate": False, "rope_theta": 150000.0,
+                                "original_max_position_embeddings": 4096})
 # name: (config, model, config extras, input kind)
 CASES = {
     "qwen3": (Qwen3Config, Qwen3ForCausalLM, dict(tie_word_embeddings=False), "plain"),
@@ -54,6 +62,10 @@ CASES = {
                               "left"),
     "qwen3_moe_router_loss_packed": (Qwen3MoeConfig, Qwen3MoeForCausalLM,
                                      dict(MOE_EVERY_2ND, **ROUTER_LOSS), "packed"),
+    "gpt_oss_left_padded": (GptOssConfig, GptOssForCausalLM, GPT_OSS, "left"),
+    # (Not packed: transformers' eager attention, the one with GPT-OSS's
+    # sinks here, attends across packed documents; the preset keeps them apart.)
+    "gpt_oss_router_loss": (GptOssConfig, GptOssForCausalLM, dict(GPT_OSS, **ROUTER_LOSS), "right"),
 }
 PACKED_DOCUMENTS = (5, 7, 1, 4)  # one row of 17 tokens, a one-token document among them
 
@@ -87,14 +99,18 @@ def inputs(kind):
 def make(out):
     for name, (config_class, model_class, extra, kind) in CASES.items():
         torch.manual_seed(0)
-        config = config_class(**COMMON, **extra)
+        config = config_class(**{**COMMON, **extra})
         model = model_class(config).float()
-        # Non-trivial norm weights, so that their gradients and roles show.
+        # Non-trivial norm weights, biases and attention sinks, so that their
+        # gradients and roles show.
         with torch.no_grad():
             for n, p in model.named_parameters():
                 if "norm" in n:
                     p.uniform_(0.5, 1.5)
-        model.config._attn_implementation = "sdpa"
+                elif n.endswith("bias") or n.endswith("sinks"):
+                    p.uniform_(-0.5, 0.5)
+        # (GPT-OSS's sinks are in its eager attention, not in sdpa.)
+        model.config._attn_implementation = "eager" if config_class is GptOssConfig else "sdpa"
         model.save_pretrained(f"{out}/{name}", safe_serialization=True)
         ids, mask, positions, labels = inputs(kind)
         # Without a cache, as in training: only then does transformers keep
@@ -115,6 +131,37 @@ def make(out):
         save_file(tensors, f"{out}/{name}/reference.safetensors")
         with open(f"{out}/{name}/case.json", "w") as f:
             json.dump({"kind": kind, "tied": extra.get("tie_word_embeddings", False)}, f)
+    make_mxfp4(out)
+
+
+def make_mxfp4(out):
+    """gpt_oss_left_padded's checkpoint with its experts' weights replaced by
+    random MXFP4 blocks and scales (as GPT-OSS's released checkpoints store
+    them, with their quantization_config), and what transformers dequantises
+    them to (mxfp4.convert_moe_packed_tensors, bf16) in mxfp4_reference.safetensors."""
+    import os
+    import shutil
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    src, dst = f"{out}/gpt_oss_left_padded", f"{out}/gpt_oss_mxfp4"
+    shutil.copytree(src, dst, dirs_exist_ok=True)
+    os.remove(f"{dst}/reference.safetensors")
+    weights = load_file(f"{src}/model.safetensors")
+    gen = torch.Generator().manual_seed(2)
+    expected = {}
+    for name in [n for n in weights if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        experts, inner, outer = weights.pop(name).shape  # [E, in, out]
+        blocks = torch.randint(0, 256, (experts, outer, inner // 32, 16), dtype=torch.uint8, generator=gen)
+        scales = torch.randint(120, 130, (experts, outer, inner // 32), dtype=torch.uint8, generator=gen)
+        weights[name + "_blocks"], weights[name + "_scales"] = blocks, scales
+        expected[name] = convert_moe_packed_tensors(blocks, scales, dtype=torch.bfloat16).contiguous()
+    save_file(weights, f"{dst}/model.safetensors", metadata={"format": "pt"})
+    save_file(expected, f"{dst}/mxfp4_reference.safetensors")
+    with open(f"{dst}/config.json") as f:
+        config = json.load(f)
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": None}
+    with open(f"{dst}/config.json", "w") as f:
+        json.dump(config, f, indent=2)
 
 
 def two_microbatches(model, ids, mask, labels):
@@ -142,7 +189,9 @@ def two_microbatches(model, ids, mask, labels):
 
 def check(directory, reference):
     ref = load_file(f"{reference}/reference.safetensors")
-    model = AutoModelForCausalLM.from_pretrained(directory, attn_implementation="sdpa").float()
+    config = json.load(open(f"{directory}/config.json"))
+    attention = "eager" if config["model_type"] == "gpt_oss" else "sdpa"
+    model = AutoModelForCausalLM.from_pretrained(directory, attn_implementation=attention).float()
     with torch.no_grad():
         logits = model(input_ids=ref["input_ids"], attention_mask=ref.get("attention_mask"),
                        position_ids=ref.get("position_ids"), use_cache=False).logits

@@ -44,12 +44,33 @@ def tiny_qwen3_moe(seed=0, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_
     return Qwen3MoeForCausalLM(config).float().eval()
 
 
+def tiny_gpt_oss(seed=0, **extra):
+    """GPT-OSS: 4 experts of 32, 2 per token, sliding window 3 on layers 0
+    and 2, yarn rotary, non-zero biases and attention sinks; eager attention
+    (transformers' only one with the sinks here)."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    torch.manual_seed(seed)
+    config = GptOssConfig(vocab_size=96, hidden_size=32, intermediate_size=32, num_hidden_layers=3,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                          num_local_experts=4, num_experts_per_tok=2, sliding_window=3,
+                          max_position_embeddings=131072, use_cache=False, attn_implementation="eager",
+                          **extra)
+    model = GptOssForCausalLM(config).float().eval()
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.endswith(("bias", "sinks")):
+                p.uniform_(-0.5, 0.5)
+    return model
+
+
 MODELS = {
     "qwen3": lambda: tiny_qwen3(),
     "qwen3-tied": lambda: tiny_qwen3(tie=True),
     "llama": lambda: tiny_llama(),
     "llama-tied-rope-scaling": lambda: tiny_llama(tie=True, rope_scaling=True),
     "qwen3-moe": lambda: tiny_qwen3_moe(),
+    "gpt-oss": lambda: tiny_gpt_oss(),
     "qwen3-moe-every-2nd": lambda: tiny_qwen3_moe(norm_topk_prob=False, decoder_sparse_step=2,
                                                   mlp_only_layers=()),
 }

@@ -372,3 +372,34 @@ def test_the_router_load_balancing_loss_is_transformers(devices, kind):
         expected.backward()
         assert_close(loss, expected.detach(), TOL)
         grads_close(hf, oracle)
+
+
+@pytest.mark.parametrize("microbatches", [1, 2])
+def test_gpt_oss_keeps_packed_documents_apart(devices, microbatches):
+    """Packed documents (position_ids restarting at 0) attend within their
+    own document, attention sinks included. transformers' eager attention,
+    its only one with GPT-OSS's sinks here, attends across them, so the
+    oracle is transformers on each document alone: the sum of their
+    token losses over the batch's labelled tokens, and its gradients."""
+    from hf_models import tiny_gpt_oss
+
+    inputs = masked_batch("packed")
+    hf = tiny_gpt_oss()
+    oracle = copy.deepcopy(hf)
+    pipe = wrap_model_to_roundpipe(hf, devices=devices,
+                                   model_run_config=RoundPipeRunConfig(num_microbatch=microbatches))
+    loss = pipe.forward_backward(input_kwargs=inputs)
+    pipe.synchronize()
+    labels, positions = inputs["labels"], inputs["position_ids"]
+    total = (labels[:, 1:] != -100).sum().item()
+    expected = 0
+    for row in range(labels.shape[0]):
+        starts = (positions[row] == 0).nonzero().flatten().tolist() + [positions.shape[1]]
+        for a, b in zip(starts, starts[1:]):
+            if b - a < 2:
+                continue  # a one-token document has no label
+            expected = expected + oracle(input_ids=inputs["input_ids"][row:row + 1, a:b],
+                                         labels=labels[row:row + 1, a:b], num_items_in_batch=total).loss
+    expected.backward()
+    assert_close(loss, expected.detach(), TOL)
+    grads_close(hf, oracle)

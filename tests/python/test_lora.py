@@ -127,23 +127,27 @@ def test_what_the_preset_cannot_compute_is_refused():
         wrap_model_to_roundpipe(head, devices="sim:1")
 
 
-@pytest.mark.parametrize("modules,experts", [
-    (["q_proj"], ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]),
-    (["q_proj"], ["experts.down_proj"]),
+@pytest.mark.parametrize("family,modules,experts", [
+    ("qwen3-moe", ["q_proj"], ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]),
+    ("qwen3-moe", ["q_proj"], ["experts.down_proj"]),
     # peft maps these onto the experts: gate_up_proj at twice the rank and alpha
-    (["q_proj", "gate_proj", "up_proj", "down_proj"], None),
+    ("qwen3-moe", ["q_proj", "gate_proj", "up_proj", "down_proj"], None),
+    # GPT-OSS's experts are stored [E, in, out] (peft: is_transposed)
+    ("gpt-oss", ["q_proj"], ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]),
 ])
-def test_lora_on_the_experts_matches_peft(devices, modules, experts):
-    """peft's LoRA on Qwen3-MoE's stacked expert weights (target_parameters,
-    or the projections peft maps onto them; Note [Expert LoRA]) with the
-    attention's q_proj: loss and every adapter gradient as peft's."""
-    from hf_models import tiny_qwen3_moe
+def test_lora_on_the_experts_matches_peft(devices, family, modules, experts):
+    """peft's LoRA on the stacked expert weights of Qwen3-MoE and GPT-OSS
+    (target_parameters, or the projections peft maps onto them; Note [Expert
+    LoRA]) with the attention's q_proj: loss and every adapter gradient as
+    peft's."""
+    from hf_models import MODELS
 
-    model = lora_model(modules, base=tiny_qwen3_moe(), target_parameters=experts)
+    model = lora_model(modules, base=MODELS[family](), target_parameters=experts)
     oracle = copy.deepcopy(model)
     pipe = wrap_model_to_roundpipe(model, devices=devices, model_run_config=RoundPipeRunConfig(num_microbatch=2))
     adapters = [n for n, p in model.named_parameters() if p.requires_grad]
-    assert sum(".experts." in n for n in adapters) == 2 * 2 * len(experts or [1, 2])  # A and B, 2 sparse layers
+    sparse = 3 if family == "gpt-oss" else 2  # layers with experts
+    assert sum(".experts." in n for n in adapters) == 2 * sparse * len(experts or [1, 2])  # A and B
     assert len(pipe.optim_parameters()) == len(adapters)
     inputs = padded_batch()
     loss = pipe.forward_backward(input_kwargs=inputs)

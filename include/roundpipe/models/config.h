@@ -9,15 +9,21 @@
 namespace roundpipe::models {
 
 struct RopeScaling {
-  std::string type = "default";  // "default" or "llama3"
+  std::string type = "default";  // "default", "llama3" or "yarn"
   double factor = 1.0;
-  double low_freq_factor = 1.0;
-  double high_freq_factor = 4.0;
+  double low_freq_factor = 1.0;   // llama3
+  double high_freq_factor = 4.0;  // llama3
   int64_t original_max_position_embeddings = 8192;
+  // yarn (transformers' _compute_yarn_parameters): the frequency ramp's
+  // bounds in rotations, whether they round to whole dimensions, and the
+  // factor cos and sin are multiplied by.
+  double beta_fast = 32, beta_slow = 1;
+  bool truncate = true;
+  double attention_factor = 1.0;
 };
 
 struct CausalLMConfig {
-  std::string model_type;  // "qwen3", "qwen3_moe" or "llama"
+  std::string model_type;  // "qwen3", "qwen3_moe", "llama" or "gpt_oss"
   int64_t vocab_size = 0;
   int64_t hidden_size = 0;
   int64_t intermediate_size = 0;
@@ -54,6 +60,14 @@ struct CausalLMConfig {
   // with output_router_logits the loss gains router_aux_loss_coef times it.
   bool output_router_logits = false;
   double router_aux_loss_coef = 0.001;
+  // GPT-OSS (Note [GPT-OSS]): a bias on the router and on every expert's
+  // projections, the experts' weights stored [E, in, out] with gate and up
+  // columns interleaved, the clamped gated activation (swiglu_limit > 0),
+  // and a learned attention sink per head.
+  bool router_bias = false;
+  bool gpt_oss_experts = false;
+  double swiglu_limit = 0;
+  bool attention_sinks = false;
   std::string torch_dtype;  // as written, e.g. "bfloat16"
   std::string json;         // the whole file, kept for save_pretrained
 
