@@ -2,6 +2,7 @@
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
+#include <torch/csrc/autograd/custom_function.h>
 
 #include <algorithm>
 #include <limits>
@@ -90,11 +91,18 @@ at::Tensor as_batch_of_one(const at::Tensor& x, int64_t start, int64_t length) {
 // Note [Attention sinks]
 // GPT-OSS gives each head a learned logit s_h that joins every query's
 // softmax as one more key with no value: the weights are exp(score_j) /
-// (sum_j exp(score_j) + exp(s_h)), so a query may attend to nothing. Here
-// the scores are formed explicitly ([heads, len, len] per sequence: memory
-// quadratic in the sequence, unlike the flash paths, which take no sink),
-// the sink appended as a last column and dropped after the softmax, as
-// transformers' eager attention does.
+// (sum_j exp(score_j) + exp(s_h)), so a query may attend to nothing. That
+// is plain attention o (whose softmax sums over the keys alone, to
+// exp(lse)) times w = exp(lse) / (exp(lse) + exp(s_h)) = sigmoid(lse - s_h):
+// the flash kernels, which return lse, compute it in memory linear in the
+// sequence (SinkAttention). Its backward adds what o's backward lacks, the
+// path through lse: with g = sum_d(dy o) w (1 - w) per query and head,
+// dlse/dq_i = scale sum_j p_ij k_j (the kernel's forward with k as the
+// values), dlse/dk_j = scale sum_i p_ij g_i q_i (the kernel backward's dV
+// for the output gradient scale g q), and ds_h = -sum g: one more forward
+// and backward of the kernel. attention_with_sinks forms the scores
+// explicitly instead ([heads, len, len]), as transformers' eager
+// attention does: the tests' oracle.
 at::Tensor attention_with_sinks(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                 double scale, int64_t window, const at::Tensor& sinks) {
   const int64_t B = q.size(0), H = q.size(1), len = q.size(2), groups = H / k.size(1);
@@ -112,12 +120,111 @@ at::Tensor attention_with_sinks(const at::Tensor& q, const at::Tensor& k, const 
   return at::matmul(weights.to(values.scalar_type()), values);
 }
 
+// The keys each query sees ([len, len], true: seen), causal within `window`.
+at::Tensor seen_keys(int64_t len, int64_t window, const at::TensorOptions& options) {
+  const auto i = at::arange(len, options.dtype(at::kLong));
+  const auto behind = i.unsqueeze(1) - i.unsqueeze(0);  // query - key
+  return window > 0 ? behind.ge(0).logical_and(behind.lt(window)) : behind.ge(0);
+}
+
+// A flash kernel pair for SinkAttention: LibTorch's CPU flash attention on
+// [B, heads, len, hd] (the same head count for q, k, v), lse [B, heads, len].
+struct CpuFlash {
+  double scale;
+  at::Tensor mask;  // undefined: plain causal
+  std::optional<at::Tensor> optional_mask() const {
+    return mask.defined() ? std::optional<at::Tensor>(mask) : std::nullopt;
+  }
+  std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& q, const at::Tensor& k,
+                                             const at::Tensor& v) const {
+    return at::_scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, !mask.defined(),
+                                                           optional_mask(), scale);
+  }
+  std::tuple<at::Tensor, at::Tensor, at::Tensor> backward(const at::Tensor& dout,
+                                                          const at::Tensor& q, const at::Tensor& k,
+                                                          const at::Tensor& v,
+                                                          const at::Tensor& out,
+                                                          const at::Tensor& lse) const {
+    return at::_scaled_dot_product_flash_attention_for_cpu_backward(dout, q, k, v, out, lse, 0.0,
+                                                                    !mask.defined(), mask, scale);
+  }
+  // lse and the sinks shaped to broadcast over the output.
+  at::Tensor lse_by_output(const at::Tensor& lse) const { return lse.unsqueeze(-1); }
+  at::Tensor sinks_by_output(const at::Tensor& sinks) const { return sinks.view({1, -1, 1, 1}); }
+  void save(torch::autograd::AutogradContext* ctx) const {
+    ctx->saved_data["scale"] = scale;
+    ctx->saved_data["mask"] = mask;
+  }
+  static CpuFlash load(torch::autograd::AutogradContext* ctx) {
+    return {ctx->saved_data["scale"].toDouble(), ctx->saved_data["mask"].toTensor()};
+  }
+};
+
+// Note [Attention sinks]: softmax(q k^T scale) v with a sink logit per head,
+// by a flash kernel pair (CpuFlash, CudaFlash) in memory linear in the
+// sequence.
+template <typename Kernels>
+struct SinkAttention : torch::autograd::Function<SinkAttention<Kernels>> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& q,
+                            const at::Tensor& k, const at::Tensor& v, const at::Tensor& sinks,
+                            Kernels kernels) {
+    auto [out, lse] = kernels.forward(q, k, v);
+    const auto w = at::sigmoid(kernels.lse_by_output(lse) -
+                               kernels.sinks_by_output(sinks).to(lse.scalar_type()));
+    ctx->save_for_backward({q, k, v, sinks, out, lse});
+    kernels.save(ctx);
+    return out * w.to(out.scalar_type());
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto kernels = Kernels::load(ctx);
+    const auto saved = ctx->get_saved_variables();
+    const auto &q = saved[0], &k = saved[1], &v = saved[2], &sinks = saved[3];
+    const auto &out = saved[4], &lse = saved[5];
+    const auto dy = grads[0].contiguous();
+    const auto w = at::sigmoid(kernels.lse_by_output(lse) -
+                               kernels.sinks_by_output(sinks).to(lse.scalar_type()));
+    // The path through o, then the one through lse (g per query and head).
+    auto [dq, dk, dv] =
+        kernels.backward((dy * w.to(dy.scalar_type())).contiguous(), q, k, v, out, lse);
+    const auto g = (dy.to(at::kFloat) * out.to(at::kFloat)).sum(-1, /*keepdim=*/true) * w * (1 - w);
+    const double scale = kernels.scale;
+    const auto keys_seen = std::get<0>(kernels.forward(q, k, k));  // sum_j p_ij k_j
+    dq = dq + (keys_seen.to(at::kFloat) * g * scale).to(dq.scalar_type());
+    const auto through_lse = (q.to(at::kFloat) * g * scale).to(q.scalar_type()).contiguous();
+    dk = dk + std::get<2>(kernels.backward(through_lse, q, k, v, out, lse));
+    // ds_h = -sum of g over everything but the heads.
+    auto dsinks = -(g.expand_as(out.to(at::kFloat)).select(-1, 0));
+    const auto by_head = kernels.sinks_by_output(sinks);
+    std::vector<int64_t> dims;
+    for (int64_t d = 0; d + 1 < by_head.dim(); ++d)
+      if (by_head.size(d) == 1) dims.push_back(d);
+    dsinks = dsinks.sum(dims).reshape(sinks.sizes()).to(sinks.scalar_type());
+    return {dq, dk, dv, dsinks, at::Tensor()};
+  }
+};
+
 // Causal attention of [B, heads, len, hd] tensors through SDPA; a window
 // takes a [len, len] mask of the keys each query sees; sinks: Note
 // [Attention sinks].
 at::Tensor sdpa_causal(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
                        int64_t window, const at::Tensor& sinks = {}) {
-  if (sinks.defined()) return attention_with_sinks(q, k, v, scale, window, sinks);
+  if (sinks.defined()) {
+    const int64_t groups = q.size(1) / k.size(1);
+    const auto st = q.scalar_type();
+    if (q.is_cpu() && (st == at::kFloat || st == at::kBFloat16 || st == at::kHalf)) {
+      // (The CPU kernel takes an additive mask of the query's dtype.)
+      const auto mask =
+          window > 0 ? at::zeros({q.size(2), q.size(2)}, q.options())
+                           .masked_fill(seen_keys(q.size(2), window, q.options()).logical_not(),
+                                        -std::numeric_limits<double>::infinity())
+                     : at::Tensor();
+      return SinkAttention<CpuFlash>::apply(
+          q.contiguous(), k.repeat_interleave(groups, 1).contiguous(),
+          v.repeat_interleave(groups, 1).contiguous(), sinks, CpuFlash{scale, mask});
+    }
+    return attention_with_sinks(q, k, v, scale, window, sinks);
+  }
   if (window <= 0) {
     return at::scaled_dot_product_attention(q, k, v, std::nullopt, 0.0, /*is_causal=*/true, scale,
                                             /*enable_gqa=*/true);
@@ -178,6 +285,56 @@ at::Tensor attention_flash_varlen(const at::Tensor& q, const at::Tensor& k, cons
   return std::get<0>(result);
 }
 
+// The CUDA flash kernel pair for SinkAttention (Note [Attention sinks]):
+// [N, heads, hd] in cu_seqlens form (grouped key/value heads as they are),
+// lse [heads, N].
+struct CudaFlash {
+  double scale;
+  at::Tensor cu_seqlens;
+  int64_t max_seqlen;
+  int64_t window;
+  mutable at::Tensor rng_state, unused;  // the forward's, for its backward
+  std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& q, const at::Tensor& k,
+                                             const at::Tensor& v) const {
+    auto r = at::_flash_attention_forward(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
+                                          0.0, /*is_causal=*/true,
+                                          /*return_debug_mask=*/false, scale, flash_window(window),
+                                          window > 0 ? std::optional<int64_t>(0) : std::nullopt);
+    rng_state = std::get<2>(r);
+    unused = std::get<3>(r);
+    TORCH_CHECK(std::get<1>(r).dim() == 2 && std::get<1>(r).size(0) == q.size(1) &&
+                    std::get<1>(r).size(1) == q.size(0),
+                "attention sinks: the flash kernel's logsumexp is ", std::get<1>(r).sizes(),
+                ", expected [heads, tokens] = [", q.size(1), ", ", q.size(0), "]");
+    return {std::get<0>(r), std::get<1>(r)};
+  }
+  std::tuple<at::Tensor, at::Tensor, at::Tensor> backward(const at::Tensor& dout,
+                                                          const at::Tensor& q, const at::Tensor& k,
+                                                          const at::Tensor& v,
+                                                          const at::Tensor& out,
+                                                          const at::Tensor& lse) const {
+    return at::_flash_attention_backward(
+        dout, q, k, v, out, lse, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, 0.0,
+        /*is_causal=*/true, rng_state, unused, scale, flash_window(window),
+        window > 0 ? std::optional<int64_t>(0) : std::nullopt);
+  }
+  at::Tensor lse_by_output(const at::Tensor& lse) const { return lse.t().unsqueeze(-1); }
+  at::Tensor sinks_by_output(const at::Tensor& sinks) const { return sinks.view({1, -1, 1}); }
+  void save(torch::autograd::AutogradContext* ctx) const {
+    ctx->saved_data["scale"] = scale;
+    ctx->saved_data["cu_seqlens"] = cu_seqlens;
+    ctx->saved_data["max_seqlen"] = max_seqlen;
+    ctx->saved_data["window"] = window;
+    ctx->saved_data["rng_state"] = rng_state;
+    ctx->saved_data["unused"] = unused;
+  }
+  static CudaFlash load(torch::autograd::AutogradContext* ctx) {
+    auto& d = ctx->saved_data;
+    return {d["scale"].toDouble(), d["cu_seqlens"].toTensor(), d["max_seqlen"].toInt(),
+            d["window"].toInt(),   d["rng_state"].toTensor(),  d["unused"].toTensor()};
+  }
+};
+
 // Rows as the sequences, [B, T, heads, hd] as they are.
 at::Tensor attention_flash_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                 double scale, int64_t window) {
@@ -229,6 +386,14 @@ at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::
     // (SDPA takes no window: a window goes to the flash kernel directly.)
     if (window > 0 && !sinks.defined() && flash_takes(q))
       return attention_flash_rows(q, k, v, scale, window);
+    if (sinks.defined() && flash_takes(q)) {  // the rows as sequences of one layout
+      const int64_t B = q.size(0), T = q.size(1);
+      auto flat = [&](const at::Tensor& x) { return x.reshape({B * T, x.size(2), x.size(3)}); };
+      const auto cu = at::arange(0, (B + 1) * T, T, q.options().dtype(at::kInt));
+      return SinkAttention<CudaFlash>::apply(flat(q), flat(k), flat(v), sinks,
+                                             CudaFlash{scale, cu, T, window, {}, {}})
+          .view(q.sizes());
+    }
 #endif
     auto out =
         sdpa_causal(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale, window, sinks);
@@ -246,6 +411,10 @@ at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::
 #ifdef ROUNDPIPE_WITH_CUDA
   if (!sinks.defined() && flash_takes(qs))
     attended = attention_flash_varlen(qs, ks, vs, *layout, scale, window);
+  if (sinks.defined() && flash_takes(qs))
+    attended = SinkAttention<CudaFlash>::apply(
+        qs, ks, vs, sinks,
+        CudaFlash{scale, layout->cu_seqlens, layout->max_seqlen, window, {}, {}});
 #endif
   if (!attended.defined())
     attended = attention_per_sequence(qs, ks, vs, *layout, scale, window, sinks);

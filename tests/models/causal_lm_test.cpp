@@ -18,6 +18,9 @@
 #include <map>
 #include <regex>
 
+#include <torch/csrc/autograd/autograd.h>
+#include <torch/cuda.h>
+
 #include "models/attention.h"
 #include "test_util.h"
 
@@ -467,6 +470,69 @@ TEST(CausalLMLora, OnlyTheAdaptersTrainLikePlainLibTorch) {
                    dir.string(), models::CausalLMOptions().set_lora(
                                      models::LoraOptions().set_rank(2).set_targets({"lm_head"}))),
                c10::Error);
+}
+
+// Note [Attention sinks]: the flash kernels' output times sigmoid(lse -
+// sink), with its backward through lse, against the scores formed
+// explicitly here (softmax over the keys a query sees and the sink):
+// output and the gradients of q, k, v and the sinks, with grouped heads,
+// two sequences of a layout, with and without a window; on the CPU (its
+// flash kernel, float32) and, where there is one, the GPU (bf16: 8 bits of
+// mantissa, a few 1e-3 of each tensor's largest element).
+TEST(AttentionSinks, FlashKernelsMatchTheScoresFormedExplicitly) {
+  std::vector<std::pair<c10::Device, at::ScalarType>> backends = {{c10::kCPU, at::kFloat}};
+  if (torch::cuda::is_available()) backends.emplace_back(c10::Device(c10::kCUDA, 0), at::kBFloat16);
+  const int64_t H = 4, Hkv = 2, hd = 16, lengths[] = {7, 12};
+  const double scale = 0.25;
+  for (const auto& [device, dtype] : backends) {
+    for (int64_t window : {0, 3}) {
+      SCOPED_TRACE(::testing::Message() << device << ", window " << window);
+      torch::manual_seed(11);
+      const auto opts = at::TensorOptions().dtype(dtype).device(device);
+      const int64_t N = lengths[0] + lengths[1];
+      auto q = at::randn({1, N, H, hd}).to(opts).requires_grad_();
+      auto k = at::randn({1, N, Hkv, hd}).to(opts).requires_grad_();
+      auto v = at::randn({1, N, Hkv, hd}).to(opts).requires_grad_();
+      auto sinks = at::randn({H}).to(opts).requires_grad_();
+      const auto dy = at::randn({1, N, H, hd}).to(opts);
+      models::SequenceLayout layout;
+      layout.token_index = at::arange(N, at::TensorOptions().dtype(at::kLong).device(device));
+      layout.cu_seqlens = at::tensor({0, static_cast<int>(lengths[0]), static_cast<int>(N)},
+                                     at::TensorOptions().dtype(at::kInt))
+                              .to(device);
+      layout.max_seqlen = lengths[1];
+      const auto out = models::causal_attention(q, k, v, layout, scale, window, sinks);
+      const auto got = torch::autograd::grad({out}, {q, k, v, sinks}, {dy});
+      // The oracle, in float32 on the CPU.
+      std::vector<at::Tensor> x;
+      for (const auto& t : {q, k, v, sinks})
+        x.push_back(t.detach().to(at::kCPU, at::kFloat).requires_grad_());
+      std::vector<at::Tensor> parts;
+      int64_t start = 0;
+      for (const int64_t len : lengths) {
+        auto qs = x[0][0].narrow(0, start, len).transpose(0, 1);  // [H, len, hd]
+        auto ks = x[1][0].narrow(0, start, len).transpose(0, 1).repeat_interleave(H / Hkv, 0);
+        auto vs = x[2][0].narrow(0, start, len).transpose(0, 1).repeat_interleave(H / Hkv, 0);
+        auto scores = at::matmul(qs, ks.transpose(1, 2)) * scale;
+        const auto i = at::arange(len);
+        const auto behind = i.unsqueeze(1) - i.unsqueeze(0);
+        auto seen = behind.ge(0);
+        if (window > 0) seen = seen.logical_and(behind.lt(window));
+        scores = scores.masked_fill(seen.logical_not(), -INFINITY);
+        const auto all = at::cat({scores, x[3].view({H, 1, 1}).expand({H, len, 1})}, -1);
+        parts.push_back(at::matmul(at::softmax(all, -1).narrow(-1, 0, len), vs).transpose(0, 1));
+        start += len;
+      }
+      const auto expected = at::cat(parts).unsqueeze(0);
+      const auto want = torch::autograd::grad({expected}, x, {dy.to(at::kCPU, at::kFloat)});
+      const double tol = dtype == at::kFloat ? 1e-5 : 2e-2;
+      EXPECT_TENSOR_NEAR(out.to(at::kCPU, at::kFloat), expected, tol, "output");
+      const char* names[] = {"q", "k", "v", "sinks"};
+      for (int j = 0; j < 4; ++j)
+        EXPECT_TENSOR_NEAR(got[j].to(at::kCPU, at::kFloat), want[j], tol,
+                           "gradient of " << names[j]);
+    }
+  }
 }
 
 // Note [MXFP4 experts]: a GPT-OSS checkpoint with MXFP4 experts loads
