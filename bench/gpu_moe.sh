@@ -11,15 +11,7 @@
 set -uo pipefail
 out="${OUT:-$PWD/bench-out}"; mkdir -p "$out"
 py=python3
-SECONDS=0
-$py -m pip install -q --no-index --find-links .deps/wheels "scikit-build-core>=0.10" peft==0.21.2 2>&1 | tail -2
-$py -c 'import peft, transformers, torch; print("peft", peft.__version__, "transformers", transformers.__version__, "torch", torch.__version__)' | tee "$out/machine.txt"
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee -a "$out/machine.txt"
-if ! $py -c 'import roundpipe' 2>/dev/null || [ -n "${REINSTALL:-}" ]; then
-  JOBS=16 PYTHON=$py scripts/install_python.sh > "$out/pip_install.log" 2>&1 || { tail -20 "$out/pip_install.log"; exit 1; }
-fi
-echo "installed after ${SECONDS}s" | tee "$out/times.txt"
-export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+source bench/gpu_install.sh
 steps="${STEPS:-4}" batch="${BATCH:-8}" seq="${SEQ:-2048}"
 run() {  # what, then moe_bench.py arguments
   local what=$1; shift

@@ -93,7 +93,12 @@ def rate_of(times, tokens):
 
 
 def resident(shape, batch, seq, steps):
-    model = lora(random_model(shape, seq, "cuda"))
+    train_resident(lora(random_model(shape, seq, "cuda")), shape, batch, seq, steps)
+
+
+def train_resident(model, shape, batch, seq, steps):
+    """GPU-resident training of a peft model: gradient checkpointing, fused
+    AdamW on the adapters; prints the steps and one result line."""
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.enable_input_require_grads()
     model.train()

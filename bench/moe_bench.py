@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from lora_bench import GIB, batch_of, describe, host_memory, rate_of
+from lora_bench import GIB, batch_of, describe, host_memory, rate_of, train_resident
 
 SHAPES = {
     "30B-A3B": ("qwen3_moe", dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144,
@@ -72,27 +72,7 @@ def lora(model):
 
 
 def resident(shape, batch, seq, steps):
-    model = lora(random_model(shape, seq, "cuda"))
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model.enable_input_require_grads()
-    model.train()
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=1e-4, fused=True)
-    inputs = batch_of(model.config, batch, seq, "cuda")
-    times = []
-    for step in range(steps):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        loss = model(**inputs).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-        print(f"  step {step + 1}: {times[-1]:.2f} s, loss {loss.item():.4f}", flush=True)
-    print(f"resident peft {shape}, {batch} x {seq}: {rate_of(times, batch * seq):,.0f} tokens/s, "
-          f"{sum(p.numel() for p in params) / 1e6:.1f}M trainable, peak "
-          f"{torch.cuda.max_memory_allocated() / GIB:.1f} GiB (no cap)", flush=True)
+    train_resident(lora(random_model(shape, seq, "cuda")), shape, batch, seq, steps)
 
 
 def with_roundpipe(shape, cap_gib, batch, seq, steps, grouped):

@@ -57,9 +57,10 @@ def adapter_grads_close(ours, oracle):
             assert p.grad is None and not p.requires_grad, n
 
 
-@pytest.mark.parametrize("targets,rslora", [("all-linear", False), (["q_proj", "v_proj", "down_proj"], True)])
-def test_losses_and_adapter_gradients_match_peft(devices, targets, rslora):
-    model = lora_model(targets, rslora)
+def check_against_peft(model, devices):
+    """A peft model through RoundPipe (2 microbatches of a padded batch):
+    masters for the adapters only, and peft's loss and adapter gradients.
+    Returns the names of the trainable parameters."""
     oracle = copy.deepcopy(model)
     pipe = wrap_model_to_roundpipe(model, devices=devices, model_run_config=RoundPipeRunConfig(num_microbatch=2))
     assert isinstance(pipe, roundpipe.CausalLMRoundPipe)
@@ -72,6 +73,12 @@ def test_losses_and_adapter_gradients_match_peft(devices, targets, rslora):
     expected.backward()
     assert_close(loss, expected.detach(), TOL)
     adapter_grads_close(model, oracle)
+    return adapters
+
+
+@pytest.mark.parametrize("targets,rslora", [("all-linear", False), (["q_proj", "v_proj", "down_proj"], True)])
+def test_losses_and_adapter_gradients_match_peft(devices, targets, rslora):
+    check_against_peft(lora_model(targets, rslora), devices)
 
 
 def test_the_originals_form_lora_model_dot_model_trains_like_peft_and_saves_a_peft_adapter(tmp_path):
@@ -142,17 +149,6 @@ def test_lora_on_the_experts_matches_peft(devices, family, modules, experts):
     peft's."""
     from hf_models import MODELS
 
-    model = lora_model(modules, base=MODELS[family](), target_parameters=experts)
-    oracle = copy.deepcopy(model)
-    pipe = wrap_model_to_roundpipe(model, devices=devices, model_run_config=RoundPipeRunConfig(num_microbatch=2))
-    adapters = [n for n, p in model.named_parameters() if p.requires_grad]
+    adapters = check_against_peft(lora_model(modules, base=MODELS[family](), target_parameters=experts), devices)
     sparse = 3 if family == "gpt-oss" else 2  # layers with experts
     assert sum(".experts." in n for n in adapters) == 2 * sparse * len(experts or [1, 2])  # A and B
-    assert len(pipe.optim_parameters()) == len(adapters)
-    inputs = padded_batch()
-    loss = pipe.forward_backward(input_kwargs=inputs)
-    pipe.synchronize()
-    expected = oracle(**inputs).loss
-    expected.backward()
-    assert_close(loss, expected.detach(), TOL)
-    adapter_grads_close(model, oracle)
