@@ -13,7 +13,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-from . import _C, _specs
+from . import _C, _specs, distributed
 from ._pass_through import PassThroughToModel
 from .run_config import RoundPipeRunConfig
 from .timer import ModelTimer
@@ -215,6 +215,10 @@ class RoundPipe(PassThroughToModel, nn.Module):
     - model_memory_limit: device memory (GiB) the automatic plan may use per
       device (default: what the smallest device has left); verbose: log the
       automatic plan with its predicted stage times and memory
+    - process_group: data parallelism over processes (roundpipe.distributed):
+      each process feeds its own shard, and step() first averages the
+      gradients over the group. Default: torch.distributed's default group
+      when it is initialised (torchrun), else none
 
     Attributes the wrapper lacks are read from the original model (e.g.
     ``model.config``); writes go to both.
@@ -230,6 +234,7 @@ class RoundPipe(PassThroughToModel, nn.Module):
         devices: Optional[str] = None,
         model_memory_limit: Optional[float] = None,
         verbose: bool = False,
+        process_group=None,
         *,
         _layers=None,
     ):
@@ -248,12 +253,16 @@ class RoundPipe(PassThroughToModel, nn.Module):
                 _layers = [_C.python_layer(child, i == 0) for i, child in enumerate(model)]
             else:
                 _layers = [_C.python_layer(model, True)]
+        group = distributed.resolve_group(process_group)
+        if group is not None:
+            distributed.check_same_weights(model.named_parameters(), group, type(model).__name__)
         _claim_parameters(self, model)  # before the engine: a refusal leaves nothing behind
         # Plain attributes (not submodules): the original's parameters are the
         # engine's home tensors and must not be registered twice.
         object.__setattr__(self, "_model", model)
         object.__setattr__(self, "_model_run_config", model_run_config)
         object.__setattr__(self, "_optim_dtype", optim_dtype)
+        object.__setattr__(self, "_process_group", group)
         object.__setattr__(self, "_engine", _C.Engine(
             _layers, optim_dtype, name or _call_site(), pin_model, devices or "",
             model_memory_limit, bool(verbose or ModelTimer.VERBOSE)))
@@ -342,6 +351,15 @@ class RoundPipe(PassThroughToModel, nn.Module):
             raise TypeError("step() takes a function that steps the optimizer, e.g. lambda: (opt.step(), opt.zero_grad())")
         if args or kwargs:  # the original's step(step_fn, is_async, *args, **kwargs)
             step_fn = functools.partial(step_fn, *args, **kwargs)
+        if self._process_group is not None:  # roundpipe.distributed: the mean over ranks first
+            user_step, group, masters = step_fn, self._process_group, self.optim_parameters()
+
+            def step_fn():
+                try:
+                    distributed.average_gradients(masters, group)
+                except RuntimeError as e:
+                    raise distributed.describe_failure(e, group, "averaging the gradients") from e
+                return user_step()
         self._engine.step(in_step_function(step_fn), bool(is_async))
 
     def synchronize(self) -> None:

@@ -1,0 +1,131 @@
+"""Data parallelism across processes (issue 21, first slice): processes on
+loopback with Gloo, each a RoundPipe on simulated devices fed its shard of
+the batch. Training equals one process on the whole batch (the shards are
+of equal size and the loss is a mean, so the mean over ranks of the shard
+gradients is the whole batch's gradient), and all ranks end identical; a
+rank that stops makes the others fail with a clear error within the group's
+timeout instead of hanging; replicas that start from different weights are
+refused.
+
+Tolerance: fp32, the same sums in another order (the all-reduce adds the
+shards' gradients, the reference the whole batch's rows), through 3 Adam
+steps: conftest's assert_adam_weights_close."""
+import datetime
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+import roundpipe
+from roundpipe import RoundPipe
+
+from conftest import ADAM_EPS, assert_adam_weights_close
+
+STEPS, ROWS, LR = 3, 12, 1e-2
+
+
+def make_model(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
+
+
+def batch(step):
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randn(ROWS, 8, generator=g), torch.randn(ROWS, 4, generator=g)
+
+
+def mse_over(elements):
+    """The mean squared error over `elements` values: each microbatch adds
+    its share, so that the microbatches' losses add up to the shard's mean
+    whatever their number."""
+    return lambda out, label: ((out - label) ** 2).sum() / elements
+
+
+def train(model, rank=0, world=1, is_async=False):
+    pipe = RoundPipe(model, devices="sim:2", optim_dtype=torch.float32)
+    opt = roundpipe.optim.Adam(pipe.optim_parameters(), lr=LR, eps=ADAM_EPS)
+    shard = ROWS // world
+    for step in range(STEPS):
+        x, y = batch(step)
+        rows = slice(rank * shard, (rank + 1) * shard)
+        pipe.forward_backward(input_args=(x[rows],), label=y[rows], loss_fn=mse_over(y[rows].numel()))
+        pipe.step(lambda: (opt.step(), opt.zero_grad()), is_async=is_async)
+    pipe.synchronize()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def worker(rank, world, init, out, mode):
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=20))
+    try:
+        if mode == "different_weights":
+            try:
+                RoundPipe(make_model(seed=rank), devices="sim:1")
+                result = "accepted"
+            except ValueError as e:
+                result = str(e)
+        elif mode in ("one_stops", "one_stops_later"):
+            if rank == 1 and mode == "one_stops":
+                result = "stopped"  # leaves before making its RoundPipe
+            elif rank == 1:
+                pipe = RoundPipe(make_model(), devices="sim:1")  # and leaves before any step
+                result = "stopped"
+            else:
+                try:
+                    train(make_model(), rank, world)
+                    result = "finished"
+                except RuntimeError as e:
+                    result = str(e)
+        else:
+            result = train(make_model(), rank, world, is_async=mode == "async")
+        torch.save(result, os.path.join(out, f"rank{rank}.pt"))
+    finally:
+        if not mode.startswith("one_stops"):
+            dist.destroy_process_group()
+        else:
+            # A group with a departed member cannot be torn down cleanly (Gloo
+            # may abort in its destructors): leave without the interpreter's
+            # teardown, the result already written.
+            os._exit(0)
+
+
+def run_ranks(tmp_path, world, mode):
+    init = tmp_path / "init"
+    mp.spawn(worker, args=(world, str(init), str(tmp_path), mode), nprocs=world, join=True)
+    return [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+
+
+@pytest.mark.parametrize("world,mode", [(2, "sync"), (3, "sync"), (2, "async")])
+def test_data_parallel_training_equals_one_process_on_the_whole_batch(tmp_path, world, mode):
+    ranks = run_ranks(tmp_path, world, mode)
+    if mode == "async":
+        # The async step trains on weights one update old in every process
+        # alike: the reference is one process's async run on the whole batch.
+        reference = train(make_model(), is_async=True)
+    else:
+        reference = train(make_model())
+    for rank, weights in enumerate(ranks):
+        for name, w in reference.items():
+            assert torch.equal(weights[name], ranks[0][name]), f"rank {rank} diverged from rank 0 in {name}"
+            assert_adam_weights_close(weights[name], w, steps=STEPS, lr=LR)
+    # and training moved the weights (the comparison is not of two untouched models)
+    start = dict(make_model().named_parameters())
+    assert any(not torch.allclose(start[n], w, atol=1e-3) for n, w in reference.items())
+
+
+@pytest.mark.parametrize("mode,doing", [("one_stops", "comparing the starting weights"),
+                                        ("one_stops_later", "averaging the gradients")])
+def test_a_rank_that_stops_is_an_error_within_the_timeout_not_a_hang(tmp_path, mode, doing):
+    results = run_ranks(tmp_path, 2, mode)
+    assert results[1] == "stopped"
+    assert f"{doing} over the 2 processes of the group failed" in results[0], results[0]
+    assert "timeout" in results[0]
+
+
+def test_replicas_that_start_from_different_weights_are_refused(tmp_path):
+    results = run_ranks(tmp_path, 2, "different_weights")
+    for message in results:
+        assert "start from different weights" in message and "manual_seed" in message, message
