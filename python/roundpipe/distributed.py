@@ -18,9 +18,12 @@ BUCKET_BYTES = 64 << 20  # gradients per all-reduce call
 
 
 def resolve_group(process_group):
-    """The group to average over, or None (one process, nothing to do)."""
+    """The group to average over, or None (one process, nothing to do;
+    process_group=False: none even under torch.distributed)."""
     import torch.distributed as dist
 
+    if process_group is False:
+        return None
     if process_group is None:
         if not (dist.is_available() and dist.is_initialized()):
             return None

@@ -218,7 +218,7 @@ class RoundPipe(PassThroughToModel, nn.Module):
     - process_group: data parallelism over processes (roundpipe.distributed):
       each process feeds its own shard, and step() first averages the
       gradients over the group. Default: torch.distributed's default group
-      when it is initialised (torchrun), else none
+      when it is initialised (torchrun), else none; False: none
 
     Attributes the wrapper lacks are read from the original model (e.g.
     ``model.config``); writes go to both.

@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from . import _C
+from . import _C, distributed
 from ._layer_copy import DISPATCH_MARK
 from ._pass_through import PassThroughToModel
 from .roundpipe import RoundPipe, in_step_function
@@ -554,6 +554,16 @@ def wrap_model_to_roundpipe(
         if id(model) in configs:
             common["model_run_config"] = configs[id(model)]
         return RoundPipe(model, **common, **roundpipe_kwargs)
+    # Data parallel (roundpipe.distributed) needs one average over every
+    # master, the glue's too, in one order on every rank: the parts' steps
+    # run on their own threads, so automatic wrapping does not take it yet.
+    if distributed.resolve_group(roundpipe_kwargs.get("process_group")) is not None:
+        raise NotImplementedError(
+            f"data parallel across processes (a process group, or torch.distributed initialised) is not "
+            f"supported by automatic wrapping yet, and {type(model).__name__} has no preset: wrap an "
+            "nn.Sequential of its layers with RoundPipe(), or pass process_group=False for one process's "
+            "training")
+    roundpipe_kwargs["process_group"] = False  # (the parts: none)
     upper = upper_threshold if upper_threshold is not None else max(_param_bytes(model) // 8, lower_threshold)
     pipes = []
     _auto_wrap(model, lower_threshold, upper, list(skip_modules or ()), pipes,
