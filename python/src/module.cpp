@@ -254,8 +254,7 @@ PYBIND11_MODULE(_C, m) {
           adapters.dropout = lora["dropout"].cast<double>();
           adapters.use_rslora = lora["use_rslora"].cast<bool>();
           adapters.targets = lora["targets"].cast<std::vector<std::string>>();
-          adapters.target_parameters =
-              lora["target_parameters"].cast<std::vector<std::string>>();
+          adapters.target_parameters = lora["target_parameters"].cast<std::vector<std::string>>();
           adapters.expert_rank = lora["expert_rank"].cast<std::map<std::string, int64_t>>();
           adapters.expert_alpha = lora["expert_alpha"].cast<std::map<std::string, double>>();
           adapters.dtype = lora["dtype"].cast<at::ScalarType>();
