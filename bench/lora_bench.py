@@ -122,7 +122,6 @@ def train_resident(model, shape, batch, seq, steps):
 
 
 def with_roundpipe(shape, cap_gib, batch, seq, steps, pin, checkpoint):
-    import roundpipe
     from roundpipe import RoundPipeRunConfig, wrap_model_to_roundpipe
     before = host_memory()
     made = time.perf_counter()
@@ -141,17 +140,7 @@ def with_roundpipe(shape, cap_gib, batch, seq, steps, pin, checkpoint):
     pipe = wrap_model_to_roundpipe(model, model_run_config=RoundPipeRunConfig(num_microbatch=4),
                                    optim_dtype=torch.float32, pin_model=pin)
     wrapped = time.perf_counter() - made
-    optimizer = roundpipe.optim.Adam(pipe.optim_parameters(), lr=1e-4)
-    inputs = batch_of(model.config, batch, seq)
-    times = []
-    for step in range(steps):
-        start = time.perf_counter()
-        loss = pipe.forward_backward(input_kwargs=inputs)
-        pipe.step(lambda: (optimizer.step(), optimizer.zero_grad()))
-        times.append(time.perf_counter() - start)
-        print(f"  step {step + 1}: {times[-1]:.2f} s, loss {float(loss):.4f}, host (GiB) "
-              f"{describe(host_memory())}", flush=True)
-    pipe.synchronize()
+    times = train_steps(pipe, batch_of(model.config, batch, seq), steps)
     trained = host_memory()
     upload = pipe._engine.measure_weight_upload_rate()
     print(f"roundpipe {shape} pin {pin}, cap {cap_gib:g} GiB, {batch} x {seq}: "
@@ -162,6 +151,23 @@ def with_roundpipe(shape, cap_gib, batch, seq, steps, pin, checkpoint):
           f"peak device {torch.cuda.max_memory_allocated() / GIB if CUDA else 0:.2f} GiB; "
           f"ready in {wrapped:.0f} s",
           flush=True)
+
+
+def train_steps(pipe, inputs, steps):
+    """`steps` steps of RoundPipe on `inputs` (async roundpipe.optim.Adam),
+    each printed with its time, loss and host memory; returns the times."""
+    import roundpipe
+    optimizer = roundpipe.optim.Adam(pipe.optim_parameters(), lr=1e-4)
+    times = []
+    for step in range(steps):
+        start = time.perf_counter()
+        loss = pipe.forward_backward(input_kwargs=inputs)
+        pipe.step(lambda: (optimizer.step(), optimizer.zero_grad()))
+        times.append(time.perf_counter() - start)
+        print(f"  step {step + 1}: {times[-1]:.2f} s, loss {float(loss):.4f}, host (GiB) "
+              f"{describe(host_memory())}", flush=True)
+    pipe.synchronize()
+    return times
 
 
 def write(shape, out):

@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from lora_bench import GIB, batch_of, describe, host_memory, rate_of, train_resident
+from lora_bench import GIB, batch_of, describe, host_memory, rate_of, train_resident, train_steps
 
 SHAPES = {
     "30B-A3B": ("qwen3_moe", dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144,
@@ -76,7 +76,6 @@ def resident(shape, batch, seq, steps):
 
 
 def with_roundpipe(shape, cap_gib, batch, seq, steps, grouped):
-    import roundpipe
     from roundpipe import RoundPipeRunConfig, wrap_model_to_roundpipe
     made = time.perf_counter()
     model = random_model(shape, seq, "cuda" if CUDA else "cpu").to("cpu")
@@ -93,16 +92,7 @@ def with_roundpipe(shape, cap_gib, batch, seq, steps, grouped):
     pipe = wrap_model_to_roundpipe(model, model_run_config=RoundPipeRunConfig(num_microbatch=4),
                                    optim_dtype=torch.float32, grouped_experts=grouped, **options)
     wrapped = time.perf_counter() - made
-    optimizer = roundpipe.optim.Adam(pipe.optim_parameters(), lr=1e-4)
-    inputs = batch_of(model.config, batch, seq)
-    times = []
-    for step in range(steps):
-        start = time.perf_counter()
-        loss = pipe.forward_backward(input_kwargs=inputs)
-        pipe.step(lambda: (optimizer.step(), optimizer.zero_grad()))
-        times.append(time.perf_counter() - start)
-        print(f"  step {step + 1}: {times[-1]:.2f} s, loss {float(loss):.4f}", flush=True)
-    pipe.synchronize()
+    times = train_steps(pipe, batch_of(model.config, batch, seq), steps)
     upload = pipe._engine.measure_weight_upload_rate() if CUDA else 0
     print(f"roundpipe {shape} {'grouped' if grouped else 'looped'} experts, cap {cap_gib:g} GiB, "
           f"{batch} x {seq}: {rate_of(times, batch * seq):,.0f} tokens/s; peak device "
