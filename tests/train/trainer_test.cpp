@@ -549,39 +549,53 @@ TEST(Trainer, LoraWithPinModelOffResumesExactly) {
     EXPECT_TENSOR_NEAR(b.tensors[i].second, a.tensors[i].second, 1e-4, a.tensors[i].first);
 }
 
+// Trains `base` with LoRA (rank 4, alpha 8, 6 synchronous steps) on
+// `targets` and `target_parameters` twice: writing the adapter, and with
+// --merge the merged weights. peft loads the adapter onto the base with the
+// same loss as transformers gets from the merged weights, and training
+// moved the loss. Returns the two runs' options.
+std::pair<train::TrainOptions, train::TrainOptions> train_lora_adapter_and_merged(
+    const std::string& base, const std::string& name, const std::string& targets,
+    const std::string& target_parameters) {
+  auto options = [&](const std::string& what, bool merge) {
+    auto o = tiny(name + "_" + what);
+    o.model = base;
+    o.steps = 6;
+    o.lr = 1e-2;
+    o.lora_rank = 4;
+    o.lora_alpha = 8;
+    o.lora_targets = targets;
+    o.lora_target_parameters = target_parameters;
+    o.merge = merge;
+    o.sync_step = true;
+    o.overwrite = true;
+    return o;
+  };
+  const auto adapter = options("adapter", false), merged = options("merged", true);
+  train::run_training(adapter);
+  train::run_training(merged);
+  const double base_loss = python_loss(base, "", name + "_base_loss");
+  const double adapted = python_loss(base, adapter.output, name + "_adapted_loss");
+  const double whole = python_loss(merged.output, "", name + "_merged_loss");
+  EXPECT_GT(std::abs(adapted - base_loss), 1e-3) << "training changed nothing";
+  EXPECT_NEAR(adapted, whole, 1e-4 * std::abs(whole));
+  return {adapter, merged};
+}
+
 // roundpipe-train with --lora-rank: only the adapters train; the output is
 // an adapter in peft's layout that peft loads onto the base checkpoint,
 // and --merge writes merged full weights that transformers loads, with the
 // same model (the same loss) as base + adapter.
 TEST(Trainer, LoraWritesAPeftAdapterOrMergedWeights) {
   const std::string base = tiny_base_checkpoint("lora_base");
-  auto options = [&](const std::string& name, bool merge) {
-    auto o = tiny(name);
-    o.model = base;
-    o.steps = 6;
-    o.lr = 1e-2;
-    o.lora_rank = 4;
-    o.lora_alpha = 8;
-    o.lora_targets = "q_proj,v_proj,down_proj";
-    o.merge = merge;
-    o.sync_step = true;
-    o.overwrite = true;
-    return o;
-  };
-  const auto adapter = options("lora_adapter", false), merged = options("lora_merged", true);
-  train::run_training(adapter);
-  train::run_training(merged);
+  const auto [adapter, merged] =
+      train_lora_adapter_and_merged(base, "lora", "q_proj,v_proj,down_proj", "");
   EXPECT_TRUE(fs::exists(adapter.output + "/adapter_model.safetensors"));
   EXPECT_TRUE(fs::exists(adapter.output + "/adapter_config.json"));
   EXPECT_FALSE(fs::exists(adapter.output + "/model.safetensors"));
   EXPECT_TRUE(fs::exists(merged.output + "/model.safetensors"));
   const auto keys = safetensors::load_file(adapter.output + "/adapter_model.safetensors");
   EXPECT_EQ(keys.tensors.size(), 2u * 3 * 4) << "A and B of 3 projections in 4 layers";
-  const double base_loss = python_loss(base, "", "lora_base_loss");
-  const double adapted = python_loss(base, adapter.output, "lora_adapted_loss");
-  const double whole = python_loss(merged.output, "", "lora_merged_loss");
-  EXPECT_GT(std::abs(adapted - base_loss), 1e-3) << "training changed nothing";
-  EXPECT_NEAR(adapted, whole, 1e-4 * std::abs(whole));
   auto merge_without_lora = tiny("bad");
   merge_without_lora.merge = true;
   EXPECT_THROW(train::validate(merge_without_lora), c10::Error);
@@ -1005,32 +1019,11 @@ TEST(Trainer, LoraOnTheExpertsWritesAPeftAdapterOrMergedWeights) {
   torch::manual_seed(3);
   models::CausalLM(models::CausalLMConfig::from_json_string(kTinyMoeConfig, "moe"))
       .save_pretrained(base);
-  auto options = [&](const std::string& name, bool merge) {
-    auto o = tiny(name);
-    o.model = base;
-    o.steps = 6;
-    o.lr = 1e-2;
-    o.lora_rank = 4;
-    o.lora_alpha = 8;
-    o.lora_targets = "q_proj";
-    o.lora_target_parameters = "mlp.experts.gate_up_proj,mlp.experts.down_proj";
-    o.merge = merge;
-    o.sync_step = true;
-    o.overwrite = true;
-    return o;
-  };
-  const auto adapter = options("moe_lora_adapter", false);
-  const auto merged = options("moe_lora_merged", true);
-  train::run_training(adapter);
-  train::run_training(merged);
+  const auto [adapter, merged] = train_lora_adapter_and_merged(
+      base, "moe_lora", "q_proj", "mlp.experts.gate_up_proj,mlp.experts.down_proj");
   const auto keys = safetensors::load_file(adapter.output + "/adapter_model.safetensors");
   EXPECT_EQ(keys.tensors.size(), 2u * (3 + 2 * 2)) << "A and B of q_proj in 3 layers and of 2 "
                                                       "expert weights in the 2 sparse layers";
-  const double base_loss = python_loss(base, "", "moe_lora_base_loss");
-  const double adapted = python_loss(base, adapter.output, "moe_lora_adapted_loss");
-  const double whole = python_loss(merged.output, "", "moe_lora_merged_loss");
-  EXPECT_GT(std::abs(adapted - base_loss), 1e-3) << "training changed nothing";
-  EXPECT_NEAR(adapted, whole, 1e-4 * std::abs(whole));
   auto dense = tiny("moe_lora_dense");
   dense.lora_rank = 2;
   dense.lora_target_parameters = "mlp.experts.down_proj";  // the dense tiny Qwen3 has no experts
