@@ -6,7 +6,11 @@
 # GPT-OSS-20B shape, GPU-resident peft + transformers (no cap, where it
 # fits), then RoundPipe under a 24 GiB cap with the experts as grouped
 # products and as a per-expert loop.
-# SHAPES, STEPS, BATCH, SEQ override; SKIP_RESIDENT=1 skips the baselines.
+# ESTIMATE=1 adds four layers of Qwen3-235B-A22B at 31K tokens; PYTEST=<-k
+# expression> runs those tests of test_hf_presets.py and test_lora.py.
+# SHAPES, STEPS, BATCH, SEQ, GROUPED ("1 0") override; SKIP_RESIDENT=1 skips
+# the baselines. The 30B shape (61 GB of bf16 weights) is pinned in place
+# ("register"): "alloc" holds two copies while moving in, over the 128 GB host.
 # Logs go to $OUT (or ./bench-out).
 set -uo pipefail
 out="${OUT:-$PWD/bench-out}"; mkdir -p "$out"
@@ -20,8 +24,15 @@ run() {  # what, then moe_bench.py arguments
 }
 for shape in ${SHAPES:-30B-A3B gpt-oss-20b}; do
   [ -n "${SKIP_RESIDENT:-}" ] || run "$shape resident" resident "$shape" "$batch" "$seq" "$steps"
-  for grouped in 1 0; do
-    run "$shape grouped=$grouped" roundpipe "$shape" 24 "$batch" "$seq" "$steps" "$grouped"
+  pin=alloc; [ "$shape" = 30B-A3B ] && pin=register
+  for grouped in ${GROUPED:-1 0}; do
+    run "$shape grouped=$grouped" roundpipe "$shape" 24 "$batch" "$seq" "$steps" "$grouped" "$pin"
   done
 done
+# Four decoder layers of Qwen3-235B-A22B at the paper's 31K tokens, one
+# sequence, for the estimate's per-layer costs (the plan on measured costs).
+[ -z "${ESTIMATE:-}" ] || VERBOSE=1 MICROBATCHES=1 run "235B-A22B layers" roundpipe 235B-A22B-4L 24 1 31744 3 1
+# The MoE tests with the cuda backend beside the simulated ones.
+[ -z "${PYTEST:-}" ] || timeout 200 $py -m pytest -q -p no:cacheprovider tests/python/test_hf_presets.py \
+  tests/python/test_lora.py -k "$PYTEST" 2>&1 | tee "$out/pytest.log" | tail -4
 echo "total ${SECONDS}s"
