@@ -55,7 +55,7 @@ class CausalLMRoundPipe(RoundPipe):
     """
 
     def __init__(self, model: nn.Module, return_logits: bool = False, loss_chunk_tokens: int = 2048,
-                 grouped_experts: bool = True, **kwargs):
+                 grouped_experts: bool = True, expert_chunk_tokens: int = 4096, **kwargs):
         hf, parameters, lora = _peft_view(model)
         dtypes = {p.dtype for n, p in parameters.items() if ".lora_" not in n}
         if len(dtypes) != 1:
@@ -64,7 +64,8 @@ class CausalLMRoundPipe(RoundPipe):
         if any(p.device.type != "cpu" for p in model.parameters()):
             raise ValueError("load the model on the CPU (RoundPipe moves layers to the GPUs itself)")
         layers = _C.preset_layers(hf.config.to_json_string(), dtypes.pop(), parameters,
-                                  bool(return_logits), int(loss_chunk_tokens), lora, bool(grouped_experts))
+                                  bool(return_logits), int(loss_chunk_tokens), lora, bool(grouped_experts),
+                                  int(expert_chunk_tokens))
         super().__init__(model, _layers=layers, **kwargs)
 
     def forward(self, *args, logits_to_keep=0, **kwargs):
@@ -520,8 +521,10 @@ def wrap_model_to_roundpipe(
       RoundPipe (the original's); {name: value} sets model.config.name
     - preset options in roundpipe_kwargs: return_logits (False),
       loss_chunk_tokens (2048), grouped_experts (True: a mixture of experts
-      as grouped matrix products, False: one per expert); the rest go to
-      RoundPipe()
+      as grouped matrix products, False: one per expert),
+      expert_chunk_tokens (4096: a microbatch of more tokens runs its
+      experts chunk by chunk, recomputing a chunk's activations in
+      backward; 0: never); the rest go to RoundPipe()
     Returns a RoundPipe (CausalLMRoundPipe for presets), or an AutoRoundPipe
     when the model cannot become one Sequential.
     """
@@ -547,7 +550,7 @@ def wrap_model_to_roundpipe(
     common = dict(model_run_config=model_run_config, name=name)
     if preset is not None and use_sequential_preset is not False:
         return CausalLMRoundPipe(model, **common, **roundpipe_kwargs)
-    for key in ("return_logits", "loss_chunk_tokens", "grouped_experts"):
+    for key in ("return_logits", "loss_chunk_tokens", "grouped_experts", "expert_chunk_tokens"):
         if key in roundpipe_kwargs:
             raise TypeError(f"{key} applies to presets only")
     if isinstance(model, nn.Sequential):

@@ -244,7 +244,8 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "preset_layers",
       [](const std::string& config_json, at::ScalarType dtype, py::dict hf_parameters,
-         bool return_logits, int64_t loss_chunk_tokens, py::object lora, bool grouped_experts) {
+         bool return_logits, int64_t loss_chunk_tokens, py::object lora, bool grouped_experts,
+         int64_t expert_chunk_tokens) {
         auto config = models::CausalLMConfig::from_json_string(config_json, "the model's config");
         models::LoraOptions adapters;
         if (!lora.is_none()) {  // {rank, alpha, dropout, use_rslora, targets,
@@ -264,6 +265,7 @@ PYBIND11_MODULE(_C, m) {
                                               .set_return_logits(return_logits)
                                               .set_loss_chunk_tokens(loss_chunk_tokens)
                                               .set_grouped_experts(grouped_experts)
+                                              .set_expert_chunk_tokens(expert_chunk_tokens)
                                               .set_init_weights(false)
                                               .set_lora(adapters));
         std::vector<LayerPtr> layers;
@@ -283,8 +285,8 @@ PYBIND11_MODULE(_C, m) {
         return layers;
       },
       py::arg("config_json"), py::arg("dtype"), py::arg("hf_parameters"), py::arg("return_logits"),
-      py::arg("loss_chunk_tokens"), py::arg("lora") = py::none(),
-      py::arg("grouped_experts") = true);
+      py::arg("loss_chunk_tokens"), py::arg("lora") = py::none(), py::arg("grouped_experts") = true,
+      py::arg("expert_chunk_tokens") = models::CausalLMOptions().expert_chunk_tokens);
 
   py::class_<RoundPipe, EnginePtr>(m, "Engine")
       .def(py::init([](std::vector<LayerPtr> layers, std::optional<at::ScalarType> optim_dtype,

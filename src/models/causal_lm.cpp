@@ -473,22 +473,18 @@ struct LoraFactorsImpl : torch::nn::Cloneable<LoraFactorsImpl> {
     lora_B = register_module("lora_B", BareWeight(out, rank * experts));
   }
   // [E, r, in]: expert e's A.
-  at::Tensor a(at::ScalarType dtype) const {
-    return lora_A->weight.to(dtype).view({experts, rank, in});
+  static at::Tensor a_of(const at::Tensor& A, int64_t experts, at::ScalarType dtype) {
+    return A.to(dtype).view({experts, -1, A.size(1)});
   }
   // [E, out, r]: expert e's B (a copy: _grouped_mm takes row- or
   // column-major operands only).
-  at::Tensor b(at::ScalarType dtype) const {
-    return lora_B->weight.to(dtype).view({out, rank, experts}).permute({2, 0, 1}).contiguous();
+  static at::Tensor b_of(const at::Tensor& B, int64_t experts, at::ScalarType dtype) {
+    return B.to(dtype).view({B.size(0), -1, experts}).permute({2, 0, 1}).contiguous();
   }
+  at::Tensor a(at::ScalarType dtype) const { return a_of(lora_A->weight, experts, dtype); }
+  at::Tensor b(at::ScalarType dtype) const { return b_of(lora_B->weight, experts, dtype); }
 };
 TORCH_MODULE(LoraFactors);
-
-// rows [N, in] sorted by expert, weight [E, out, in], ends [E] int32 (the
-// end of each expert's rows).
-at::Tensor expert_matmul(const at::Tensor& rows, const at::Tensor& weight, const at::Tensor& ends,
-                         bool grouped);
-bool grouped_mm_takes(const at::Tensor& rows, int64_t in, int64_t out);
 
 // Note [GPT-OSS]
 // GPT-OSS's experts (transformers' GptOssExperts) store their weights
@@ -543,25 +539,25 @@ struct MoeExpertsImpl : torch::nn::Cloneable<MoeExpertsImpl> {
       register_module("lora_B", outer->lora_B);
     }
   }
+  // The tensors ExpertMath computes with, in its order (absent: empty).
   // A stacked weight as [E, out, in] (a view).
   at::Tensor out_in(const at::Tensor& weight) const {
     return gpt_oss ? weight.transpose(1, 2) : weight;
   }
-  // One stacked projection of the rows (expert_of: each row's expert), with
-  // its bias and adapter where it has them.
-  at::Tensor project(const at::Tensor& rows, const at::Tensor& stacked, const at::Tensor& bias,
-                     const LoraFactors& adapter, const at::Tensor& ends,
-                     const at::Tensor& expert_of, bool grouped) const {
-    const auto weight = out_in(stacked);
-    const int64_t in = weight.size(2), out = weight.size(1);
-    auto y = expert_matmul(rows, weight, ends, grouped && grouped_mm_takes(rows, in, out));
-    if (bias.defined()) y = y + bias.index_select(0, expert_of);
-    if (!adapter) return y;
-    const bool group = grouped && grouped_mm_takes(rows, in, adapter->rank) &&
-                       grouped_mm_takes(rows, adapter->rank, out);
-    const auto dtype = rows.scalar_type();
-    const auto low = expert_matmul(rows, adapter->a(dtype), ends, group);
-    return at::add(y, expert_matmul(low, adapter->b(dtype), ends, group), adapter->scaling);
+  std::vector<at::Tensor> tensors() const {
+    const auto none = at::empty({0});
+    auto or_none = [&](const at::Tensor& t) { return t.defined() ? t : none; };
+    auto factor = [&](const LoraFactors& f, bool b) {
+      return f ? (b ? f->lora_B->weight : f->lora_A->weight) : none;
+    };
+    return {gate_up_proj,
+            down_proj,
+            or_none(gate_up_proj_bias),
+            or_none(down_proj_bias),
+            factor(gate_up_lora, false),
+            factor(gate_up_lora, true),
+            factor(down_lora, false),
+            factor(down_lora, true)};
   }
 };
 TORCH_MODULE(MoeExperts);
@@ -584,7 +580,10 @@ TORCH_MODULE(MoeExperts);
 // launch on Hopper and later with bf16, where LibTorch has a grouped
 // kernel; elsewhere it loops inside LibTorch). Where _grouped_mm refuses
 // the shapes (its rows must be 16-byte aligned) or set_grouped_experts is
-// off, a loop of one product per expert over row counts read on the host.
+// off, a loop of one product per expert over row counts read on the host
+// once per layer call; the rows are cut with one split (whose backward is
+// one concatenation: a narrow per expert would add an [N, in] zero tensor
+// per expert to the backward).
 bool grouped_mm_takes(const at::Tensor& rows, int64_t in, int64_t out) {
   const auto st = rows.scalar_type();
   if (st != at::kFloat && st != at::kBFloat16 && st != at::kHalf) return false;
@@ -592,23 +591,197 @@ bool grouped_mm_takes(const at::Tensor& rows, int64_t in, int64_t out) {
   return (in * bytes) % 16 == 0 && (out * bytes) % 16 == 0;
 }
 
-// rows [N, in] sorted by expert, weight [E, out, in], ends [E] int32 (the
-// end of each expert's rows); counts: the same as host numbers, for the loop.
-at::Tensor expert_matmul(const at::Tensor& rows, const at::Tensor& weight, const at::Tensor& ends,
-                         bool grouped) {
-  if (grouped) return at::_grouped_mm(rows, weight.transpose(1, 2), ends);
-  const auto host_ends = ends.to(at::kCPU, at::kLong);
-  const auto* end = host_ends.data_ptr<int64_t>();
-  std::vector<at::Tensor> outs;
-  int64_t start = 0;
-  for (int64_t e = 0; e < weight.size(0); ++e) {
-    if (end[e] > start)
-      outs.push_back(at::linear(rows.narrow(0, start, end[e] - start), weight[e]));
-    start = end[e];
+// Where each expert's rows end in the sorted rows: on the device for the
+// grouped product, on the host (read once, when a loop first needs it).
+struct ExpertRows {
+  at::Tensor ends;  // [E] int32
+  std::vector<int64_t> sizes;
+  const std::vector<int64_t>& host_sizes() {
+    if (sizes.empty()) {
+      const auto host = ends.to(at::kCPU, at::kLong);
+      const auto* end = host.data_ptr<int64_t>();
+      for (int64_t e = 0, start = 0; e < host.numel(); start = end[e++])
+        sizes.push_back(end[e] - start);
+    }
+    return sizes;
   }
+};
+
+// rows [N, in] sorted by expert, weight [E, out, in].
+at::Tensor expert_matmul(const at::Tensor& rows, const at::Tensor& weight, ExpertRows& split,
+                         bool grouped) {
+  if (grouped) return at::_grouped_mm(rows, weight.transpose(1, 2), split.ends);
+  const auto parts = rows.split_with_sizes(split.host_sizes());
+  std::vector<at::Tensor> outs;
+  for (size_t e = 0; e < parts.size(); ++e)
+    if (parts[e].size(0) > 0) outs.push_back(at::linear(parts[e], weight[e]));
   if (outs.empty()) return at::zeros({0, weight.size(1)}, rows.options());
   return at::cat(outs);
 }
+
+// The experts' arithmetic on given tensors (MoeExperts::tensors() order),
+// apart from the module, so that TokenChunkedExperts can recompute it on
+// leaf copies in its backward.
+struct ExpertMath {
+  enum { kGateUp, kDown, kGateUpBias, kDownBias, kGateUpA, kGateUpB, kDownA, kDownB };
+  int64_t experts = 0;
+  bool gpt_oss = false;  // Note [GPT-OSS]
+  double swiglu_limit = 0;
+  bool grouped = true;
+  double gate_up_scaling = 0, down_scaling = 0;  // the adapters'
+
+  // One stacked projection of the sorted rows (expert_of: each row's
+  // expert), with its bias and adapter where it has them.
+  at::Tensor project(const at::Tensor& rows, const at::Tensor& stacked, const at::Tensor& bias,
+                     const at::Tensor& A, const at::Tensor& B, double scaling, ExpertRows& split,
+                     const at::Tensor& expert_of) const {
+    const auto weight = gpt_oss ? stacked.transpose(1, 2) : stacked;  // [E, out, in]
+    const int64_t in = weight.size(2), out = weight.size(1);
+    auto y = expert_matmul(rows, weight, split, grouped && grouped_mm_takes(rows, in, out));
+    if (bias.numel() > 0) y = y + bias.index_select(0, expert_of);
+    if (A.numel() == 0) return y;
+    const int64_t rank = A.size(0) / experts;
+    const bool group =
+        grouped && grouped_mm_takes(rows, in, rank) && grouped_mm_takes(rows, rank, out);
+    const auto dtype = rows.scalar_type();
+    const auto low = expert_matmul(rows, LoraFactorsImpl::a_of(A, experts, dtype), split, group);
+    return at::add(y, expert_matmul(low, LoraFactorsImpl::b_of(B, experts, dtype), split, group),
+                   scaling);
+  }
+
+  // flat [N, hidden], top_e [N, k] (the chosen experts), weights [N, k]:
+  // sum_j weights[n, j] expert_{top_e[n, j]}(flat[n]).
+  at::Tensor forward(const at::Tensor& flat, const at::Tensor& top_e, const at::Tensor& weights,
+                     at::TensorList t) const {
+    const int64_t k = top_e.size(1);
+    const auto expert_of = top_e.reshape({-1});
+    const auto order = at::argsort(expert_of, /*stable=*/true, /*dim=*/0, /*descending=*/false);
+    const auto token_of = at::div(order, k, "floor");
+    const auto sorted_experts = expert_of.index_select(0, order);
+    ExpertRows split{at::searchsorted(sorted_experts, at::arange(experts, expert_of.options()),
+                                      /*out_int32=*/true, /*right=*/true)};
+    const auto rows = flat.index_select(0, token_of);
+    const auto gate_up = project(rows, t[kGateUp], t[kGateUpBias], t[kGateUpA], t[kGateUpB],
+                                 gate_up_scaling, split, sorted_experts);
+    at::Tensor act;
+    if (gpt_oss) {  // Note [GPT-OSS]
+      const auto g = gate_up.slice(-1, 0, c10::nullopt, 2).clamp_max(swiglu_limit);
+      const auto up = gate_up.slice(-1, 1, c10::nullopt, 2).clamp(-swiglu_limit, swiglu_limit);
+      act = ((up + 1) * (g * at::sigmoid(g * 1.702))).contiguous();
+    } else {
+      const auto parts = gate_up.chunk(2, -1);
+      act = ops::swiglu(parts[0], parts[1]).contiguous();
+    }
+    const auto out = project(act, t[kDown], t[kDownBias], t[kDownA], t[kDownB], down_scaling, split,
+                             sorted_experts);
+    const auto weighted = out * weights.reshape({-1}).index_select(0, order).unsqueeze(-1);
+    return at::zeros_like(flat).index_add_(0, token_of, weighted);
+  }
+
+  void save(torch::autograd::AutogradContext* ctx) const {
+    ctx->saved_data["experts"] = experts;
+    ctx->saved_data["gpt_oss"] = gpt_oss;
+    ctx->saved_data["swiglu_limit"] = swiglu_limit;
+    ctx->saved_data["grouped"] = grouped;
+    ctx->saved_data["gate_up_scaling"] = gate_up_scaling;
+    ctx->saved_data["down_scaling"] = down_scaling;
+  }
+  static ExpertMath saved(torch::autograd::AutogradContext* ctx) {
+    auto& d = ctx->saved_data;
+    return {d["experts"].toInt(),  d["gpt_oss"].toBool(),           d["swiglu_limit"].toDouble(),
+            d["grouped"].toBool(), d["gate_up_scaling"].toDouble(), d["down_scaling"].toDouble()};
+  }
+};
+
+// Note [Expert token chunks]
+// A long sequence's sparse MLP holds k rows per token (Qwen3-235B-A22B at
+// 31K tokens: 254K rows; their gathered inputs, projections and
+// activations come to 6.5 GB, more than the layer's 4.7 GB of weights).
+// Like TokenChunkedMLP, beyond expert_chunk_tokens tokens the experts run
+// chunk by chunk of tokens, the forward keeping only its inputs (the
+// tokens, their chosen experts and weights) and the backward recomputing
+// one chunk at a time: the experts' activation memory is bounded by the
+// chunk, for one more forward of the experts. The routing is computed once,
+// outside (its probabilities' gradient comes back through the weights), so
+// the recomputed chunks route as the forward did.
+struct TokenChunkedExperts : torch::autograd::Function<TokenChunkedExperts> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& flat,
+                            const at::Tensor& top_e, const at::Tensor& weights, at::TensorList t,
+                            int64_t chunk, const ExpertMath& math) {
+    auto out = at::empty_like(flat);
+    for (int64_t start = 0; start < flat.size(0); start += chunk) {
+      const int64_t len = std::min(chunk, flat.size(0) - start);
+      out.narrow(0, start, len)
+          .copy_(math.forward(flat.narrow(0, start, len), top_e.narrow(0, start, len),
+                              weights.narrow(0, start, len), t));
+    }
+    std::vector<at::Tensor> saved = {flat, top_e, weights};
+    saved.insert(saved.end(), t.begin(), t.end());
+    ctx->save_for_backward(saved);
+    ctx->saved_data["chunk"] = chunk;
+    math.save(ctx);
+    return out;
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const int64_t chunk = ctx->saved_data["chunk"].toInt();
+    const auto math = ExpertMath::saved(ctx);
+    const auto &flat = saved[0], &top_e = saved[1], &weights = saved[2];
+    const auto& grad = grads[0];
+    const size_t T = saved.size() - 3;
+    const bool want_x = ctx->needs_input_grad(0), want_w = ctx->needs_input_grad(2);
+    at::Tensor grad_x = want_x ? at::empty_like(flat) : at::Tensor();
+    at::Tensor grad_w = want_w ? at::empty_like(weights) : at::Tensor();
+    // Leaves for the tensors autograd wants gradients of; their gradients
+    // add up over chunks in float32 (or wider).
+    std::vector<at::Tensor> t, sums(T);
+    for (size_t i = 0; i < T; ++i) {
+      const auto& v = saved[3 + i];
+      t.push_back(v.numel() > 0 && ctx->needs_input_grad(3 + i) ? v.detach().requires_grad_()
+                                                                : v.detach());
+    }
+    for (int64_t start = 0; start < flat.size(0); start += chunk) {
+      const int64_t len = std::min(chunk, flat.size(0) - start);
+      c10::AutoGradMode grad_mode(true);
+      auto x = flat.narrow(0, start, len).detach().requires_grad_(want_x);
+      auto w = weights.narrow(0, start, len).detach().requires_grad_(want_w);
+      std::vector<at::Tensor> inputs;
+      if (want_x) inputs.push_back(x);
+      if (want_w) inputs.push_back(w);
+      for (const auto& v : t)
+        if (v.requires_grad()) inputs.push_back(v);
+      if (inputs.empty()) break;
+      const auto y = math.forward(x, top_e.narrow(0, start, len), w, t);
+      const auto g = torch::autograd::grad({y}, inputs, {grad.narrow(0, start, len)},
+                                           /*retain_graph=*/false, /*create_graph=*/false,
+                                           /*allow_unused=*/true);
+      size_t next = 0;
+      auto take = [&](at::Tensor& into) {
+        const auto& gi = g[next++];
+        if (gi.defined())
+          into.narrow(0, start, len).copy_(gi);
+        else
+          into.narrow(0, start, len).zero_();
+      };
+      if (want_x) take(grad_x);
+      if (want_w) take(grad_w);
+      for (size_t i = 0; i < T; ++i) {
+        if (!t[i].requires_grad()) continue;
+        const auto& gi = g[next++];
+        if (!gi.defined()) continue;
+        sums[i] = sums[i].defined() ? sums[i].add_(gi)
+                                    : gi.to(at::promote_types(gi.scalar_type(), at::kFloat));
+      }
+    }
+    torch::autograd::variable_list out = {grad_x, at::Tensor(), grad_w};
+    for (size_t i = 0; i < T; ++i)
+      out.push_back(sums[i].defined() ? sums[i].to(saved[3 + i].scalar_type()) : at::Tensor());
+    out.push_back(at::Tensor());  // chunk
+    out.push_back(at::Tensor());  // math
+    return out;
+  }
+};
 
 // Note [Router load-balancing loss]
 // transformers' load_balancing_loss_func (Switch Transformer's loss): over
@@ -657,12 +830,13 @@ at::Tensor router_aux_loss(const at::Tensor& stats) {
 struct SparseMoeImpl : torch::nn::Cloneable<SparseMoeImpl> {
   CausalLMConfig config;
   bool grouped;
+  int64_t chunk_tokens;  // > 0: longer inputs go by TokenChunkedExperts
   LoraOptions lora;
   BareWeight gate{nullptr};  // the router (Qwen3-MoE)
   Linear router{nullptr};    // GPT-OSS's, with a bias
   MoeExperts experts{nullptr};
-  SparseMoeImpl(CausalLMConfig c, bool grouped_experts, LoraOptions l)
-      : config(std::move(c)), grouped(grouped_experts), lora(std::move(l)) {
+  SparseMoeImpl(CausalLMConfig c, bool grouped_experts, int64_t chunk, LoraOptions l)
+      : config(std::move(c)), grouped(grouped_experts), chunk_tokens(chunk), lora(std::move(l)) {
     reset();
   }
   void reset() override {
@@ -677,46 +851,40 @@ struct SparseMoeImpl : torch::nn::Cloneable<SparseMoeImpl> {
   }
   std::shared_ptr<torch::nn::Module> clone(
       const std::optional<c10::Device>& device = std::nullopt) const override {
-    return copy_module(*this,
-                       [&] { return std::make_shared<SparseMoeImpl>(config, grouped, lora); });
+    return copy_module(*this, [&] {
+      return std::make_shared<SparseMoeImpl>(config, grouped, chunk_tokens, lora);
+    });
+  }
+  ExpertMath math() const {
+    ExpertMath m;
+    m.experts = config.num_experts;
+    m.gpt_oss = config.gpt_oss_experts;
+    m.swiglu_limit = config.swiglu_limit;
+    m.grouped = grouped;
+    if (experts->gate_up_lora) m.gate_up_scaling = experts->gate_up_lora->scaling;
+    if (experts->down_lora) m.down_scaling = experts->down_lora->scaling;
+    return m;
   }
   // The layer's output; with `stats`, its router statistics added into it
   // (Note [Router load-balancing loss]).
   at::Tensor forward(const at::Tensor& x, const std::optional<SequenceLayout>& layout = {},
                      at::Tensor* stats = nullptr) {
-    const int64_t E = config.num_experts, k = config.num_experts_per_tok;
+    const int64_t k = config.num_experts_per_tok;
     const auto flat = x.reshape({-1, x.size(-1)});
     const auto logits = router ? router(flat) : at::linear(flat, gate->weight);
     const auto probs = at::softmax(logits, -1, at::kFloat);
     auto [top_p, top_e] = at::topk(probs, k, -1);
     if (stats) *stats = *stats + router_statistics(probs, top_e, layout);
     if (config.norm_topk_prob) top_p = top_p / top_p.sum(-1, /*keepdim=*/true);
-    const auto weights = top_p.to(logits.scalar_type()).reshape({-1});
-    const auto expert_of = top_e.reshape({-1});
-    const auto order = at::argsort(expert_of, /*stable=*/true, /*dim=*/0, /*descending=*/false);
-    const auto token_of = at::div(order, k, "floor");
-    const auto ends = at::searchsorted(expert_of.index_select(0, order),
-                                       at::arange(E, expert_of.options()), /*out_int32=*/true,
-                                       /*right=*/true);
-    const auto rows = flat.index_select(0, token_of);
-    const auto sorted_experts = expert_of.index_select(0, order);
-    const auto& ex = *experts;
-    const auto gate_up = ex.project(rows, ex.gate_up_proj, ex.gate_up_proj_bias, ex.gate_up_lora,
-                                    ends, sorted_experts, grouped);
-    at::Tensor act;
-    if (config.gpt_oss_experts) {  // Note [GPT-OSS]
-      const double limit = config.swiglu_limit;
-      const auto g = gate_up.slice(-1, 0, c10::nullopt, 2).clamp_max(limit);
-      const auto up = gate_up.slice(-1, 1, c10::nullopt, 2).clamp(-limit, limit);
-      act = ((up + 1) * (g * at::sigmoid(g * 1.702))).contiguous();
-    } else {
-      const auto parts = gate_up.chunk(2, -1);
-      act = ops::swiglu(parts[0], parts[1]).contiguous();
-    }
-    const auto out = ex.project(act, ex.down_proj, ex.down_proj_bias, ex.down_lora, ends,
-                                sorted_experts, grouped);
-    const auto weighted = out * weights.index_select(0, order).unsqueeze(-1);
-    return at::zeros_like(flat).index_add_(0, token_of, weighted).view(x.sizes());
+    const auto weights = top_p.to(logits.scalar_type());
+    const auto tensors = experts->tensors();
+    // With or without grad: without, the chunks alone bound the
+    // intermediates (Note [Expert token chunks]).
+    if (chunk_tokens > 0 && flat.size(0) > chunk_tokens)
+      return TokenChunkedExperts::apply(flat, top_e, weights, at::TensorList(tensors), chunk_tokens,
+                                        math())
+          .view(x.sizes());
+    return math().forward(flat, top_e, weights, tensors).view(x.sizes());
   }
 };
 TORCH_MODULE(SparseMoe);
@@ -796,7 +964,7 @@ std::vector<c10::IValue> split_decoder_input_rows(const c10::IValue& input,
 
 struct DecoderLayerImpl : torch::nn::Cloneable<DecoderLayerImpl>, SplitsInputRows {
   CausalLMConfig config;
-  int64_t mlp_chunk_tokens;
+  int64_t mlp_chunk_tokens, expert_chunk_tokens;
   int64_t index;  // which layer: its attention window
   bool grouped_experts;
   Attention self_attn{nullptr};
@@ -804,9 +972,11 @@ struct DecoderLayerImpl : torch::nn::Cloneable<DecoderLayerImpl>, SplitsInputRow
   SparseMoe moe{nullptr};  // a sparse one's (registered as "mlp", as transformers names it)
   RMSNorm input_layernorm{nullptr}, post_attention_layernorm{nullptr};
   LoraOptions lora;
-  DecoderLayerImpl(CausalLMConfig c, int64_t mlp_chunk, int64_t layer, bool grouped, LoraOptions l)
+  DecoderLayerImpl(CausalLMConfig c, int64_t mlp_chunk, int64_t expert_chunk, int64_t layer,
+                   bool grouped, LoraOptions l)
       : config(std::move(c)),
         mlp_chunk_tokens(mlp_chunk),
+        expert_chunk_tokens(expert_chunk),
         index(layer),
         grouped_experts(grouped),
         lora(std::move(l)) {
@@ -816,7 +986,7 @@ struct DecoderLayerImpl : torch::nn::Cloneable<DecoderLayerImpl>, SplitsInputRow
     self_attn =
         register_module("self_attn", Attention(config, config.attention_window(index), lora));
     if (config.sparse_layer(index)) {
-      moe = register_module("mlp", SparseMoe(config, grouped_experts, lora));
+      moe = register_module("mlp", SparseMoe(config, grouped_experts, expert_chunk_tokens, lora));
     } else {
       mlp = register_module("mlp", MLP(config, lora));
       // (The token-chunked MLP takes the base weights only.)
@@ -847,8 +1017,8 @@ struct DecoderLayerImpl : torch::nn::Cloneable<DecoderLayerImpl>, SplitsInputRow
   std::shared_ptr<torch::nn::Module> clone(
       const std::optional<c10::Device>& device = std::nullopt) const override {
     return copy_module(*this, [&] {
-      return std::make_shared<DecoderLayerImpl>(config, mlp_chunk_tokens, index, grouped_experts,
-                                                lora);
+      return std::make_shared<DecoderLayerImpl>(config, mlp_chunk_tokens, expert_chunk_tokens,
+                                                index, grouped_experts, lora);
     });
   }
   std::vector<c10::IValue> split_input_rows(const c10::IValue& input,
@@ -1046,8 +1216,9 @@ CausalLM::CausalLM(CausalLMConfig config, CausalLMOptions options)
   InputAdapter input(config_);
   sequential_->push_back(input);
   for (int64_t i = 0; i < config_.num_hidden_layers; ++i)
-    sequential_->push_back(DecoderLayer(config_, options_.mlp_chunk_tokens, i,
-                                        options_.grouped_experts, options_.lora));
+    sequential_->push_back(DecoderLayer(config_, options_.mlp_chunk_tokens,
+                                        options_.expert_chunk_tokens, i, options_.grouped_experts,
+                                        options_.lora));
   sequential_->push_back(OutputAdapter(
       config_, options_, config_.tie_word_embeddings ? input->embed_tokens->weight : at::Tensor()));
   c10::NoGradGuard no_grad;

@@ -118,12 +118,14 @@ TEST_P(CausalLMTest, PlainModelMatchesTransformers) {
   const auto ref = safetensors::load_file((dir / "reference.safetensors").string());
   for (bool return_logits : {true, false}) {
     SCOPED_TRACE(return_logits ? "logits + loss"
-                               : "fused chunked loss, MLP in token chunks recomputed in backward");
+                               : "fused chunked loss, MLP and experts in token chunks recomputed "
+                                 "in backward");
     auto model = models::CausalLM::from_pretrained(
         dir.string(), models::CausalLMOptions()
                           .set_return_logits(return_logits)
                           .set_loss_chunk_tokens(5)
-                          .set_mlp_chunk_tokens(return_logits ? 0 : 5));
+                          .set_mlp_chunk_tokens(return_logits ? 0 : 5)
+                          .set_expert_chunk_tokens(return_logits ? 0 : 5));
     auto out = model.sequential()->forward<c10::IValue>(model_input(ref));
     at::Tensor loss;
     if (return_logits) {
@@ -371,19 +373,24 @@ TEST(CausalLMRouterLoss, MicrobatchesWeightTheirOwnRouterLossByTokens) {
 
 // Note [Expert routing]: the experts as one grouped product or a loop of
 // per-expert products give transformers' results alike (the reference
-// cases' shapes take the grouped path; CausalLMTest runs that).
+// cases' shapes take the grouped path; CausalLMTest runs that), in token
+// chunks too (Note [Expert token chunks]: 7 tokens a chunk leaves some
+// experts without rows in a chunk).
 TEST(CausalLMExperts, LoopedExpertsMatchTransformers) {
   for (const std::string name :
        {"qwen3_moe_padded", "qwen3_moe_router_loss_packed", "gpt_oss_left_padded"}) {
-    SCOPED_TRACE(name);
-    const auto dir = reference_root() / name;
-    const auto ref = safetensors::load_file((dir / "reference.safetensors").string());
-    auto model = models::CausalLM::from_pretrained(
-        dir.string(), models::CausalLMOptions().set_grouped_experts(false));
-    auto loss = model.sequential()->forward<c10::IValue>(model_input(ref)).toTensor();
-    EXPECT_TENSOR_NEAR(loss, ref.get("loss"), kTol, "loss");
-    loss.backward();
-    expect_grads(model, ref);
+    for (int64_t chunk : {0, 7}) {
+      SCOPED_TRACE(name + ", token chunks of " + std::to_string(chunk));
+      const auto dir = reference_root() / name;
+      const auto ref = safetensors::load_file((dir / "reference.safetensors").string());
+      auto model = models::CausalLM::from_pretrained(
+          dir.string(),
+          models::CausalLMOptions().set_grouped_experts(false).set_expert_chunk_tokens(chunk));
+      auto loss = model.sequential()->forward<c10::IValue>(model_input(ref)).toTensor();
+      EXPECT_TENSOR_NEAR(loss, ref.get("loss"), kTol, "loss");
+      loss.backward();
+      expect_grads(model, ref);
+    }
   }
 }
 
@@ -570,7 +577,8 @@ TEST(GptOss, Mxfp4ExpertsLoadAsTransformersDequantisesThem) {
 // Note [Expert LoRA]: adapters on the experts' stacked weights, grouped or
 // looped, through RoundPipe or plain, give one result (peft's: the Python
 // tests); rank 3 makes the adapter's products too narrow for _grouped_mm
-// (12-byte rows), rank 4 takes it.
+// (12-byte rows), rank 4 takes it; in token chunks (Note [Expert token
+// chunks]) too.
 TEST(CausalLMLora, ExpertAdaptersGroupedOrLoopedAgree) {
   const auto dir = reference_root() / "qwen3_moe_padded";
   const auto ref = safetensors::load_file((dir / "reference.safetensors").string());
@@ -582,13 +590,16 @@ TEST(CausalLMLora, ExpertAdaptersGroupedOrLoopedAgree) {
       at::Tensor loss;
       std::vector<at::Tensor> grads;
     };
-    auto run = [&](bool grouped, bool pipelined) {
-      auto options = models::CausalLMOptions().set_grouped_experts(grouped).set_lora(
-          models::LoraOptions()
-              .set_rank(rank)
-              .set_alpha(8)
-              .set_targets({"q_proj"})
-              .set_target_parameters({"mlp.experts.gate_up_proj", "experts.down_proj"}));
+    auto run = [&](bool grouped, bool pipelined, int64_t chunk = 0) {
+      auto options = models::CausalLMOptions()
+                         .set_grouped_experts(grouped)
+                         .set_expert_chunk_tokens(chunk)
+                         .set_lora(models::LoraOptions()
+                                       .set_rank(rank)
+                                       .set_alpha(8)
+                                       .set_targets({"q_proj"})
+                                       .set_target_parameters(
+                                           {"mlp.experts.gate_up_proj", "experts.down_proj"}));
       auto model = models::CausalLM::from_pretrained(dir.string(), options);
       {
         c10::NoGradGuard no_grad;
@@ -632,8 +643,16 @@ TEST(CausalLMLora, ExpertAdaptersGroupedOrLoopedAgree) {
     };
     const auto plain = run(false, false);
     EXPECT_EQ(plain.grads.size(), 2u * (3 + 2 * 2)) << "q_proj in 3 layers, 2 weights in 2 sparse";
-    for (auto [grouped, pipelined] : {std::pair{true, false}, std::pair{true, true}}) {
-      const auto other = run(grouped, pipelined);
+    struct Variant {
+      bool grouped, pipelined;
+      int64_t chunk;  // Note [Expert token chunks]
+    };
+    for (auto [grouped, pipelined, chunk] : {Variant{true, false, 0}, Variant{true, true, 0},
+                                             Variant{false, false, 5}, Variant{true, true, 3}}) {
+      SCOPED_TRACE(std::string(grouped ? "grouped" : "looped") +
+                   (pipelined ? ", through RoundPipe" : "") + ", token chunks of " +
+                   std::to_string(chunk));
+      const auto other = run(grouped, pipelined, chunk);
       EXPECT_TENSOR_NEAR(other.loss, plain.loss, kTol, "loss");
       ASSERT_EQ(other.grads.size(), plain.grads.size());
       for (size_t i = 0; i < plain.grads.size(); ++i)

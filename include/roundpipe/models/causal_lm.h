@@ -115,6 +115,9 @@ struct CausalLMOptions {
   // chunk, recomputing a chunk's activations in backward (long sequences:
   // bounded activation memory for 1/3 more MLP forward work); 0 = never.
   int64_t mlp_chunk_tokens = 16384;
+  // The same for a mixture-of-experts layer's experts, which hold
+  // num_experts_per_tok rows per token (Note [Expert token chunks]).
+  int64_t expert_chunk_tokens = 4096;
   // Allocate the weights in pinned host memory, so that from_pretrained
   // copies the mapped checkpoint straight into memory the GPUs upload from
   // (RoundPipe's pin_model=alloc then keeps it as is). Needs CUDA.
@@ -137,6 +140,10 @@ struct CausalLMOptions {
   }
   CausalLMOptions& set_mlp_chunk_tokens(int64_t v) {
     mlp_chunk_tokens = v;
+    return *this;
+  }
+  CausalLMOptions& set_expert_chunk_tokens(int64_t v) {
+    expert_chunk_tokens = v;
     return *this;
   }
   CausalLMOptions& set_init_weights(bool v) {
