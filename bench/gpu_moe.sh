@@ -16,6 +16,9 @@ set -uo pipefail
 out="${OUT:-$PWD/bench-out}"; mkdir -p "$out"
 py=python3
 source bench/gpu_install.sh
+# The MoE tests with the cuda backend beside the simulated ones.
+[ -z "${PYTEST:-}" ] || timeout 150 $py -m pytest -q -p no:cacheprovider tests/python/test_hf_presets.py \
+  tests/python/test_lora.py -k "$PYTEST" 2>&1 | tee "$out/pytest.log" | tail -4
 steps="${STEPS:-4}" batch="${BATCH:-8}" seq="${SEQ:-2048}"
 run() {  # what, then moe_bench.py arguments
   local what=$1; shift
@@ -32,7 +35,4 @@ done
 # Four decoder layers of Qwen3-235B-A22B at the paper's 31K tokens, one
 # sequence, for the estimate's per-layer costs (the plan on measured costs).
 [ -z "${ESTIMATE:-}" ] || VERBOSE=1 MICROBATCHES=1 run "235B-A22B layers" roundpipe 235B-A22B-4L 24 1 31744 3 1
-# The MoE tests with the cuda backend beside the simulated ones.
-[ -z "${PYTEST:-}" ] || timeout 200 $py -m pytest -q -p no:cacheprovider tests/python/test_hf_presets.py \
-  tests/python/test_lora.py -k "$PYTEST" 2>&1 | tee "$out/pytest.log" | tail -4
 echo "total ${SECONDS}s"
