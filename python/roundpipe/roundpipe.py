@@ -219,6 +219,11 @@ class RoundPipe(PassThroughToModel, nn.Module):
       each process feeds its own shard, and step() first averages the
       gradients over the group. Default: torch.distributed's default group
       when it is initialised (torchrun), else none; False: none
+    - shard_optimizer_state: with a process group, each process owns about
+      1/N of the masters (optim_parameters() gives those, so the optimizer
+      keeps state for them alone); step() reduces each gradient to its owner
+      and broadcasts the updated masters (roundpipe.distributed); checkpoint
+      with roundpipe.distributed.save_sharded / load_sharded
 
     Attributes the wrapper lacks are read from the original model (e.g.
     ``model.config``); writes go to both.
@@ -235,6 +240,7 @@ class RoundPipe(PassThroughToModel, nn.Module):
         model_memory_limit: Optional[float] = None,
         verbose: bool = False,
         process_group=None,
+        shard_optimizer_state: bool = False,
         *,
         _layers=None,
     ):
@@ -263,6 +269,8 @@ class RoundPipe(PassThroughToModel, nn.Module):
         object.__setattr__(self, "_model_run_config", model_run_config)
         object.__setattr__(self, "_optim_dtype", optim_dtype)
         object.__setattr__(self, "_process_group", group)
+        object.__setattr__(self, "_shard_optimizer_state", bool(shard_optimizer_state))
+        object.__setattr__(self, "_shards", None)
         object.__setattr__(self, "_engine", _C.Engine(
             _layers, optim_dtype, name or _call_site(), pin_model, devices or "",
             model_memory_limit, bool(verbose or ModelTimer.VERBOSE)))
@@ -351,7 +359,23 @@ class RoundPipe(PassThroughToModel, nn.Module):
             raise TypeError("step() takes a function that steps the optimizer, e.g. lambda: (opt.step(), opt.zero_grad())")
         if args or kwargs:  # the original's step(step_fn, is_async, *args, **kwargs)
             step_fn = functools.partial(step_fn, *args, **kwargs)
-        if self._process_group is not None:  # roundpipe.distributed: the mean over ranks first
+        if self._shard_optimizer_state and self._process_group is not None:
+            # roundpipe.distributed: each owner's mean gradient, its update,
+            # then its new masters to everyone
+            user_step, group, shards = step_fn, self._process_group, self._optimizer_shards()
+
+            def step_fn():
+                try:
+                    shards.reduce_gradients()
+                except RuntimeError as e:
+                    raise distributed.describe_failure(e, group, "reducing the gradients to their owners") from e
+                result = user_step()
+                try:
+                    shards.broadcast_masters()
+                except RuntimeError as e:
+                    raise distributed.describe_failure(e, group, "broadcasting the updated masters") from e
+                return result
+        elif self._process_group is not None:  # roundpipe.distributed: the mean over ranks first
             user_step, group, masters = step_fn, self._process_group, self.optim_parameters()
 
             def step_fn():
@@ -377,8 +401,19 @@ class RoundPipe(PassThroughToModel, nn.Module):
 
     def optim_parameters(self) -> list:
         """The optimizer's master copies (optim_dtype) of the trainable
-        parameters, created on first use; tied parameters appear once."""
+        parameters, created on first use; tied parameters appear once. With
+        shard_optimizer_state, this process's share of them."""
+        if self._shard_optimizer_state:
+            shards = self._optimizer_shards()
+            return [shards.masters[i] for i in shards.owned()]
         return list(self._engine.optim_parameters())
+
+    def _optimizer_shards(self) -> "distributed.OptimizerShards":
+        """Which process owns which master (every master, engine names)."""
+        if self._shards is None:
+            object.__setattr__(self, "_shards", distributed.OptimizerShards(
+                self._engine.optim_named_parameters(), self._process_group))
+        return self._shards
 
     def optim_named_parameters(self, prefix: str = "", remove_duplicate: bool = True) -> list:
         """(name, master) pairs, named as in the original model (``prefix``
@@ -386,6 +421,9 @@ class RoundPipe(PassThroughToModel, nn.Module):
         first name, or (remove_duplicate=False) under each of its names."""
         dot = prefix + "." if prefix else ""
         pairs = [(self._names.get(n, n), p) for n, p in self._engine.optim_named_parameters()]
+        if self._shard_optimizer_state:
+            mine = {id(p) for p in self.optim_parameters()}
+            pairs = [(n, p) for n, p in pairs if id(p) in mine]
         if remove_duplicate:
             return [(dot + n, p) for n, p in pairs]
         aliases = {}  # first name -> every name of that parameter

@@ -341,6 +341,10 @@ PYBIND11_MODULE(_C, m) {
              return py::make_tuple(result.loss, to_python(result.output));
            })
       .def("synchronize", &RoundPipe::synchronize, py::call_guard<py::gil_scoped_release>())
+      .def("wait_for_background_work", &RoundPipe::wait_for_background_work,
+           py::call_guard<py::gil_scoped_release>())
+      .def("restore_pending_update", &RoundPipe::restore_pending_update,
+           py::call_guard<py::gil_scoped_release>())
       .def(
           "step",
           [](RoundPipe& self, py::object step_fn, bool is_async) {
