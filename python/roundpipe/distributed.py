@@ -39,10 +39,22 @@ def resolve_group(process_group):
     if process_group is False:
         return None
     if process_group is None:
+        init_from_environment()
         if not (dist.is_available() and dist.is_initialized()):
             return None
         process_group = dist.group.WORLD
     return process_group if dist.get_world_size(process_group) > 1 else None
+
+
+def init_from_environment() -> None:
+    """Under torchrun (WORLD_SIZE > 1 in the environment, with RANK,
+    MASTER_ADDR and MASTER_PORT) and no process group yet: the default
+    group, on Gloo (the gradients and masters it averages are in CPU
+    memory), so that a one-process script runs unchanged."""
+    import torch.distributed as dist
+
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and dist.is_available() and not dist.is_initialized():
+        dist.init_process_group("gloo")
 
 
 def check_same_weights(parameters, group, what: str) -> None:

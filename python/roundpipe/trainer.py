@@ -20,6 +20,7 @@ throughput and memory go to ``output_dir/metrics.jsonl`` (what
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -45,6 +46,7 @@ class TrainingArguments:
     warmup_steps: int = 0
     warmup_ratio: float = 0.0         # instead of warmup_steps
     weight_decay: float = 0.0         # on matrices; never on norms nor biases
+    adam_epsilon: float = 1e-8        # AdamW's eps (transformers' name)
     max_grad_norm: float = 1.0        # 0: measure the norm, clip nothing
     seq_len: int = 2048               # tokens per example (cut) and per packed row
     packing: bool = True              # pack examples into rows (position_ids), else pad
@@ -159,9 +161,10 @@ def pack(examples: Sequence[Example], seq_len: int, min_rows: int = 1, pad_id: i
 
 
 def step_batches(data: Sequence[Example], args: TrainingArguments, step: int, rows_at_least: int,
-                 pad_id: int = 0) -> List[tuple]:
+                 pad_id: int = 0, part: tuple = (0, 1)) -> List[tuple]:
     """The grad_accum batches of `step` (examples in a shuffle by seed and
-    epoch, wrapping around), each with its number of tokens."""
+    epoch, wrapping around), each with its number of tokens; `part` (rank,
+    world): that rank's contiguous share of each batch's examples."""
     n = len(data)
     per_step = args.batch_size * args.grad_accum
     steps_per_epoch = max(1, n // per_step)
@@ -170,7 +173,9 @@ def step_batches(data: Sequence[Example], args: TrainingArguments, step: int, ro
     first = (step % steps_per_epoch) * per_step
     out = []
     for a in range(args.grad_accum):
-        picks = [order[(first + a * args.batch_size + j) % n] for j in range(args.batch_size)]
+        share = args.batch_size // part[1]
+        picks = [order[(first + a * args.batch_size + j) % n]
+                 for j in range(part[0] * share, (part[0] + 1) * share)]
         examples = [data[int(i)] for i in picks]
         examples = [Example(e.input_ids[:args.seq_len], e.trained[:args.seq_len]) for e in examples]
         batch = (pack(examples, args.seq_len, rows_at_least, pad_id) if args.packing
@@ -251,13 +256,22 @@ def train(model, data, args: Optional[TrainingArguments] = None, **kwargs) -> Tr
         pipe, hf = wrap_model_to_roundpipe(model, model_run_config=config), model
     rows_at_least = args.num_microbatch or pipe.model_run_config.num_microbatch or len(pipe.devices) + 1
     pad_id = getattr(getattr(hf, "config", None), "pad_token_id", None) or 0
+    # Data parallel (roundpipe.distributed, e.g. under torchrun): each rank
+    # trains on its share of every batch; rank 0 alone writes and prints.
+    group = getattr(pipe, "_process_group", None)
+    rank, world = (torch.distributed.get_rank(group), torch.distributed.get_world_size(group)) \
+        if group is not None else (0, 1)
+    if args.batch_size % world:
+        raise ValueError(f"TrainingArguments: batch_size {args.batch_size} does not split over {world} processes: "
+                         f"make it a multiple of {world} (each process trains on batch_size / {world} examples)")
+    writes = rank == 0
 
     decayed, not_decayed = [], []
     for name, p in pipe.optim_named_parameters():
         (decayed if weight_decay_applies(name) else not_decayed).append(p)
     groups = [g for g in (dict(params=decayed, weight_decay=args.weight_decay),
                           dict(params=not_decayed, weight_decay=0.0)) if g["params"]]
-    optimizer = rp_optim.AdamW(groups, lr=args.lr)
+    optimizer = rp_optim.AdamW(groups, lr=args.lr, eps=args.adam_epsilon)
     per_step = args.batch_size * args.grad_accum
     total_steps = args.max_steps or args.num_epochs * max(1, len(data) // per_step)
     scheduler = _schedule(optimizer, args, total_steps)
@@ -265,8 +279,18 @@ def train(model, data, args: Optional[TrainingArguments] = None, **kwargs) -> Tr
 
     result = TrainResult(metrics_path=os.path.join(args.output_dir, "metrics.jsonl"))
 
+    # Under data parallel, a step's loss is the mean of the ranks' shares
+    # (each a sum over its tokens divided by the step's count / world),
+    # found on the optimizer thread after the gradients' average: the
+    # collectives of a group run on that one thread, in step order.
+    global_losses = {}
+
     # On the optimizer thread, in step order: clip, update, advance the rate.
-    def step_fn():
+    def step_fn(step, local_loss):
+        if group is not None:
+            total = torch.tensor([local_loss], dtype=torch.float64)
+            torch.distributed.all_reduce(total, group=group)
+            global_losses[step] = float(total) / world
         grads = [p.grad for p in params if p.grad is not None]
         if args.max_grad_norm > 0:
             norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
@@ -279,14 +303,14 @@ def train(model, data, args: Optional[TrainingArguments] = None, **kwargs) -> Tr
         optimizer.zero_grad()
 
     writer = None
-    if args.tensorboard is not False:
+    if args.tensorboard is not False and writes:
         try:
             from torch.utils.tensorboard import SummaryWriter
             writer = SummaryWriter(os.path.join(args.output_dir, "tensorboard"))
         except ImportError:
             if args.tensorboard:
                 raise
-    metrics = open(result.metrics_path, "w")
+    metrics = open(result.metrics_path if writes else os.devnull, "w")
     unwritten: List[dict] = []
 
     def write_known(final=False):
@@ -303,7 +327,10 @@ def train(model, data, args: Optional[TrainingArguments] = None, **kwargs) -> Tr
                     unwritten.pop(0)
                     continue
                 line["grad_norm"], line["lr"] = result.grad_norms[k], result.learning_rates[k]
+                if k in global_losses:
+                    line["loss"] = global_losses[k]
                 if writer is not None:
+                    writer.add_scalar("train/loss", line["loss"], line["step"])
                     writer.add_scalar("train/grad_norm", line["grad_norm"], line["step"])
                     writer.add_scalar("train/learning_rate", line["lr"], line["step"])
             metrics.write(json.dumps(line) + "\n")
@@ -311,7 +338,7 @@ def train(model, data, args: Optional[TrainingArguments] = None, **kwargs) -> Tr
         metrics.flush()
 
     def run_eval(step):
-        if eval_data is None:
+        if eval_data is None or not writes:
             return
         loss = evaluate(pipe, eval_data, args.batch_size, args.num_microbatch, pad_id)
         result.eval_losses.append((step, loss))
@@ -322,18 +349,24 @@ def train(model, data, args: Optional[TrainingArguments] = None, **kwargs) -> Tr
     start = last = time.perf_counter()
     try:
         for step in range(total_steps):
-            batches = step_batches(data, args, step, rows_at_least, pad_id)
-            items = sum(_labelled(b["labels"]) for b, _ in batches)
+            batches = step_batches(data, args, step, rows_at_least, pad_id, (rank, world))
+            # The step's labelled tokens over every rank's share (each rank
+            # packs them all: no collective on this thread), divided by the
+            # ranks, whose gradients are then averaged.
+            items = sum(_labelled(b["labels"]) for r in range(world)
+                        for b, _ in (batches if r == rank else
+                                     step_batches(data, args, step, rows_at_least, pad_id, (r, world))))
             # (A step whose examples have no labels, cut by seq_len, gets
             # zero loss and gradients rather than 0 / 0.)
             tokens = sum(n for _, n in batches)
             loss = 0.0
             for b, _ in batches:
-                loss += float(pipe.forward_backward(input_kwargs=dict(b, num_items_in_batch=max(items, 1))))
+                loss += float(pipe.forward_backward(
+                    input_kwargs=dict(b, num_items_in_batch=max(items, 1) / world)))
             if not math.isfinite(loss):
                 raise FloatingPointError(f"the loss is {loss} at step {step + 1}: training diverged "
                                          "(lower lr, or train in float32)")
-            pipe.step(step_fn, is_async=not args.sync_step)
+            pipe.step(functools.partial(step_fn, step, loss), is_async=not args.sync_step)
             now = time.perf_counter()
             result.tokens += tokens
             result.losses.append(loss)
@@ -344,19 +377,23 @@ def train(model, data, args: Optional[TrainingArguments] = None, **kwargs) -> Tr
             last = now
             unwritten.append(line)
             if writer is not None:
-                writer.add_scalar("train/loss", loss, step + 1)
                 writer.add_scalar("train/tokens_per_second", line["tokens_per_second"], step + 1)
             if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 < total_steps:
                 run_eval(step + 1)
                 last = time.perf_counter()  # (evaluations count for no step's time)
             write_known()
-            if (step + 1) % args.log_every == 0 or step + 1 == total_steps:
-                # The newest norm known (an async step's arrives during the next).
+            if writes and ((step + 1) % args.log_every == 0 or step + 1 == total_steps):
+                # The newest norm known (an async step's arrives during the
+                # next); under data parallel the loss is the newest known too.
                 norms = list(result.grad_norms)
                 norm = f"  grad norm {norms[-1]:.3g} (step {len(norms)})" if norms else ""
-                print(f"step {step + 1}/{total_steps}  loss {loss:.4f}{norm}  "
-                      f"{line['tokens_per_second']:.0f} tokens/s", flush=True)
+                shown = f"{loss:.4f}" if group is None else \
+                    (f"{global_losses[len(norms) - 1]:.4f} (step {len(norms)})" if norms else "-")
+                print(f"step {step + 1}/{total_steps}  loss {shown}{norm}  "
+                      f"{line['tokens_per_second'] * world:.0f} tokens/s", flush=True)
         pipe.synchronize()
+        if group is not None:
+            result.losses = [global_losses[k] for k in range(total_steps)]
         run_eval(total_steps)
         write_known()
     finally:
@@ -366,7 +403,7 @@ def train(model, data, args: Optional[TrainingArguments] = None, **kwargs) -> Tr
             writer.close()
     result.steps = total_steps
     result.seconds = time.perf_counter() - start
-    if args.save_model and hf is not None and hasattr(hf, "save_pretrained"):
+    if args.save_model and writes and hf is not None and hasattr(hf, "save_pretrained"):
         hf.save_pretrained(args.output_dir)
     return result
 

@@ -11,6 +11,7 @@ Tolerance: fp32, the same sums in another order (the all-reduce adds the
 shards' gradients, the reference the whole batch's rows), through 3 Adam
 steps: conftest's assert_adam_weights_close."""
 import datetime
+import json
 import os
 
 import pytest
@@ -87,6 +88,34 @@ def train(model, rank=0, world=1, is_async=False, sharded=False, steps=range(STE
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
+def tool_examples(n=48):
+    """Prompt/completion examples of random lengths (the completion trained)."""
+    from roundpipe.token_file import Example
+    g = torch.Generator().manual_seed(5)
+    out = []
+    for _ in range(n):
+        length = int(torch.randint(6, 20, (1,), generator=g))
+        prompt = int(torch.randint(1, length - 2, (1,), generator=g))
+        out.append(Example(torch.randint(3, 90, (length,), generator=g).tolist(),
+                           [0] * prompt + [1] * (length - prompt)))
+    return out
+
+
+def train_tool(output_dir, is_async):
+    """roundpipe.train on a tiny Qwen3 (fp32): clipping that binds, 2
+    accumulated calls a step, packed rows, Adam's eps at ADAM_EPS (weights
+    comparable: conftest); returns its losses, norms, the trained weights
+    and what it wrote."""
+    from hf_models import tiny_qwen3
+    model = tiny_qwen3()
+    result = roundpipe.train(model, tool_examples(), roundpipe.TrainingArguments(
+        output_dir=output_dir, batch_size=4, grad_accum=2, max_steps=3, lr=3e-3, max_grad_norm=0.5,
+        adam_epsilon=ADAM_EPS,
+        num_microbatch=2, sync_step=not is_async, tensorboard=False, save_model=True))
+    return (result.losses, result.grad_norms, {n: p.detach().clone() for n, p in model.named_parameters()},
+            sorted(os.listdir(output_dir)))
+
+
 def worker(rank, world, init, out, mode):
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=20))
@@ -118,6 +147,8 @@ def worker(rank, world, init, out, mode):
                     result = "finished"
                 except RuntimeError as e:
                     result = str(e)
+        elif mode.startswith("train_"):  # roundpipe.train under the group: train_{sync,async}
+            result = train_tool(os.path.join(out, f"run{rank}"), is_async=mode == "train_async")
         elif mode.startswith("sharded"):  # sharded_{sync,async}[|save|DIR or |load|DIR]
             kind, action, directory = (mode.split("|") + ["", ""])[:3]
             report = {}
@@ -231,3 +262,49 @@ def test_a_sharded_checkpoint_resumes_with_another_number_of_processes(tmp_path,
     with pytest.raises(AssertionError):
         for name, w in reference.items():
             assert_adam_weights_close(forgot[name], w, steps=STEPS + 1, lr=LR)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_roundpipe_train_under_a_group_trains_as_one_process_and_rank_0_writes(tmp_path, mode):
+    """roundpipe.train in 2 processes (as under torchrun): each trains on
+    half of every batch, and the losses (the step's token mean over both
+    shares), gradient norms (clipping binds) and weights are one process's
+    on the whole batches; only rank 0 writes the metrics and the model."""
+    ranks = run_ranks(tmp_path, 2, f"train_{mode}")
+    losses, norms, weights, written = train_tool(str(tmp_path / "alone"), is_async=mode == "async")
+    assert all(n > 0.5 for n in norms), "clipping never bound: the test shows less"
+    for rank, (r_losses, r_norms, r_weights, r_written) in enumerate(ranks):
+        assert r_losses == pytest.approx(losses, rel=1e-4), f"rank {rank}"
+        assert r_norms == pytest.approx(norms, rel=1e-4), f"rank {rank}"
+        for name, w in weights.items():
+            assert_adam_weights_close(r_weights[name], w, steps=3, lr=3e-3)
+    assert ranks[0][3] == written and "metrics.jsonl" in written and "model.safetensors" in written
+    assert ranks[1][3] == [], "rank 1 wrote files"
+    lines = [json.loads(l) for l in open(tmp_path / "run0" / "metrics.jsonl")]
+    assert [l["loss"] for l in lines if "loss" in l] == pytest.approx(losses, rel=1e-4)
+
+
+def test_a_one_process_script_runs_unchanged_under_torchrun(tmp_path):
+    """torchrun's environment alone (no init_process_group in the script):
+    the RoundPipe made inside roundpipe.train joins the default group that
+    the package sets up on Gloo, and the two processes train as one."""
+    script = tmp_path / "script.py"
+    script.write_text(
+        "import os, sys, torch\n"
+        f"sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})\n"
+        "from test_distributed import train_tool\n"
+        "rank = int(os.environ['RANK'])\n"
+        f"result = train_tool(os.path.join({str(tmp_path)!r}, f'run{{rank}}'), is_async=False)\n"
+        f"torch.save(result, os.path.join({str(tmp_path)!r}, f'rank{{rank}}.pt'))\n")
+    import subprocess
+    import sys
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          str(script)], capture_output=True, text=True, timeout=180)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    losses, norms, weights, _ = train_tool(str(tmp_path / "alone"), is_async=False)
+    for rank in range(2):
+        r_losses, r_norms, r_weights, r_written = torch.load(tmp_path / f"rank{rank}.pt")
+        assert r_losses == pytest.approx(losses, rel=1e-4)
+        for name, w in weights.items():
+            assert_adam_weights_close(r_weights[name], w, steps=3, lr=3e-3)
+    assert torch.load(tmp_path / "rank1.pt")[3] == []
