@@ -686,7 +686,7 @@ struct ExpertMath {
     ctx->saved_data["gate_up_scaling"] = gate_up_scaling;
     ctx->saved_data["down_scaling"] = down_scaling;
   }
-  static ExpertMath saved(torch::autograd::AutogradContext* ctx) {
+  static ExpertMath load(torch::autograd::AutogradContext* ctx) {
     auto& d = ctx->saved_data;
     return {d["experts"].toInt(),  d["gpt_oss"].toBool(),           d["swiglu_limit"].toDouble(),
             d["grouped"].toBool(), d["gate_up_scaling"].toDouble(), d["down_scaling"].toDouble()};
@@ -726,7 +726,7 @@ struct TokenChunkedExperts : torch::autograd::Function<TokenChunkedExperts> {
                                                  torch::autograd::variable_list grads) {
     const auto saved = ctx->get_saved_variables();
     const int64_t chunk = ctx->saved_data["chunk"].toInt();
-    const auto math = ExpertMath::saved(ctx);
+    const auto math = ExpertMath::load(ctx);
     const auto &flat = saved[0], &top_e = saved[1], &weights = saved[2];
     const auto& grad = grads[0];
     const size_t T = saved.size() - 3;
