@@ -84,9 +84,20 @@ def check_same_weights(parameters, group, what: str) -> None:
             "before making the model")
 
 
-def average_gradients(parameters, group) -> None:
+def _reduce_in(flat, reduce_dtype, world, reduce):
+    """`reduce` (a collective summing in place) of flat / world, sent in
+    reduce_dtype (None: flat's own); returns the mean in flat's dtype."""
+    sent = (flat / world).to(reduce_dtype) if reduce_dtype not in (None, flat.dtype) else flat.div_(world)
+    reduce(sent)
+    return sent.to(flat.dtype) if sent.dtype != flat.dtype else sent
+
+
+def average_gradients(parameters, group, reduce_dtype=None) -> None:
     """Averages the parameters' .grad over the group in place (a missing
-    gradient counts as zeros, so that every rank sends the same buckets)."""
+    gradient counts as zeros, so that every rank sends the same buckets);
+    reduce_dtype: the dtype on the wire (torch.bfloat16: half the bytes of
+    float32 gradients, each rank's share rounded to 8 bits of mantissa
+    before the sum)."""
     import torch.distributed as dist
 
     world = dist.get_world_size(group)
@@ -108,8 +119,7 @@ def average_gradients(parameters, group) -> None:
             by_dtype.setdefault(q.grad.dtype, []).append(q)
         for same in by_dtype.values():
             flat = torch.cat([q.grad.reshape(-1) for q in same])
-            dist.all_reduce(flat, group=group)
-            flat.div_(world)
+            flat = _reduce_in(flat, reduce_dtype, world, lambda t: dist.all_reduce(t, group=group))
             offset = 0
             for q in same:
                 n = q.grad.numel()
@@ -134,10 +144,10 @@ class OptimizerShards:
     contiguous runs of about equal bytes; master i goes to the rank its
     middle byte falls in."""
 
-    def __init__(self, named_masters, group):
+    def __init__(self, named_masters, group, reduce_dtype=None):
         import torch.distributed as dist
 
-        self.group = group
+        self.group, self.reduce_dtype = group, reduce_dtype
         self.world = dist.get_world_size(group) if group is not None else 1
         self.rank = dist.get_rank(group) if group is not None else 0
         self.names = [n for n, _ in named_masters]
@@ -191,9 +201,9 @@ class OptimizerShards:
 
         for rank in range(self.world):
             for indices, flat in self._buckets(rank, grad_of):
-                dist.reduce(flat, dst=self._global(rank), group=self.group)
+                flat = _reduce_in(flat, self.reduce_dtype, self.world,
+                                  lambda t: dist.reduce(t, dst=self._global(rank), group=self.group))
                 if rank == self.rank:
-                    flat.div_(self.world)
                     for i in indices:
                         if self.masters[i].grad is None:
                             self.masters[i].grad = torch.zeros_like(self.masters[i])

@@ -224,6 +224,8 @@ class RoundPipe(PassThroughToModel, nn.Module):
       keeps state for them alone); step() reduces each gradient to its owner
       and broadcasts the updated masters (roundpipe.distributed); checkpoint
       with roundpipe.distributed.save_sharded / load_sharded
+    - reduce_dtype: the dtype gradients cross the network in (default: the
+      masters'); torch.bfloat16 halves float32's bytes
 
     Attributes the wrapper lacks are read from the original model (e.g.
     ``model.config``); writes go to both.
@@ -241,6 +243,7 @@ class RoundPipe(PassThroughToModel, nn.Module):
         verbose: bool = False,
         process_group=None,
         shard_optimizer_state: bool = False,
+        reduce_dtype: Optional[torch.dtype] = None,
         *,
         _layers=None,
     ):
@@ -271,6 +274,7 @@ class RoundPipe(PassThroughToModel, nn.Module):
         object.__setattr__(self, "_process_group", group)
         object.__setattr__(self, "_shard_optimizer_state", bool(shard_optimizer_state))
         object.__setattr__(self, "_shards", None)
+        object.__setattr__(self, "_reduce_dtype", reduce_dtype)
         object.__setattr__(self, "_engine", _C.Engine(
             _layers, optim_dtype, name or _call_site(), pin_model, devices or "",
             model_memory_limit, bool(verbose or ModelTimer.VERBOSE)))
@@ -380,7 +384,7 @@ class RoundPipe(PassThroughToModel, nn.Module):
 
             def step_fn():
                 try:
-                    distributed.average_gradients(masters, group)
+                    distributed.average_gradients(masters, group, self._reduce_dtype)
                 except RuntimeError as e:
                     raise distributed.describe_failure(e, group, "averaging the gradients") from e
                 return user_step()
@@ -412,7 +416,7 @@ class RoundPipe(PassThroughToModel, nn.Module):
         """Which process owns which master (every master, engine names)."""
         if self._shards is None:
             object.__setattr__(self, "_shards", distributed.OptimizerShards(
-                self._engine.optim_named_parameters(), self._process_group))
+                self._engine.optim_named_parameters(), self._process_group, self._reduce_dtype))
         return self._shards
 
     def optim_named_parameters(self, prefix: str = "", remove_duplicate: bool = True) -> list:

@@ -23,7 +23,7 @@ from torch import nn
 import roundpipe
 from roundpipe import RoundPipe
 
-from conftest import ADAM_EPS, assert_adam_weights_close
+from conftest import ADAM_EPS, GRAD_ERROR, assert_adam_weights_close
 
 STEPS, ROWS, LR = 3, 12, 1e-2
 
@@ -88,6 +88,22 @@ def train(model, rank=0, world=1, is_async=False, sharded=False, steps=range(STE
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
+def first_step_gradients(rank=0, world=1, reduce_dtype=None, sharded=False):
+    """The masters' gradients the first step's function sees (those this
+    process owns, sharded), by name."""
+    pipe = RoundPipe(make_model(), devices="sim:1", optim_dtype=torch.float32, reduce_dtype=reduce_dtype,
+                     shard_optimizer_state=sharded)
+    named = pipe.optim_named_parameters()
+    x, y = batch(0)
+    shard = ROWS // world
+    rows = slice(rank * shard, (rank + 1) * shard)
+    pipe.forward_backward(input_args=(x[rows],), label=y[rows], loss_fn=mse_over(y[rows].numel()))
+    grads = {}
+    pipe.step(lambda: grads.update({n: p.grad.clone() for n, p in named}), is_async=False)
+    pipe.synchronize()
+    return grads
+
+
 def tool_examples(n=48):
     """Prompt/completion examples of random lengths (the completion trained)."""
     from roundpipe.token_file import Example
@@ -147,6 +163,9 @@ def worker(rank, world, init, out, mode):
                     result = "finished"
                 except RuntimeError as e:
                     result = str(e)
+        elif mode.startswith("first_grads_"):  # first_grads_{float32,bfloat16}[_sharded]
+            dtype = getattr(torch, mode.split("_")[2])
+            result = first_step_gradients(rank, world, dtype, sharded=mode.endswith("_sharded"))
         elif mode.startswith("train_"):  # roundpipe.train under the group: train_{sync,async}
             result = train_tool(os.path.join(out, f"run{rank}"), is_async=mode == "train_async")
         elif mode.startswith("sharded"):  # sharded_{sync,async}[|save|DIR or |load|DIR]
@@ -308,3 +327,27 @@ def test_a_one_process_script_runs_unchanged_under_torchrun(tmp_path):
         for name, w in weights.items():
             assert_adam_weights_close(r_weights[name], w, steps=3, lr=3e-3)
     assert torch.load(tmp_path / "rank1.pt")[3] == []
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_gradients_can_cross_the_network_in_bfloat16(tmp_path, sharded):
+    """reduce_dtype=torch.bfloat16 (half of float32's bytes): the averaged
+    gradient is the whole batch's within bf16's rounding, each rank's share
+    rounded to 8 bits of mantissa (2^-9 of it) and their sum once more, so
+    within 2^-7 of the largest gradient; in float32, within the reordered
+    sums' GRAD_ERROR. The bf16 result differs from the float32 one (it is
+    used)."""
+    whole = first_step_gradients()
+    for dtype, bound in (("float32", GRAD_ERROR), ("bfloat16", 2.0 ** -7)):
+        suffix = "_sharded" if sharded else ""
+        (tmp_path / dtype).mkdir()
+        ranks = run_ranks(tmp_path / dtype, 2, f"first_grads_{dtype}{suffix}")
+        seen = {}
+        for grads in ranks:
+            seen.update(grads)
+        assert sorted(seen) == sorted(whole), "every master's averaged gradient on some rank"
+        scale = max(float(g.abs().max()) for g in whole.values())
+        worst = max(float((seen[n] - g).abs().max()) for n, g in whole.items())
+        assert worst <= bound * scale, (dtype, worst, scale)
+        if dtype == "bfloat16":
+            assert worst > GRAD_ERROR * scale, "the bf16 reduction rounded nothing: was it used?"
