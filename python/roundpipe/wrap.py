@@ -312,8 +312,11 @@ class AutoRoundPipe(PassThroughToModel, nn.Module):
     on the ones before (one update old, as RoundPipe); the glue's new
     weights are copied in at the next ``step()`` or ``synchronize()``."""
 
-    def __init__(self, model: nn.Module, pipes: list, optim_dtype: Optional[torch.dtype]):
+    def __init__(self, model: nn.Module, pipes: list, optim_dtype: Optional[torch.dtype], process_group=None,
+                 reduce_dtype: Optional[torch.dtype] = None):
         super().__init__()
+        object.__setattr__(self, "_process_group", process_group)  # (the parts have none)
+        object.__setattr__(self, "_reduce_dtype", reduce_dtype)
         object.__setattr__(self, "_model", model)
         object.__setattr__(self, "_pipes", pipes)
         object.__setattr__(self, "_optim_dtype", optim_dtype)
@@ -389,6 +392,7 @@ class AutoRoundPipe(PassThroughToModel, nn.Module):
             step_fn = functools.partial(step_fn, *args, **kwargs)
         self._publish_glue()
         glue = self._glue_named_masters()
+        group, masters = self._process_group, self.optim_parameters()
         grads = []
         for _, p, m in glue:
             grads.append(p.grad)
@@ -402,6 +406,13 @@ class AutoRoundPipe(PassThroughToModel, nn.Module):
                         if g is not None:
                             g = g.to(m.dtype)
                             m.grad = g if m.grad is None else m.grad.add_(g)
+                if group is not None:
+                    # Every master, the parts' and the glue's, in one order
+                    # and on this one thread (roundpipe.distributed).
+                    try:
+                        distributed.average_gradients(masters, group, self._reduce_dtype)
+                    except RuntimeError as e:
+                        raise distributed.describe_failure(e, group, "averaging the gradients") from e
                 in_step_function(step_fn)()
             except BaseException as e:  # noqa: BLE001 - handed to every part and to the caller
                 failure.append(e)
@@ -557,18 +568,20 @@ def wrap_model_to_roundpipe(
         if id(model) in configs:
             common["model_run_config"] = configs[id(model)]
         return RoundPipe(model, **common, **roundpipe_kwargs)
-    # Data parallel (roundpipe.distributed) needs one average over every
-    # master, the glue's too, in one order on every rank: the parts' steps
-    # run on their own threads, so automatic wrapping does not take it yet.
-    if distributed.resolve_group(roundpipe_kwargs.get("process_group")) is not None:
-        raise NotImplementedError(
-            f"data parallel across processes (a process group, or torch.distributed initialised) is not "
-            f"supported by automatic wrapping yet, and {type(model).__name__} has no preset: wrap an "
-            "nn.Sequential of its layers with RoundPipe(), or pass process_group=False for one process's "
-            "training")
-    roundpipe_kwargs["process_group"] = False  # (the parts: none)
+    # Data parallel (roundpipe.distributed): one average over every master,
+    # the parts' and the glue's, in AutoRoundPipe.step; the parts' own
+    # RoundPipes take no group.
+    group = distributed.resolve_group(roundpipe_kwargs.get("process_group"))
+    if group is not None:
+        if roundpipe_kwargs.get("shard_optimizer_state"):
+            raise NotImplementedError(
+                f"shard_optimizer_state is not supported by automatic wrapping, and {type(model).__name__} has "
+                "no preset: wrap an nn.Sequential of its layers with RoundPipe(), or leave the state replicated")
+        distributed.check_same_weights(model.named_parameters(), group, type(model).__name__)
+    roundpipe_kwargs["process_group"] = False
     upper = upper_threshold if upper_threshold is not None else max(_param_bytes(model) // 8, lower_threshold)
     pipes = []
     _auto_wrap(model, lower_threshold, upper, list(skip_modules or ()), pipes,
                dict(model_run_config=model_run_config, **roundpipe_kwargs), configs)
-    return AutoRoundPipe(model, pipes, roundpipe_kwargs.get("optim_dtype"))
+    return AutoRoundPipe(model, pipes, roundpipe_kwargs.get("optim_dtype"), group,
+                         roundpipe_kwargs.get("reduce_dtype"))
