@@ -814,11 +814,12 @@ TEST(TailGrain, TheTailRunsAsManyLayersWithGradAsTheBudgetHolds) {
       return m;
     };
     auto model = make(), oracle = make();
-    // The plan gets 3/4 of the device: what it does not meter (a stage's
-    // output held until its download to the host has run) varies with
-    // the copy thread's timing, and once the fused tail's backward has
-    // left gradients of an earlier microbatch an out-of-memory error
-    // there fails the call (Note [Out-of-memory redo]).
+    // The plan gets 3/4 of the device: what it does not meter (transients
+    // whose lifetime depends on the copy thread's timing, the likely cause
+    // of one CI run's overflow by a microbatch's activation at 448 KiB)
+    // varies, and once the fused tail's backward has left gradients of an
+    // earlier microbatch an out-of-memory error there fails the call (Note
+    // [Out-of-memory redo]).
     RoundPipe pipe(model, RoundPipeOptions()
                               .set_verbose(true)
                               .set_model_memory_limit_gib(budget_kib * 0.75 / (1 << 20))
