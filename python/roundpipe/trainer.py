@@ -105,11 +105,6 @@ def weight_decay_applies(name: str) -> bool:
     return not name.endswith(".bias") and "norm" not in name
 
 
-def _labelled(labels: torch.Tensor) -> int:
-    """Labels the loss counts: targets of the next-token shift."""
-    return int((labels[:, 1:] != -100).sum())
-
-
 def collate(examples: Sequence[Example], pad_id: int = 0) -> dict:
     """One example a row, right padded (attention_mask 0, labels -100)."""
     length = max(len(e.input_ids) for e in examples)
@@ -160,11 +155,9 @@ def pack(examples: Sequence[Example], seq_len: int, min_rows: int = 1, pad_id: i
     return dict(input_ids=ids, labels=labels, position_ids=positions)
 
 
-def step_batches(data: Sequence[Example], args: TrainingArguments, step: int, rows_at_least: int,
-                 pad_id: int = 0, part: tuple = (0, 1)) -> List[tuple]:
-    """The grad_accum batches of `step` (examples in a shuffle by seed and
-    epoch, wrapping around), each with its number of tokens; `part` (rank,
-    world): that rank's contiguous share of each batch's examples."""
+def step_examples(data: Sequence[Example], args: TrainingArguments, step: int) -> List[List[Example]]:
+    """The examples of `step`'s grad_accum batches (in a shuffle by seed
+    and epoch, wrapping around), cut to seq_len."""
     n = len(data)
     per_step = args.batch_size * args.grad_accum
     steps_per_epoch = max(1, n // per_step)
@@ -173,15 +166,31 @@ def step_batches(data: Sequence[Example], args: TrainingArguments, step: int, ro
     first = (step % steps_per_epoch) * per_step
     out = []
     for a in range(args.grad_accum):
-        share = args.batch_size // part[1]
-        picks = [order[(first + a * args.batch_size + j) % n]
-                 for j in range(part[0] * share, (part[0] + 1) * share)]
-        examples = [data[int(i)] for i in picks]
-        examples = [Example(e.input_ids[:args.seq_len], e.trained[:args.seq_len]) for e in examples]
-        batch = (pack(examples, args.seq_len, rows_at_least, pad_id) if args.packing
-                 else collate(examples, pad_id))
-        out.append((batch, sum(len(e.input_ids) for e in examples)))
+        picks = [order[(first + a * args.batch_size + j) % n] for j in range(args.batch_size)]
+        out.append([Example(data[int(i)].input_ids[:args.seq_len], data[int(i)].trained[:args.seq_len])
+                    for i in picks])
     return out
+
+
+def batch_of(examples: Sequence[Example], args: TrainingArguments, rows_at_least: int, pad_id: int = 0) -> tuple:
+    """The examples packed (or padded) into one batch, with their number of
+    tokens."""
+    batch = pack(examples, args.seq_len, rows_at_least, pad_id) if args.packing else collate(examples, pad_id)
+    return batch, sum(len(e.input_ids) for e in examples)
+
+
+def step_batches(data: Sequence[Example], args: TrainingArguments, step: int, rows_at_least: int,
+                 pad_id: int = 0) -> List[tuple]:
+    """The grad_accum batches of `step`, each with its number of tokens."""
+    return [batch_of(examples, args, rows_at_least, pad_id) for examples in step_examples(data, args, step)]
+
+
+def labelled_tokens(examples: Sequence[Example]) -> int:
+    """The labels the loss counts in the examples' batch (its labels[:, 1:]
+    other than -100), padded or packed alike: each example's trained tokens
+    after its first, which the next-token shift (a row's first token) or
+    packing (every other example's) leaves without a target."""
+    return sum(sum(e.trained[1:]) for e in examples)
 
 
 def _schedule(optimizer, args: TrainingArguments, total_steps: int):
@@ -349,13 +358,15 @@ def train(model, data, args: Optional[TrainingArguments] = None, **kwargs) -> Tr
     start = last = time.perf_counter()
     try:
         for step in range(total_steps):
-            batches = step_batches(data, args, step, rows_at_least, pad_id, (rank, world))
-            # The step's labelled tokens over every rank's share (each rank
-            # packs them all: no collective on this thread), divided by the
-            # ranks, whose gradients are then averaged.
-            items = sum(_labelled(b["labels"]) for r in range(world)
-                        for b, _ in (batches if r == rank else
-                                     step_batches(data, args, step, rows_at_least, pad_id, (r, world))))
+            # Each rank batches its contiguous share of every batch's
+            # examples; the loss divides by the step's labelled tokens over
+            # all shares (counted here: no collective on this thread) over
+            # the ranks, whose gradients are then averaged.
+            whole = step_examples(data, args, step)
+            share = args.batch_size // world
+            batches = [batch_of(examples[rank * share:(rank + 1) * share], args, rows_at_least, pad_id)
+                       for examples in whole]
+            items = sum(labelled_tokens(examples) for examples in whole)
             # (A step whose examples have no labels, cut by seq_len, gets
             # zero loss and gradients rather than 0 / 0.)
             tokens = sum(n for _, n in batches)

@@ -20,7 +20,7 @@ from roundpipe.plot import read_metrics
 from roundpipe.prepare import (main as prepare_main, tokenize_chat, tokenize_prompt_completion,
                                tokenize_text, to_messages)
 from roundpipe.token_file import Example, TokenFile, write_token_file
-from roundpipe.trainer import collate, pack, step_batches
+from roundpipe.trainer import collate, labelled_tokens, pack, step_batches
 
 CHAT = [{"role": "system", "content": "you are a helpful bot"},
         {"role": "user", "content": "what is two plus three ?"},
@@ -248,6 +248,9 @@ def test_packed_rows_keep_examples_apart():
     assert int((b["labels"] != -100).sum()) == 3 - 1 + 1 + 4 - 1
     padded = collate(examples)
     assert padded["attention_mask"].sum() == 9
+    # the loss's count (the targets of the shift), from the examples alone
+    for batch in (b, padded):
+        assert labelled_tokens(examples) == int((batch["labels"][:, 1:] != -100).sum()) == 6
 
 
 def test_metrics_tensorboard_evaluation_and_plot(tmp_path):
