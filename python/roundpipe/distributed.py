@@ -105,27 +105,36 @@ def average_gradients(parameters, group, reduce_dtype=None) -> None:
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
+    grads = [p.grad for p in params]
+    for indices, flat in _flat_buckets(grads, lambda g: g):
+        flat = _reduce_in(flat, reduce_dtype, world, lambda t: dist.all_reduce(t, group=group))
+        _unflatten(flat, [grads[i] for i in indices])
+
+
+def _flat_buckets(tensors, of):
+    """`tensors` in flat buckets of one dtype and about BUCKET_BYTES each,
+    in order: (their indices, the tensors `of(t)` concatenated)."""
     bucket, size = [], 0
-    for p in params + [None]:
-        if p is not None:
-            bucket.append(p)
-            size += p.grad.numel() * p.grad.element_size()
+    for i in list(range(len(tensors))) + [None]:
+        if i is not None:
+            bucket.append(i)
+            size += tensors[i].numel() * tensors[i].element_size()
             if size < BUCKET_BYTES:
                 continue
-        if not bucket:
-            break
         by_dtype = {}
-        for q in bucket:
-            by_dtype.setdefault(q.grad.dtype, []).append(q)
+        for j in bucket:
+            by_dtype.setdefault(tensors[j].dtype, []).append(j)
         for same in by_dtype.values():
-            flat = torch.cat([q.grad.reshape(-1) for q in same])
-            flat = _reduce_in(flat, reduce_dtype, world, lambda t: dist.all_reduce(t, group=group))
-            offset = 0
-            for q in same:
-                n = q.grad.numel()
-                q.grad.copy_(flat[offset:offset + n].view_as(q.grad))
-                offset += n
+            yield same, torch.cat([of(tensors[j]).reshape(-1) for j in same])
         bucket, size = [], 0
+
+
+def _unflatten(flat, tensors):
+    """Copies the consecutive parts of `flat` into `tensors`."""
+    offset = 0
+    for t in tensors:
+        t.copy_(flat[offset:offset + t.numel()].view_as(t))
+        offset += t.numel()
 
 
 def describe_failure(error: Exception, group: Optional[object], doing: str) -> RuntimeError:
@@ -168,28 +177,11 @@ class OptimizerShards:
         return dist.get_global_rank(self.group, rank)
 
     def _buckets(self, rank, of):
-        """Rank `rank`'s masters in flat buckets of one dtype and at most
-        BUCKET_BYTES: (indices, the tensors `of(master)` concatenated)."""
-        bucket, size = [], 0
-        for i in self.owned(rank) + [None]:
-            if i is not None:
-                bucket.append(i)
-                size += self.masters[i].numel() * self.masters[i].element_size()
-                if size < BUCKET_BYTES:
-                    continue
-            by_dtype = {}
-            for j in bucket:
-                by_dtype.setdefault(self.masters[j].dtype, []).append(j)
-            for same in by_dtype.values():
-                yield same, torch.cat([of(self.masters[j]).reshape(-1) for j in same])
-            bucket, size = [], 0
-
-    @staticmethod
-    def _unflatten(flat, tensors):
-        offset = 0
-        for t in tensors:
-            t.copy_(flat[offset:offset + t.numel()].view_as(t))
-            offset += t.numel()
+        """Rank `rank`'s masters in flat buckets (_flat_buckets): (master
+        indices, the tensors `of(master)` concatenated)."""
+        mine = self.owned(rank)
+        for positions, flat in _flat_buckets([self.masters[i] for i in mine], of):
+            yield [mine[p] for p in positions], flat
 
     def reduce_gradients(self):
         """Each master's gradient, averaged over the group, on its owner (a
@@ -207,7 +199,7 @@ class OptimizerShards:
                     for i in indices:
                         if self.masters[i].grad is None:
                             self.masters[i].grad = torch.zeros_like(self.masters[i])
-                    self._unflatten(flat, [self.masters[i].grad for i in indices])
+                    _unflatten(flat, [self.masters[i].grad for i in indices])
         for i, m in enumerate(self.masters):
             if self.owner[i] != self.rank:
                 m.grad = None
@@ -221,7 +213,7 @@ class OptimizerShards:
                 dist.broadcast(flat, src=self._global(rank), group=self.group)
                 if rank != self.rank:
                     with torch.no_grad():
-                        self._unflatten(flat, [self.masters[i] for i in indices])
+                        _unflatten(flat, [self.masters[i] for i in indices])
 
 
 _SHARD_FILE = "optimizer-rank{rank:05d}-of-{world:05d}.pt"
