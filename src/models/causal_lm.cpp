@@ -486,6 +486,12 @@ struct LoraFactorsImpl : torch::nn::Cloneable<LoraFactorsImpl> {
 };
 TORCH_MODULE(LoraFactors);
 
+// A stacked expert weight as [E, out, in] (a view): GPT-OSS stores
+// [E, in, out] (Note [GPT-OSS]).
+at::Tensor stacked_out_in(const at::Tensor& weight, bool gpt_oss) {
+  return gpt_oss ? weight.transpose(1, 2) : weight;
+}
+
 // Note [GPT-OSS]
 // GPT-OSS's experts (transformers' GptOssExperts) store their weights
 // [E, in, out] ("gate_up_proj" [E, H, 2I], "down_proj" [E, I, H], so on
@@ -539,11 +545,9 @@ struct MoeExpertsImpl : torch::nn::Cloneable<MoeExpertsImpl> {
       register_module("lora_B", outer->lora_B);
     }
   }
-  // The tensors ExpertMath computes with, in its order (absent: empty).
   // A stacked weight as [E, out, in] (a view).
-  at::Tensor out_in(const at::Tensor& weight) const {
-    return gpt_oss ? weight.transpose(1, 2) : weight;
-  }
+  at::Tensor out_in(const at::Tensor& weight) const { return stacked_out_in(weight, gpt_oss); }
+  // The tensors ExpertMath computes with, in its order (absent: empty).
   std::vector<at::Tensor> tensors() const {
     const auto none = at::empty({0});
     auto or_none = [&](const at::Tensor& t) { return t.defined() ? t : none; };
@@ -635,7 +639,7 @@ struct ExpertMath {
   at::Tensor project(const at::Tensor& rows, const at::Tensor& stacked, const at::Tensor& bias,
                      const at::Tensor& A, const at::Tensor& B, double scaling, ExpertRows& split,
                      const at::Tensor& expert_of) const {
-    const auto weight = gpt_oss ? stacked.transpose(1, 2) : stacked;  // [E, out, in]
+    const auto weight = stacked_out_in(stacked, gpt_oss);
     const int64_t in = weight.size(2), out = weight.size(1);
     auto y = expert_matmul(rows, weight, split, grouped && grouped_mm_takes(rows, in, out));
     if (bias.numel() > 0) y = y + bias.index_select(0, expert_of);
