@@ -8,7 +8,7 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 
 apt_packages=(cmake ninja-build ccache g++ libgtest-dev libgmock-dev
-  libbenchmark-dev nlohmann-json3-dev libcli11-dev libfmt-dev clang-format clang libclang-rt-14-dev)
+  libbenchmark-dev nlohmann-json3-dev libcli11-dev libfmt-dev libgloo-dev clang-format clang libclang-rt-14-dev)
 missing=()
 for p in "${apt_packages[@]}"; do
   dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Copies the Debian GoogleTest sources and the nlohmann-json header into
+# Copies the Debian GoogleTest sources, the nlohmann-json and gloo headers (and more) into
 # .deps/ (ignored by git) for machines without those packages, like the GPU
 # machine: carry .deps with the device tool.
 set -euo pipefail
@@ -13,6 +13,9 @@ cp -r /usr/include/benchmark "$root/.deps/benchmark/include/"
 cp -L /usr/lib/x86_64-linux-gnu/libbenchmark.so "$root/.deps/benchmark/lib/libbenchmark.so"
 mkdir -p "$root/.deps/cli11/include"
 cp -r /usr/include/CLI "$root/.deps/cli11/include/"
+# gloo's headers (LibTorch's Gloo process group declares itself with them).
+mkdir -p "$root/.deps/gloo/include"
+cp -r /usr/include/gloo "$root/.deps/gloo/include/"
 # Wheels for the Python package's build backend and tests (the GPU machine
 # has no network): pure-Python, for any Python 3 version.
 mkdir -p "$root/.deps/wheels"

@@ -20,6 +20,20 @@
 
 namespace roundpipe::testing {
 
+// `text` contains `part` (printed when not).
+#define EXPECT_HAS(text, part) EXPECT_NE((text).find(part), std::string::npos) << (text)
+
+// What fn() throws, or "(no error)".
+template <typename Fn>
+std::string message_of(Fn&& fn) {
+  try {
+    fn();
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "(no error)";
+}
+
 // A directory of this test process's own, made fresh (mkdtemp): the files a
 // test writes there never meet those an earlier process with the same pid
 // left behind.

@@ -1,7 +1,8 @@
 // roundpipe-train: fine-tune a HuggingFace-format Qwen3/Llama checkpoint
 // (or a model built from a config.json) through RoundPipe, on a token file
 // of roundpipe.prepare, a JSONL dataset or a built-in task, with the asynchronous fused Adam,
-// checkpoints and resume; saves a HuggingFace checkpoint at the end.
+// checkpoints and resume; saves a HuggingFace checkpoint at the end. Under
+// torchrun (--no-python) its processes train data parallel.
 #include <roundpipe/errors.h>
 #include <roundpipe/train/trainer.h>
 
@@ -89,6 +90,11 @@ int main(int argc, char** argv) {
                "LoRA: write the merged full weights instead of the adapter (peft's layout)");
   app.add_option("--log-every", a.log_every, "steps between progress lines");
   app.add_option("--seed", a.seed, "random seed");
+  app.add_option("--reduce-dtype", a.reduce_dtype,
+                 "under torchrun (data parallel): dtype of the gradients on the network, float32 "
+                 "or bfloat16 (half the bytes)");
+  app.add_option("--dist-timeout", a.dist_timeout_s,
+                 "under torchrun: seconds a process waits for the others before failing");
   CLI11_PARSE(app, argc, argv);
   a.packing = !no_packing;
   try {

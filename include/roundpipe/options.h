@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -24,6 +25,8 @@ enum class PinMode {
   kOff,       // leave host memory pageable (e.g. mmap-loaded weights)
 };
 PinMode pin_mode_from_string(const std::string& text);
+struct DataParallelOptions;  // roundpipe/distributed.h
+
 // float32/fp32, bfloat16/bf16, float16/fp16 (command lines, configs).
 c10::ScalarType dtype_from_string(const std::string& text);
 
@@ -45,6 +48,10 @@ struct RoundPipeOptions {
   // activations until they are measured).
   std::optional<double> model_memory_limit_gib;
   bool verbose = false;  // log the automatic plan with its predicted stage times
+  // Data parallel across processes (roundpipe/distributed.h): each step
+  // averages the gradients over the group's processes; none: this process
+  // alone.
+  std::shared_ptr<const DataParallelOptions> data_parallel;
 
   RoundPipeOptions& set_optim_dtype(c10::ScalarType v) {
     optim_dtype = v;
@@ -78,6 +85,7 @@ struct RoundPipeOptions {
     verbose = v;
     return *this;
   }
+  RoundPipeOptions& set_data_parallel(const DataParallelOptions& v);  // in distributed.cpp
 };
 
 // loss_fn(output of the last layer, label) -> a 0-dim loss, run on the

@@ -148,4 +148,26 @@ class RoundPipe {
   std::unique_ptr<detail::Engine> engine_;
 };
 
+// RAII: declared after the optimizer, scaler and clipper that queued steps
+// refer to, it waits for those steps when it goes out of scope, before they
+// are destroyed. Without it, an exception that leaves a training loop with
+// an asynchronous step queued destroys them under the running step. Errors
+// of the background work are dropped here (an exception is usually on its
+// way already): synchronize() reports them on a normal exit.
+class StepsGuard {
+ public:
+  explicit StepsGuard(RoundPipe& pipe) : pipe_(pipe) {}
+  ~StepsGuard() {
+    try {
+      pipe_.wait_for_background_work();
+    } catch (...) {
+    }
+  }
+  StepsGuard(const StepsGuard&) = delete;
+  StepsGuard& operator=(const StepsGuard&) = delete;
+
+ private:
+  RoundPipe& pipe_;
+};
+
 }  // namespace roundpipe

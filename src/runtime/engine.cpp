@@ -57,7 +57,8 @@ Engine::Engine(std::vector<LayerPtr> layers, RoundPipeOptions options)
           in_flight_,
           [this](Job& job, DeviceWorker& worker) { run_stage_job(stage_context_, job, worker); },
           [this](Job& job) { job_finished(job); }},
-      optimizer_(this, weights_, grads_, stats_, options_.optim_dtype) {
+      optimizer_(this, weights_, grads_, stats_, options_.optim_dtype,
+                 options_.data_parallel.get()) {
   for (const auto& device : pool_.devices()) {
     workers_.push_back(std::make_unique<DeviceWorker>(worker_context_, device));
   }

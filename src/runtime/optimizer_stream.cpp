@@ -16,8 +16,15 @@ bool is_async(StepKind kind) {
 }  // namespace
 
 OptimizerStream::OptimizerStream(const void* owner, WeightTable& weights, GradientLedger& grads,
-                                 StatsRecorder& stats, std::optional<c10::ScalarType> optim_dtype)
-    : weights_(weights), grads_(grads), stats_(stats), optim_dtype_(optim_dtype), thread_(owner) {}
+                                 StatsRecorder& stats, std::optional<c10::ScalarType> optim_dtype,
+                                 const DataParallelOptions* data_parallel)
+    : weights_(weights),
+      grads_(grads),
+      stats_(stats),
+      optim_dtype_(optim_dtype),
+      averager_(data_parallel != nullptr ? std::make_unique<GradientAverager>(*data_parallel)
+                                         : nullptr),
+      thread_(owner) {}
 
 void OptimizerStream::ensure_masters() {
   if (!weights_.masters_missing()) return;
@@ -123,7 +130,15 @@ void OptimizerStream::run_whole(std::vector<std::shared_ptr<CallState>> calls, c
     stats_.add_since(&PipelineStats::optimizer_publish_seconds, start);
   }
   start = Clock::now();
-  auto grads = take_gradients(std::move(calls));
+  std::map<int, at::Tensor> grads;
+  if (averager_) {
+    // Averaged bucket by bucket while backward still runs; the update
+    // needs them all (a scaler, a clipper or the user's step function).
+    update_as_gradients_arrive(std::move(calls), -1,
+                               [&](std::map<int, at::Tensor>& batch) { grads.merge(batch); });
+  } else {
+    grads = take_gradients(std::move(calls));
+  }
   ROUNDPIPE_TRACE("update v%lld: gradients ready after %.1f ms", static_cast<long long>(version),
                   ms_since(start));
   stats_.add_since(&PipelineStats::optimizer_grad_wait_seconds, start);
@@ -199,13 +214,10 @@ void OptimizerStream::update_as_gradients_arrive(std::vector<std::shared_ptr<Cal
   auto failed = [&] {
     return std::any_of(calls.begin(), calls.end(), [](const auto& c) { return c->aborted.load(); });
   };
-  while (!left.empty()) {
-    // A failing call wakes the wait (Note [Call cancellation]); the failure
-    // is reported below.
-    const auto ready = grads_.wait_final(call_grads, left, failed);
-    if (ready.empty()) break;
+  // The final gradients of `ids`, summed over the calls.
+  auto take_final = [&](const std::vector<int>& ids) {
     std::map<int, at::Tensor> batch;
-    for (int id : ready) {
+    for (int id : ids) {
       left.erase(id);
       at::Tensor sum = grads_.sum(call_grads, id);
       // The previous update's weights go live first (once the calls that
@@ -214,7 +226,19 @@ void OptimizerStream::update_as_gradients_arrive(std::vector<std::shared_ptr<Cal
       if (pending_version >= 0) weights_.publish_one(id, pending_version);
       if (sum.defined()) batch[id] = sum;
     }
-    if (!batch.empty()) update(batch);
+    return batch;
+  };
+  if (averager_) {
+    update_averaged_buckets(call_grads, failed, take_final, update);
+  } else {
+    while (!left.empty()) {
+      // A failing call wakes the wait (Note [Call cancellation]); the
+      // failure is reported below.
+      const auto ready = grads_.wait_final(call_grads, left, failed);
+      if (ready.empty()) break;
+      auto batch = take_final(ready);
+      if (!batch.empty()) update(batch);
+    }
   }
   if (pending_version >= 0) weights_.publish(pending_version);  // parameters without gradients
   for (const auto& call : calls) call->work.wait_none();
@@ -225,6 +249,47 @@ void OptimizerStream::update_as_gradients_arrive(std::vector<std::shared_ptr<Cal
     if (!call->reported) call->rethrow_if_failed();
   }
   for (auto* call : call_grads) grads_.take(*call);
+}
+
+void OptimizerStream::update_averaged_buckets(
+    const std::vector<CallGradients*>& call_grads, const std::function<bool()>& failed,
+    const std::function<std::map<int, at::Tensor>(const std::vector<int>&)>& take_final,
+    const Update& update) {
+  if (!averager_->planned()) {
+    auto ids = weights_.ids_with_master();
+    std::reverse(ids.begin(), ids.end());  // backward finishes the deepest layers first
+    averager_->plan(ids, [&](int id) { return weights_.home(id); });
+    averager_->check_same_weights([&](int id) { return weights_.master(id); },
+                                  [&](int id) { return weights_.name(id); });
+  }
+  const auto& buckets = averager_->buckets();
+  auto update_oldest = [&] {
+    auto averaged = averager_->finish_oldest();
+    if (!averaged.empty()) update(averaged);
+  };
+  try {
+    for (int b = 0; b < static_cast<int>(buckets.size()); ++b) {
+      std::set<int> waiting(buckets[b].begin(), buckets[b].end());
+      while (!waiting.empty()) {
+        // A failing call wakes the wait (Note [Call cancellation]); the
+        // caller reports the failure. The other processes' reductions then
+        // fail too, at their group's timeout at the latest.
+        const auto ready = grads_.wait_final(call_grads, waiting, failed);
+        if (ready.empty()) {
+          averager_->abandon();
+          return;
+        }
+        for (int id : ready) waiting.erase(id);
+      }
+      averager_->start(b, take_final(buckets[b]));
+      // The bucket before has travelled while this one's gradients arrived.
+      while (averager_->in_flight() > 1) update_oldest();
+    }
+    while (averager_->in_flight() > 0) update_oldest();
+  } catch (...) {
+    averager_->abandon();
+    throw;
+  }
 }
 
 std::map<int, at::Tensor> OptimizerStream::take_gradients(

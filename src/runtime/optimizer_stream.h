@@ -16,10 +16,12 @@
 #include <optional>
 #include <vector>
 
+#include "roundpipe/distributed.h"
 #include "roundpipe/optim/adam.h"
 #include "roundpipe/optim/grad_clip.h"
 #include "roundpipe/optim/grad_scaler.h"
 #include "runtime/call.h"
+#include "runtime/gradient_averager.h"
 #include "runtime/gradient_ledger.h"
 #include "runtime/host_tasks.h"
 #include "runtime/stats_recorder.h"
@@ -38,9 +40,12 @@ enum class StepKind {
 
 class OptimizerStream {
  public:
-  // `owner`: the engine (its threads' marks).
+  // `owner`: the engine (its threads' marks). `data_parallel`: the
+  // gradients are averaged over its processes first (Note [Data parallel
+  // steps]).
   OptimizerStream(const void* owner, WeightTable& weights, GradientLedger& grads,
-                  StatsRecorder& stats, std::optional<c10::ScalarType> optim_dtype);
+                  StatsRecorder& stats, std::optional<c10::ScalarType> optim_dtype,
+                  const DataParallelOptions* data_parallel);
 
   // The weight version a call started now reads: the latest update's, or
   // with an async step pending the one before.
@@ -86,17 +91,26 @@ class OptimizerStream {
   // every backward stage producing them has delivered (deepest layers
   // first, while shallower stages still run), publishing `pending_version`
   // (if >= 0) for each parameter just before; then waits for the calls and
-  // rethrows the first one's error.
+  // rethrows the first one's error. Data parallel: the batches are the
+  // averager's buckets, averaged over the processes.
   void update_as_gradients_arrive(std::vector<std::shared_ptr<CallState>> calls,
                                   int64_t pending_version, const Update& update);
+  // Data parallel: waits for each bucket's gradients in turn, starts its
+  // average, and runs `update` on the averages of the buckets before
+  // (Note [Data parallel steps]). Returns early when a call failed.
+  void update_averaged_buckets(
+      const std::vector<CallGradients*>& call_grads, const std::function<bool()>& failed,
+      const std::function<std::map<int, at::Tensor>(const std::vector<int>&)>& take_final,
+      const Update& update);
 
   WeightTable& weights_;
   GradientLedger& grads_;
   StatsRecorder& stats_;
   std::optional<c10::ScalarType> optim_dtype_;
-  int64_t updates_ = 0;                // step() calls so far
-  int64_t version_for_new_calls_ = 0;  // weights a new call reads
-  int64_t pending_publish_ = -1;       // async: masters hold this version, homes not yet
+  std::unique_ptr<GradientAverager> averager_;  // data parallel, else none
+  int64_t updates_ = 0;                         // step() calls so far
+  int64_t version_for_new_calls_ = 0;           // weights a new call reads
+  int64_t pending_publish_ = -1;                // async: masters hold this version, homes not yet
   // Last: destroyed (its thread joined) before the members its tasks use.
   HostTasks thread_;
 };

@@ -68,6 +68,7 @@ class WeightTable {
   bool has_buffers() const { return has_buffers_; }
   bool trainable(int id) const { return params_[id].home.requires_grad(); }
   at::Tensor home(int id) const { return params_[id].home; }
+  const std::string& name(int id) const { return params_[id].name; }
   std::vector<std::pair<std::string, at::Tensor>> named_homes() const;
   HostMemoryStats host_memory_stats() const { return {arena_->stats(), model_state_bytes_}; }
   // Where downloads go: the arena with pin_model=alloc, else empty (the

@@ -3,6 +3,7 @@
 
 #include <ATen/ops/isfinite.h>
 #include <roundpipe/checkpoint.h>
+#include <roundpipe/distributed.h>
 #include <roundpipe/models/causal_lm.h>
 #include <roundpipe/train/data.h>
 #include <roundpipe/wrap.h>
@@ -131,13 +132,20 @@ void check_writable(const fs::path& dir, const std::string& what) {
               ": check its permissions and free space");
 }
 
-OutputPaths prepare_outputs(const TrainOptions& args) {
+// `writer`: this process writes (data parallel: rank 0); the others only
+// read the step of a checkpoint to resume from.
+OutputPaths prepare_outputs(const TrainOptions& args, bool writer) {
   OutputPaths paths;
   paths.output = normalized_directory(args.output);
   paths.checkpoint = normalized_directory(args.checkpoint_dir.empty() ? paths.output + ".ckpt"
                                                                       : args.checkpoint_dir);
   TORCH_CHECK(paths.checkpoint != paths.output,
               "--checkpoint-dir and --output name the same directory; give them different ones");
+  if (!writer) {
+    paths.checkpoint_step = args.resume ? existing_checkpoint_step(paths.checkpoint) : -1;
+    paths.has_checkpoint = paths.checkpoint_step >= 0;
+    return paths;
+  }
   const int removed =
       remove_stale_temporaries(paths.output) + remove_stale_temporaries(paths.checkpoint);
   if (removed > 0) {
@@ -215,6 +223,9 @@ void validate(const TrainOptions& a) {
   check(a.grad_accum >= 1, "--grad-accum", "at least 1 (batches per optimizer step)",
         text(a.grad_accum));
   check(a.eval_every >= 0, "--eval-every", ">= 0 (0: at the end only)", text(a.eval_every));
+  check(a.reduce_dtype == "float32" || a.reduce_dtype == "bfloat16", "--reduce-dtype",
+        "float32 or bfloat16", a.reduce_dtype);
+  check(a.dist_timeout_s > 0, "--dist-timeout", "> 0 seconds", text(a.dist_timeout_s));
   check(a.microbatches >= 0, "--microbatches", ">= 0 (0: devices + 1)", text(a.microbatches));
   check(a.train_examples >= 1, "--train-examples", "at least 1", text(a.train_examples));
   check(a.eval_examples >= 0, "--eval-examples", ">= 0", text(a.eval_examples));
@@ -258,7 +269,31 @@ void validate(const TrainOptions& a) {
 
 TrainSummary run_training(const TrainOptions& args) {
   validate(args);
-  const OutputPaths paths = prepare_outputs(args);
+  // Data parallel under torchrun: every process trains on its share of
+  // each batch; rank 0 prints and writes. Two groups: the gradients' (the
+  // optimizer thread's collectives) and this loop's (losses, stops,
+  // evaluations), so that the two threads never interleave collectives.
+  const auto launch = LaunchEnvironment::from_environment();
+  const bool leader = launch.rank == 0;
+  const int processes = launch.world_size;
+  c10::intrusive_ptr<c10d::ProcessGroup> control;
+  std::optional<DataParallelOptions> data_parallel;
+  if (launch.distributed()) {
+    TORCH_CHECK(args.batch_size % processes == 0, "--batch-size ", args.batch_size,
+                " must be a multiple of the ", processes,
+                " processes (WORLD_SIZE): each trains on batch-size / WORLD_SIZE examples of "
+                "every batch");
+    const auto timeout =
+        std::chrono::milliseconds(static_cast<int64_t>(args.dist_timeout_s * 1000));
+    data_parallel.emplace(new_gloo_group(launch, "gradients", timeout));
+    data_parallel->set_reduce_dtype(dtype_from_string(args.reduce_dtype));
+    control = new_gloo_group(launch, "control", timeout);
+  }
+  // What every process prints only once.
+  auto say = [&](const char* format, auto... values) {
+    if (leader) std::printf(format, values...);
+  };
+  const OutputPaths paths = prepare_outputs(args, leader);
   StopSignals signals;
   TrainSummary summary;
   torch::manual_seed(args.seed);
@@ -298,6 +333,7 @@ TrainSummary run_training(const TrainOptions& args) {
                                .set_model_run_config(run_config);
   if (args.memory_limit_gib > 0)
     roundpipe_options.set_model_memory_limit_gib(args.memory_limit_gib);
+  if (data_parallel) roundpipe_options.set_data_parallel(*data_parallel);
   auto options = roundpipe::WrapOptions().set_model(model_options).set_roundpipe(roundpipe_options);
   const auto start_load = Clock::now();
   auto wrapped =
@@ -311,8 +347,7 @@ TrainSummary run_training(const TrainOptions& args) {
   const auto& config = wrapped->config();
   int64_t params = 0;
   for (const auto& p : pipe.parameters()) params += p.numel();
-  std::printf(
-      "roundpipe-train: %s, %lld layers, %.1fM parameters (%s), %d device(s) %s, loaded in %.1fs\n",
+  say("roundpipe-train: %s, %lld layers, %.1fM parameters (%s), %d device(s) %s, loaded in %.1fs\n",
       config.model_type.c_str(), static_cast<long long>(config.num_hidden_layers), params / 1e6,
       args.dtype.c_str(), pipe.devices().size(), pipe.devices().at(0)->name().c_str(),
       std::chrono::duration<double>(Clock::now() - start_load).count());
@@ -361,13 +396,17 @@ TrainSummary run_training(const TrainOptions& args) {
   const int64_t total_steps = args.steps > 0    ? args.steps
                               : args.epochs > 0 ? args.epochs * steps_per_epoch
                                                 : steps_per_epoch;
-  std::printf(
-      "data: %lld training examples%s, batch %lld%s, %lld steps\n",
+  say("data: %lld training examples%s, batch %lld%s, %lld steps\n",
       static_cast<long long>(train->size()),
       !eval_data ? "" : (", " + std::to_string(eval_data->size()) + " held out").c_str(),
       static_cast<long long>(args.batch_size),
       args.grad_accum > 1 ? (" x " + std::to_string(args.grad_accum) + " accumulated").c_str() : "",
       static_cast<long long>(total_steps));
+  if (launch.distributed()) {
+    say("data parallel: %d processes, %lld examples of each batch per process, gradients "
+        "averaged in %s\n",
+        processes, static_cast<long long>(args.batch_size / processes), args.reduce_dtype.c_str());
+  }
 
   const int microbatches =
       args.microbatches > 0 ? args.microbatches : static_cast<int>(pipe.devices().size()) + 1;
@@ -394,8 +433,10 @@ TrainSummary run_training(const TrainOptions& args) {
       for (size_t i = 1; i < shares.size(); ++i) sum = sum + shares[i].toTensor();
       return c10::IValue(sum);
     };
+    // Data parallel: each process evaluates every WORLD_SIZE-th batch.
     double loss = 0;
     for (int64_t b = 0; b < eval_data->size(); b += args.batch_size) {
+      if ((b / args.batch_size) % processes != launch.rank) continue;
       const auto batch = batch_at(b);
       roundpipe::models::CausalLMInput input;
       input.input_ids = batch.input_ids;
@@ -410,6 +451,11 @@ TrainSummary run_training(const TrainOptions& args) {
                   .toTensor()
                   .item<double>();
     }
+    if (control) {
+      auto sum = at::full({1}, loss, at::kDouble);
+      all_reduce_sum(control, sum);
+      loss = sum.item<double>();
+    }
     return loss;
   };
 
@@ -421,7 +467,7 @@ TrainSummary run_training(const TrainOptions& args) {
   double accuracy_before = -1;
   if (!held_out.empty()) {
     accuracy_before = roundpipe::train::task_accuracy(held_out, logits_of);
-    std::printf("held-out accuracy before training: %.1f%%\n", 100 * accuracy_before);
+    say("held-out accuracy before training: %.1f%%\n", 100 * accuracy_before);
   }
 
   // Two param groups, as transformers' Trainer makes them: weight decay on
@@ -446,6 +492,10 @@ TrainSummary run_training(const TrainOptions& args) {
   roundpipe::optim::GradClipper clip(args.max_grad_norm);
   std::unique_ptr<roundpipe::optim::GradScaler> scaler;
   if (dtype == c10::kHalf) scaler = std::make_unique<roundpipe::optim::GradScaler>();
+  // An error that leaves the loop waits for the queued step first: it uses
+  // adam, clip and scaler (data parallel: the other processes' failures
+  // arrive as such errors).
+  StepsGuard steps_guard(pipe);
 
   roundpipe::train::LrSchedule schedule;
   schedule.kind = roundpipe::train::lr_schedule_from_string(args.lr_schedule);
@@ -465,9 +515,8 @@ TrainSummary run_training(const TrainOptions& args) {
     TORCH_CHECK(first_step < total_steps, paths.checkpoint, " is at step ", first_step, " of the ",
                 total_steps,
                 " this run trains for: nothing is left to train; raise --steps (or --epochs)");
-    std::printf("resumed from %s at step %lld; %lld steps to go\n", paths.checkpoint.c_str(),
-                static_cast<long long>(first_step),
-                static_cast<long long>(total_steps - first_step));
+    say("resumed from %s at step %lld; %lld steps to go\n", paths.checkpoint.c_str(),
+        static_cast<long long>(first_step), static_cast<long long>(total_steps - first_step));
   }
   // Writes the metrics lines whose steps' updates have run (set below).
   std::function<void()> flush_metrics;
@@ -495,8 +544,11 @@ TrainSummary run_training(const TrainOptions& args) {
     if (!all_finite(pipe.optim_parameters())) {
       diverged("the weights hold inf or NaN after step " + std::to_string(steps_done));
     }
-    roundpipe::save_checkpoint(paths.checkpoint, pipe, &adam, scaler.get(),
-                               {{"step", std::to_string(steps_done)}});
+    // Data parallel: every process holds the same state; rank 0 writes it.
+    if (leader) {
+      roundpipe::save_checkpoint(paths.checkpoint, pipe, &adam, scaler.get(),
+                                 {{"step", std::to_string(steps_done)}});
+    }
     last_good_checkpoint = steps_done;
     // Every update has run: the lines up to the checkpoint go to the file
     // (a resume keeps them).
@@ -514,15 +566,18 @@ TrainSummary run_training(const TrainOptions& args) {
   // interrupted run may have gone past its last checkpoint).
   const std::string metrics_path = (fs::path(paths.output) / "metrics.jsonl").string();
   std::vector<std::string> kept;
-  if (first_step > 0) {
+  if (first_step > 0 && leader) {
     std::ifstream earlier(metrics_path);
     for (std::string line; std::getline(earlier, line);) {
       const auto entry = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
       if (entry.is_object() && entry.value("step", int64_t{0}) <= first_step) kept.push_back(line);
     }
   }
-  std::ofstream metrics(metrics_path, std::ios::trunc);
-  TORCH_CHECK(metrics, "cannot write the metrics file ", metrics_path);
+  std::ofstream metrics;
+  if (leader) {
+    metrics.open(metrics_path, std::ios::trunc);
+    TORCH_CHECK(metrics, "cannot write the metrics file ", metrics_path);
+  }
   for (const auto& line : kept) metrics << line << "\n";
   // A step's line waits for its gradient norm, known once its update has
   // run on the optimizer thread (for an async step, during the next one):
@@ -562,15 +617,22 @@ TrainSummary run_training(const TrainOptions& args) {
     const int64_t first = (step % steps_per_epoch) * step_examples;
     std::vector<roundpipe::train::Batch> batches;
     int64_t step_tokens = 0, loss_tokens = 0;
+    // Data parallel: the batch's examples in WORLD_SIZE consecutive
+    // shares, one a process; each process batches every share to count the
+    // step's labelled tokens (the loss is their mean) and trains on its own.
+    const int64_t share = args.batch_size / processes;
+    const auto in_order = identity_order(args.batch_size);
     for (int64_t a = 0; a < args.grad_accum; ++a) {
       // Only this batch's examples are read (a token file's pages).
       const auto examples = gather(*train, order, first + a * args.batch_size, args.batch_size);
-      const auto all = identity_order(args.batch_size);
-      batches.push_back(args.packing
-                            ? pack(examples, all, 0, args.batch_size, args.seq_len, microbatches)
-                            : collate(examples, all, 0, args.batch_size));
-      step_tokens += batches.back().tokens;
-      loss_tokens += batches.back().loss_tokens;
+      for (int rank = 0; rank < processes; ++rank) {
+        auto batch = args.packing ? pack(examples, in_order, rank * share, share, args.seq_len,
+                                         std::min<int64_t>(microbatches, share))
+                                  : collate(examples, in_order, rank * share, share);
+        step_tokens += batch.tokens;
+        loss_tokens += batch.loss_tokens;
+        if (rank == launch.rank) batches.push_back(std::move(batch));
+      }
     }
     last_loss = 0;
     for (const auto& batch : batches) {
@@ -583,7 +645,11 @@ TrainSummary run_training(const TrainOptions& args) {
       input.labels = batch.labels;
       input.position_ids = batch.position_ids;
       input.attention_mask = batch.attention_mask;
-      if (loss_tokens > 0) input.num_items_in_batch = static_cast<double>(loss_tokens);
+      // Data parallel: the processes' gradients are averaged, so each
+      // divides by its 1/WORLD_SIZE of the count.
+      if (loss_tokens > 0) {
+        input.num_items_in_batch = static_cast<double>(loss_tokens) / processes;
+      }
       auto result = pipe.forward_backward(input.to_ivalue(), c10::IValue(),
                                           [&](const c10::IValue& out, const c10::IValue&) {
                                             auto loss = out.toTensor();
@@ -591,6 +657,16 @@ TrainSummary run_training(const TrainOptions& args) {
                                           });
       const double scale = scaler ? scaler->get_scale() : 1.0;
       last_loss += result.loss.item<double>() / scale;
+    }
+    // Data parallel: the step's loss is the mean of the processes' (each
+    // over 1/WORLD_SIZE of the count); a process asked to stop stops them
+    // all after this step.
+    bool stop = signals.received() != 0;
+    if (control) {
+      auto sums = at::tensor({last_loss, stop ? 1.0 : 0.0}, at::kDouble);
+      all_reduce_sum(control, sums);
+      last_loss = sums[0].item<double>() / processes;
+      stop = sums[1].item<double>() > 0;
     }
     if (!std::isfinite(last_loss)) {
       // Stop before the step: its update would be of non-finite gradients.
@@ -650,23 +726,24 @@ TrainSummary run_training(const TrainOptions& args) {
       if (!norms.empty())
         std::snprintf(norm_text, sizeof(norm_text), "  grad norm %.3g (step %lld)", norms.back(),
                       static_cast<long long>(first_step + static_cast<int64_t>(norms.size())));
-      std::printf("%sstep %lld/%lld  loss %.4f%s  %.0f tokens/s  elapsed %s  ETA %s%s",
-                  tty ? "\r" : "", static_cast<long long>(step + 1),
-                  static_cast<long long>(total_steps), loss_avg, norm_text, rate,
-                  eta(elapsed).c_str(), eta(left).c_str(), tty && !last ? "   " : "\n");
+      say("%sstep %lld/%lld  loss %.4f%s  %.0f tokens/s  elapsed %s  ETA %s%s", tty ? "\r" : "",
+          static_cast<long long>(step + 1), static_cast<long long>(total_steps), loss_avg,
+          norm_text, rate, eta(elapsed).c_str(), eta(left).c_str(), tty && !last ? "   " : "\n");
       std::fflush(stdout);
     }
     if (args.after_step) args.after_step(step + 1);
-    if (signals.received() && !last) {
+    if (stop && !last) {
       save_training_checkpoint(step + 1);
-      const char* name = signals.received() == SIGINT ? "SIGINT" : "SIGTERM";
-      throw TrainingInterrupted(std::string("interrupted by ") + name + " after step " +
-                                    std::to_string(step + 1) + " of " +
-                                    std::to_string(total_steps) +
-                                    ": saved a training checkpoint "
-                                    "to " +
-                                    paths.checkpoint + "; continue with --resume",
-                                signals.received(), paths.checkpoint);
+      const char* name = signals.received() == SIGINT    ? "SIGINT"
+                         : signals.received() == SIGTERM ? "SIGTERM"
+                                                         : "another process's signal";
+      throw TrainingInterrupted(
+          std::string("interrupted by ") + name + " after step " + std::to_string(step + 1) +
+              " of " + std::to_string(total_steps) +
+              ": saved a training checkpoint "
+              "to " +
+              paths.checkpoint + "; continue with --resume",
+          signals.received() != 0 ? signals.received() : SIGTERM, paths.checkpoint);
     }
     if (args.checkpoint_every > 0 && (step + 1) % args.checkpoint_every == 0 && !last) {
       save_training_checkpoint(step + 1);
@@ -676,22 +753,22 @@ TrainSummary run_training(const TrainOptions& args) {
   write_metrics();
   summary.grad_norms = clip.norms();
   const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
-  std::printf("\nsummary: %lld steps, %lld tokens in %.1fs = %.0f tokens/s, final loss %.4f\n",
-              static_cast<long long>(total_steps - first_step), static_cast<long long>(tokens),
-              seconds, tokens / std::max(seconds, 1e-9), loss_avg);
+  say("\nsummary: %lld steps, %lld tokens in %.1fs = %.0f tokens/s, final loss %.4f\n",
+      static_cast<long long>(total_steps - first_step), static_cast<long long>(tokens), seconds,
+      tokens / std::max(seconds, 1e-9), loss_avg);
   // What a user sizing a card reads: each device's peak against its budget.
   for (int d = 0; d < pipe.devices().size(); ++d) {
     const auto& device = pipe.devices().at(d);
     const auto memory = device->memory_stats();
     if (memory.budget_bytes <= 0) continue;
-    std::printf("device memory: %s peak %.2f GiB of %.2f GiB\n", device->name().c_str(),
-                memory.peak_bytes / 1073741824.0, memory.budget_bytes / 1073741824.0);
+    say("device memory: %s peak %.2f GiB of %.2f GiB\n", device->name().c_str(),
+        memory.peak_bytes / 1073741824.0, memory.budget_bytes / 1073741824.0);
   }
   if (!all_finite(pipe.parameters())) diverged("the trained weights hold inf or NaN");
   summary.eval_loss = evaluate();
   if (summary.eval_loss >= 0) {
-    std::printf("held-out loss %.4f, perplexity %.2f (%lld examples)\n", summary.eval_loss,
-                std::exp(summary.eval_loss), static_cast<long long>(eval_data->size()));
+    say("held-out loss %.4f, perplexity %.2f (%lld examples)\n", summary.eval_loss,
+        std::exp(summary.eval_loss), static_cast<long long>(eval_data->size()));
     unwritten.push_back({{"step", total_steps},
                          {"eval_loss", summary.eval_loss},
                          {"eval_perplexity", std::exp(summary.eval_loss)}});
@@ -699,8 +776,8 @@ TrainSummary run_training(const TrainOptions& args) {
   }
   if (!held_out.empty()) {
     summary.accuracy_after = roundpipe::train::task_accuracy(held_out, logits_of);
-    std::printf("held-out accuracy: %.1f%% before, %.1f%% after training\n", 100 * accuracy_before,
-                100 * summary.accuracy_after);
+    say("held-out accuracy: %.1f%% before, %.1f%% after training\n", 100 * accuracy_before,
+        100 * summary.accuracy_after);
   }
   summary.accuracy_before = accuracy_before;
   summary.steps = total_steps - first_step;
@@ -708,6 +785,7 @@ TrainSummary run_training(const TrainOptions& args) {
   summary.seconds = seconds;
   summary.tokens_per_second = tokens / std::max(seconds, 1e-9);
   summary.final_loss = loss_avg;
+  if (!leader) return summary;  // rank 0 saves the model every process holds
   try {
     if (args.lora_rank > 0 && !args.merge) {
       pipe.synchronize();

@@ -38,18 +38,6 @@ struct WrongDeviceImpl : torch::nn::Cloneable<WrongDeviceImpl> {
 };
 TORCH_MODULE(WrongDevice);
 
-template <typename Fn>
-std::string message_of(Fn&& fn) {
-  try {
-    fn();
-  } catch (const std::exception& e) {
-    return e.what();
-  }
-  return "(no error)";
-}
-
-#define EXPECT_HAS(text, part) EXPECT_NE((text).find(part), std::string::npos) << (text)
-
 class ErrorsTest : public ::testing::TestWithParam<std::string> {
  protected:
   torch::nn::Sequential model() {

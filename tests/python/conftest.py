@@ -1,6 +1,7 @@
 """Shared fixtures: every engine test runs on each device backend (one test,
 every backend): simulated devices always, CUDA where a GPU is visible."""
 import copy
+import os
 
 import pytest
 import torch
@@ -103,3 +104,13 @@ def adam_weight_tol(steps, lr, grad_error=GRAD_ERROR):
 
 def assert_adam_weights_close(a, b, steps, lr, grad_error=GRAD_ERROR):
     torch.testing.assert_close(a, b, rtol=0, atol=adam_weight_tol(steps, lr, grad_error))
+
+
+def roundpipe_train_binary():
+    """The C++ roundpipe-train of this checkout (or $ROUNDPIPE_TRAIN); skips
+    the test when it is not built."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    binary = os.environ.get("ROUNDPIPE_TRAIN", os.path.join(root, "build", "roundpipe-train"))
+    if not os.path.exists(binary):
+        pytest.skip(f"{binary} is not built (scripts/build.sh build; scripts/test.sh builds it)")
+    return binary

@@ -25,6 +25,7 @@ from torch import nn
 import roundpipe
 from roundpipe import RoundPipe
 
+import conftest
 from conftest import ADAM_EPS, GRAD_ERROR, assert_adam_weights_close
 
 STEPS, ROWS, LR = 3, 12, 1e-2
@@ -379,3 +380,113 @@ def test_gradients_can_cross_the_network_in_bfloat16(tmp_path, sharded):
         assert worst <= bound * scale, (dtype, worst, scale)
         if dtype == "bfloat16":
             assert worst > GRAD_ERROR * scale, "the bf16 reduction rounded nothing: was it used?"
+
+
+# ---------------------------------------------------------------- C++ roundpipe-train
+# The C++ tool under torchrun (--no-python): its processes train data
+# parallel over c10d's Gloo process group (issue 21 in C++), each on its
+# share of every batch, rank 0 alone writing.
+
+def run_cpp_train(out, processes, *extra, steps=4, port=None):
+    """roundpipe-train on the built-in addition task, alone or under torchrun."""
+    import subprocess
+    import sys
+    args = ["--config", os.path.join(os.path.dirname(__file__), "..", "..", "configs", "qwen3-tiny", "config.json"),
+            "--task", "addition", "--train-examples", "96", "--eval-examples", "12", "--batch-size", "12",
+            "--steps", str(steps), "--devices", "sim:1", "--log-every", "1", "--seed", "5", "--lr", "1e-3",
+            "--output", str(out), *extra]
+    binary = conftest.roundpipe_train_binary()
+    if processes == 1:
+        command = [binary, *args]
+    else:
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                   str(processes), "--no-python", binary, *args]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    return run.stdout
+
+
+def metrics_of(out):
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f if "loss" in json.loads(line)]
+
+
+def model_weights(out):
+    from safetensors.torch import load_file
+    weights = {}
+    for name in sorted(os.listdir(out)):
+        if name.endswith(".safetensors"):
+            weights.update(load_file(os.path.join(out, name)))
+    return weights
+
+
+def assert_same_training(ours, alone, steps):
+    """Losses and gradient norms step for step (the same sums in another
+    order: fp32 rounding); the norm is of the averaged gradient before
+    clipping, so a wrong share or a wrong mean shows there. Weights after
+    `steps` Adam steps at the tool's eps (1e-8) and lr (1e-3): a step moves
+    a weight by at most ~lr, so runs on gradients that differ by rounding
+    differ by at most 2 lr a step (where a gradient is within rounding of
+    zero)."""
+    mine, theirs = metrics_of(ours), metrics_of(alone)
+    assert [m["step"] for m in mine] == [m["step"] for m in theirs]
+    for a, b in zip(mine, theirs):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+        assert a["tokens"] == b["tokens"] and a["loss_tokens"] == b["loss_tokens"]
+    w_ours, w_alone = model_weights(ours), model_weights(alone)
+    assert w_ours.keys() == w_alone.keys()
+    for name, w in w_alone.items():
+        diff = (w_ours[name].float() - w.float()).abs().max().item()
+        assert diff <= 2 * steps * 1e-3, (name, diff)
+
+
+@pytest.mark.parametrize("processes,packing", [(2, []), (3, []), (2, ["--no-packing"])])
+def test_cpp_roundpipe_train_under_torchrun_trains_as_one_process(tmp_path, processes, packing):
+    out = run_cpp_train(tmp_path / "dp", processes, *packing)
+    run_cpp_train(tmp_path / "alone", 1, *packing)
+    assert f"data parallel: {processes} processes, {12 // processes} examples of each batch" in out
+    assert out.count("summary:") == 1  # rank 0 alone prints
+    assert_same_training(tmp_path / "dp", tmp_path / "alone", steps=4)
+
+
+def test_cpp_roundpipe_train_checkpoint_of_2_processes_resumes_with_3(tmp_path):
+    """Rank 0 writes the training checkpoint every process holds; another
+    process count resumes it (the state is the same on every process)."""
+    run_cpp_train(tmp_path / "dp", 2, "--checkpoint-every", "2", steps=3)
+    run_cpp_train(tmp_path / "dp", 3, "--resume", steps=4)
+    run_cpp_train(tmp_path / "alone", 1, steps=4)
+    assert_same_training(tmp_path / "dp", tmp_path / "alone", steps=4)
+
+
+def test_cpp_roundpipe_train_rank_that_dies_fails_the_others_with_a_clear_error(tmp_path):
+    """Two processes started by hand with torchrun's variables (no agent to
+    stop the survivor): rank 1 is killed after the first step; rank 0 fails
+    within its --dist-timeout, naming what it was doing, instead of hanging."""
+    import signal
+    import socket
+    import subprocess
+    import time
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    args = ["--config", os.path.join(os.path.dirname(__file__), "..", "..", "configs", "qwen3-tiny", "config.json"),
+            "--task", "addition", "--train-examples", "2000", "--batch-size", "4", "--steps", "400",
+            "--devices", "sim:1", "--log-every", "1", "--dist-timeout", "20"]
+    procs = []
+    for rank in range(2):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(port))
+        procs.append(subprocess.Popen([conftest.roundpipe_train_binary(), *args, "--output", str(tmp_path / f"r{rank}")],
+                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    line = procs[0].stdout.readline()
+    while line and "step 1/" not in line:
+        line = procs[0].stdout.readline()
+    assert "step 1/" in line, procs[0].stderr.read()[-3000:]
+    procs[1].send_signal(signal.SIGKILL)
+    start = time.monotonic()
+    _, err = procs[0].communicate(timeout=120)
+    assert procs[0].returncode == 1, err[-3000:]
+    assert time.monotonic() - start < 60
+    assert "Another process most likely stopped" in err, err[-3000:]
+    procs[1].wait()

@@ -11,6 +11,7 @@ import os
 import pytest
 import torch
 
+from conftest import roundpipe_train_binary
 from hf_models import tiny_qwen3
 from tiny_tokenizer import CHATML, CHATML_LAST_TURN_THINKS, tiny_tokenizer
 
@@ -308,14 +309,6 @@ def test_bad_arguments_name_the_fix():
         train(None, [], epochs=3)
 
 
-def _roundpipe_train():
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    binary = os.environ.get("ROUNDPIPE_TRAIN", os.path.join(root, "build", "roundpipe-train"))
-    if not os.path.exists(binary):
-        pytest.skip(f"{binary} is not built (scripts/build.sh build; scripts/test.sh builds it)")
-    return binary
-
-
 def test_roundpipe_train_takes_a_prepared_chat_file_of_its_models_tokenizer(tmp_path):
     """roundpipe.prepare, then the C++ roundpipe-train on a HuggingFace
     checkpoint saved with that tokenizer: it trains (a gradient norm a step
@@ -334,7 +327,7 @@ def test_roundpipe_train_takes_a_prepared_chat_file_of_its_models_tokenizer(tmp_
         return out
 
     def run(token_file, output):
-        return subprocess.run([_roundpipe_train(), "--model", model_dir, "--data", token_file,
+        return subprocess.run([roundpipe_train_binary(), "--model", model_dir, "--data", token_file,
                                "--devices", "sim:2", "--steps", "3", "--batch-size", "4",
                                "--seq-len", "64", "--output", str(tmp_path / output)],
                               capture_output=True, text=True, timeout=600)

@@ -95,8 +95,6 @@ std::string error_of(Fn&& fn) {
   return "(no error)";
 }
 
-#define EXPECT_HAS(text, part) EXPECT_NE((text).find(part), std::string::npos) << (text)
-
 // Saving a checkpoint waits for the async step without publishing it, so
 // a run that checkpoints every step trains exactly what one that never
 // does trains (before, the checkpoint gave the next call fresher weights).

@@ -61,6 +61,11 @@ struct TrainOptions {
   // earlier run (without it, either is an error before training starts).
   bool overwrite = false;
   uint64_t seed = 0;
+  // Data parallel under torchrun (WORLD_SIZE > 1 in the environment): the
+  // dtype of the gradients on the network ("float32" or "bfloat16"), and
+  // how long a collective waits for the other processes before failing.
+  std::string reduce_dtype = "float32";
+  double dist_timeout_s = 1800;
   // Called after each finished step with the number of steps done (tests
   // use it to interrupt a run at a chosen step).
   std::function<void(int64_t steps_done)> after_step;
@@ -97,7 +102,11 @@ class TrainingInterrupted : public std::runtime_error {
 };
 
 // Loads or builds the model, trains, prints progress to stdout, and saves a
-// HuggingFace checkpoint to options.output. Before training it checks the
+// HuggingFace checkpoint to options.output. Under torchrun (WORLD_SIZE > 1)
+// every process trains on its share of each batch (batch_size / WORLD_SIZE
+// examples) with the gradients averaged over the processes, and rank 0
+// alone prints and writes (metrics, checkpoints, the model); a resume reads
+// the checkpoint on every process (a directory all of them see). Before training it checks the
 // options, the data and the output paths, and removes temporaries that
 // killed runs left there. A non-finite loss stops training with an error
 // (the last good training checkpoint stays); SIGINT/SIGTERM finish the
