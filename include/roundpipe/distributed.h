@@ -50,6 +50,7 @@ struct LaunchEnvironment {
   int rank = 0;
   int world_size = 1;
   int local_rank = 0;
+  int local_world_size = 1;  // processes on this node
   std::string master_addr;
   int master_port = 0;
   bool agent_store = false;  // torchrun's agent already serves the store

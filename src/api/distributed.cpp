@@ -60,6 +60,7 @@ LaunchEnvironment LaunchEnvironment::from_environment() {
   env.world_size = env_int("WORLD_SIZE", 1);
   env.rank = env_int("RANK", 0);
   env.local_rank = env_int("LOCAL_RANK", env.rank);
+  env.local_world_size = env_int("LOCAL_WORLD_SIZE", env.world_size);
   env.master_addr = env_or("MASTER_ADDR", "127.0.0.1");
   env.master_port = env_int("MASTER_PORT", 29500);
   env.agent_store = env_or("TORCHELASTIC_USE_AGENT_STORE", "") == "True";

@@ -1,6 +1,7 @@
 #include "roundpipe/train/trainer.h"
 #include "roundpipe/train/lr_schedule.h"
 
+#include <ATen/Parallel.h>
 #include <ATen/ops/isfinite.h>
 #include <roundpipe/checkpoint.h>
 #include <roundpipe/distributed.h>
@@ -23,6 +24,7 @@
 #include <numeric>
 #include <random>
 #include <sstream>
+#include <thread>
 
 #include "io/atomic_directory.h"
 
@@ -406,6 +408,15 @@ TrainSummary run_training(const TrainOptions& args) {
     say("data parallel: %d processes, %lld examples of each batch per process, gradients "
         "averaged in %s\n",
         processes, static_cast<long long>(args.batch_size / processes), args.reduce_dtype.c_str());
+    // torchrun sets OMP_NUM_THREADS=1 unless it is set, which leaves the
+    // CPU side (Adam, gradient sums, the reductions) one core a process.
+    const unsigned cores = std::thread::hardware_concurrency();
+    if (at::get_num_threads() == 1 && cores > 2 * static_cast<unsigned>(launch.local_world_size)) {
+      say("note: this process computes on 1 CPU thread (torchrun sets OMP_NUM_THREADS=1 "
+          "unless it is set); the optimizer runs on the CPU: set OMP_NUM_THREADS=%u (the "
+          "cores over the processes of a node)\n",
+          cores / static_cast<unsigned>(launch.local_world_size));
+    }
   }
 
   const int microbatches =
