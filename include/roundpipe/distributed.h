@@ -16,6 +16,10 @@
 
 namespace roundpipe {
 
+// Every process must call step() as often as the others (each step's
+// reductions pair up across processes in order). Gradients that no step
+// consumed, which synchronize() leaves in the parameters' .grad(), are this
+// process's own, not averaged.
 struct DataParallelOptions {
   // The processes that train together; every one of them builds the same
   // model from the same weights and steps in lockstep with the others.
