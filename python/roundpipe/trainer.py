@@ -274,6 +274,14 @@ def train(model, data, args: Optional[TrainingArguments] = None, **kwargs) -> Tr
         raise ValueError(f"TrainingArguments: batch_size {args.batch_size} does not split over {world} processes: "
                          f"make it a multiple of {world} (each process trains on batch_size / {world} examples)")
     writes = rank == 0
+    # torchrun sets OMP_NUM_THREADS=1 unless it is set, which leaves the
+    # CPU optimizer one core a process (roundpipe-train prints the same).
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    cores = os.cpu_count() or 1
+    if world > 1 and writes and torch.get_num_threads() == 1 and cores > 2 * local_world:
+        print(f"note: this process computes on 1 CPU thread (torchrun sets OMP_NUM_THREADS=1 unless it is "
+              f"set); the optimizer runs on the CPU: set OMP_NUM_THREADS={cores // local_world} (the cores "
+              f"over the processes of a node)", flush=True)
 
     decayed, not_decayed = [], []
     for name, p in pipe.optim_named_parameters():

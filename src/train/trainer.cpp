@@ -670,14 +670,11 @@ TrainSummary run_training(const TrainOptions& args) {
       last_loss += result.loss.item<double>() / scale;
     }
     // Data parallel: the step's loss is the mean of the processes' (each
-    // over 1/WORLD_SIZE of the count); a process asked to stop stops them
-    // all after this step.
-    bool stop = signals.received() != 0;
+    // over 1/WORLD_SIZE of the count).
     if (control) {
-      auto sums = at::tensor({last_loss, stop ? 1.0 : 0.0}, at::kDouble);
-      all_reduce_sum(control, sums);
-      last_loss = sums[0].item<double>() / processes;
-      stop = sums[1].item<double>() > 0;
+      auto sum = at::full({1}, last_loss, at::kDouble);
+      all_reduce_sum(control, sum);
+      last_loss = sum.item<double>() / processes;
     }
     if (!std::isfinite(last_loss)) {
       // Stop before the step: its update would be of non-finite gradients.
@@ -743,6 +740,13 @@ TrainSummary run_training(const TrainOptions& args) {
       std::fflush(stdout);
     }
     if (args.after_step) args.after_step(step + 1);
+    // Data parallel: a process asked to stop stops them all after this step.
+    bool stop = signals.received() != 0;
+    if (control) {
+      auto flags = at::full({1}, stop ? 1.0 : 0.0, at::kDouble);
+      all_reduce_sum(control, flags);
+      stop = flags.item<double>() > 0;
+    }
     if (stop && !last) {
       save_training_checkpoint(step + 1);
       const char* name = signals.received() == SIGINT    ? "SIGINT"

@@ -490,3 +490,38 @@ def test_cpp_roundpipe_train_rank_that_dies_fails_the_others_with_a_clear_error(
     assert time.monotonic() - start < 60
     assert "Another process most likely stopped" in err, err[-3000:]
     procs[1].wait()
+
+
+def test_cpp_roundpipe_train_signal_to_one_process_stops_all_after_the_step(tmp_path):
+    """SIGINT to rank 1 alone (processes started by hand with torchrun's
+    variables): every process stops after the same step, rank 0 writes the
+    training checkpoint of that step."""
+    import signal
+    import socket
+    import subprocess
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    config = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "qwen3-tiny", "config.json")
+    args = ["--config", config, "--task", "addition", "--train-examples", "2000", "--batch-size", "4",
+            "--steps", "400", "--devices", "sim:1", "--log-every", "1", "--output", str(tmp_path / "out")]
+    procs = []
+    for rank in range(2):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(port))
+        procs.append(subprocess.Popen([conftest.roundpipe_train_binary(), *args], env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    line = procs[0].stdout.readline()
+    while line and "step 2/" not in line:
+        line = procs[0].stdout.readline()
+    assert "step 2/" in line, procs[0].stderr.read()[-3000:]
+    procs[1].send_signal(signal.SIGINT)
+    out0, err0 = procs[0].communicate(timeout=120)
+    _, err1 = procs[1].communicate(timeout=120)
+    assert procs[1].returncode == 128 + signal.SIGINT, err1[-3000:]
+    assert procs[0].returncode == 128 + signal.SIGTERM, err0[-3000:]
+    assert "another process's signal" in err0
+    stopped = [int(e.split("after step ")[1].split(" ")[0]) for e in (err0, err1)]
+    assert stopped[0] == stopped[1], (err0, err1)
+    with open(tmp_path / "out.ckpt" / "checkpoint.json") as f:
+        assert json.load(f)["extra"]["step"] == str(stopped[0])
