@@ -93,6 +93,9 @@ int main(int argc, char** argv) {
   app.add_option("--reduce-dtype", a.reduce_dtype,
                  "under torchrun (data parallel): dtype of the gradients on the network, float32 "
                  "or bfloat16 (half the bytes)");
+  app.add_flag("--shard-optimizer-state", a.shard_optimizer_state,
+               "under torchrun: each process keeps the masters and Adam moments of 1/WORLD_SIZE "
+               "of the parameters (host memory for the optimizer falls by WORLD_SIZE)");
   app.add_option("--dist-timeout", a.dist_timeout_s,
                  "under torchrun: seconds a process waits for the others before failing");
   CLI11_PARSE(app, argc, argv);

@@ -33,6 +33,13 @@ struct DataParallelOptions {
   // network), deepest layers first, each as soon as every gradient in it is
   // final: the reduction overlaps the rest of the backward.
   int64_t bucket_bytes = int64_t{25} << 20;
+  // ZeRO's stage 1 on the host, masters included: each process keeps the
+  // optimizer's masters and moments of about 1/N of the trainable
+  // parameters' bytes (optim_parameters() gives only those: build the
+  // optimizer on them). A step reduces each gradient bucket to its owner
+  // only, the owner updates it, and sends the new weights (in the model's
+  // dtype) to the others. See Note [Sharded optimizer state].
+  bool shard_optimizer_state = false;
 
   explicit DataParallelOptions(c10::intrusive_ptr<c10d::ProcessGroup> group);
 
@@ -42,6 +49,10 @@ struct DataParallelOptions {
   }
   DataParallelOptions& set_bucket_bytes(int64_t v) {
     bucket_bytes = v;
+    return *this;
+  }
+  DataParallelOptions& set_shard_optimizer_state(bool v) {
+    shard_optimizer_state = v;
     return *this;
   }
   int rank() const;

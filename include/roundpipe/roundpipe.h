@@ -86,7 +86,8 @@ class RoundPipe {
 
   // The optimizer's master copies (optim_dtype) of the parameters that
   // require grad, created on first use; shared parameters appear once,
-  // frozen ones not at all. Build the optimizer on these.
+  // frozen ones not at all. Build the optimizer on these. With
+  // DataParallelOptions::shard_optimizer_state: this process's share only.
   std::vector<at::Tensor> optim_parameters();
   // The same, named "<layer index>.<parameter name in the layer>".
   std::vector<std::pair<std::string, at::Tensor>> optim_named_parameters();
@@ -136,6 +137,8 @@ class RoundPipe {
                          std::optional<double> memory_limit_gib = std::nullopt,
                          int tail_rows = 0) const;
   std::optional<c10::ScalarType> optim_dtype() const;
+  // The data-parallel options it was built with (none: one process).
+  const DataParallelOptions* data_parallel() const;
   HostMemoryStats host_memory_stats() const;
   PipelineStats pipeline_stats() const;
   // For benchmarks of pin_model: uploads every layer's weights once to the

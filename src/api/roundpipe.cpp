@@ -82,6 +82,9 @@ PlanEstimate RoundPipe::auto_plan(bool fused, int num_microbatches, int min_stag
 std::optional<c10::ScalarType> RoundPipe::optim_dtype() const {
   return engine_->optim_dtype();
 }
+const DataParallelOptions* RoundPipe::data_parallel() const {
+  return engine_->data_parallel();
+}
 HostMemoryStats RoundPipe::host_memory_stats() const {
   return engine_->host_memory_stats();
 }

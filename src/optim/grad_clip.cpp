@@ -70,7 +70,10 @@ GradClipper::GradClipper(double max_norm) : max_norm_(max_norm) {
 }
 
 double GradClipper::clip(const std::vector<at::Tensor>& grads) {
-  const double norm = global_grad_norm(grads);
+  return clip_norm(global_grad_norm(grads));
+}
+
+double GradClipper::clip_norm(double norm) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     norms_.push_back(norm);

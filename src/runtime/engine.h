@@ -75,6 +75,7 @@ class Engine {
                          std::optional<RecomputeGrain> grain = std::nullopt,
                          int tail_rows = 0) const;
   std::optional<c10::ScalarType> optim_dtype() const { return options_.optim_dtype; }
+  const DataParallelOptions* data_parallel() const { return options_.data_parallel.get(); }
   HostMemoryStats host_memory_stats() const { return weights_.host_memory_stats(); }
   PipelineStats pipeline_stats() const { return stats_.snapshot(); }
   double measure_weight_upload_rate();

@@ -1,7 +1,13 @@
 // Averaging a step's gradients over processes: see gradient_averager.h.
 #include "runtime/gradient_averager.h"
 
+#include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
+#include <ATen/ops/full.h>
+#include <c10/core/GradMode.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+#include <algorithm>
 
 #include "roundpipe/errors.h"
 
@@ -20,27 +26,70 @@ GradientAverager::~GradientAverager() = default;
 
 void GradientAverager::abandon() {
   pending_.clear();
+  sending_.clear();
 }
+
+namespace {
+// Byte offsets of the weights in a bucket's message are multiples of this
+// (views of the bytes as any dtype are then aligned).
+constexpr int64_t kWeightAlign = 8;
+int64_t aligned(int64_t bytes) {
+  return (bytes + kWeightAlign - 1) / kWeightAlign * kWeightAlign;
+}
+}  // namespace
 
 void GradientAverager::plan(const std::vector<int>& ids,
                             const std::function<at::Tensor(int)>& like) {
   TORCH_CHECK(buckets_.empty(), "internal: the gradient buckets are planned once");
   const int64_t element = c10::elementSize(options_.reduce_dtype);
-  int64_t bytes = 0;
+  int64_t total = 0;
   for (int id : ids) {
     like_[id] = like(id);
-    const int64_t size = like_[id].numel() * element;
-    if (buckets_.empty() || (bytes > 0 && bytes + size > options_.bucket_bytes)) {
+    total += like_[id].numel();
+  }
+  // Sharded: the owner of a parameter is the rank its middle element falls
+  // to when the elements, in bucket order, are cut into N equal runs.
+  int64_t before = 0, bytes = 0;
+  for (int id : ids) {
+    const int64_t numel = like_[id].numel();
+    const int owner = !sharded() ? rank_
+                                 : static_cast<int>(std::min<int64_t>(
+                                       world_size_ - 1, (2 * before + numel) * world_size_ /
+                                                            (2 * std::max<int64_t>(total, 1))));
+    before += numel;
+    const int64_t size = numel * element;
+    if (buckets_.empty() || (bytes > 0 && bytes + size > options_.bucket_bytes) ||
+        owner != owners_.back()) {
       buckets_.emplace_back();
+      bucket_values_.push_back(0);
+      bucket_bytes_.push_back(0);
+      owners_.push_back(owner);
       bytes = 0;
     }
     buckets_.back().push_back(id);
+    bucket_of_[id] = static_cast<int>(buckets_.size()) - 1;
+    bucket_values_.back() += numel;
+    bucket_bytes_.back() += aligned(numel * like_[id].element_size());
     bytes += size;
   }
 }
 
+bool GradientAverager::owns(int id) const {
+  return !sharded() || owners_.at(bucket_of_.at(id)) == rank_;
+}
+
+void GradientAverager::fail(const std::string& doing, const std::exception& e) const {
+  TORCH_CHECK(false, "data parallel: ", doing, " over ", world_size_, " processes failed on rank ",
+              rank_, ": ", error_message(e),
+              ". Another process most likely stopped (its output says why), or it did not "
+              "reach this step within the group's timeout; every process must run the same "
+              "number of steps");
+}
+
 void GradientAverager::check_same_weights(const std::function<at::Tensor(int)>& weight,
                                           const std::function<std::string(int)>& name) {
+  if (weights_checked_) return;
+  weights_checked_ = true;
   std::vector<int> ids;
   for (const auto& bucket : buckets_) ids.insert(ids.end(), bucket.begin(), bucket.end());
   const auto count = static_cast<int64_t>(ids.size());
@@ -81,34 +130,41 @@ void GradientAverager::check_same_weights(const std::function<at::Tensor(int)>& 
 
 void GradientAverager::start(int index, const std::map<int, at::Tensor>& grads) {
   const auto& ids = buckets_.at(index);
-  int64_t values = 0;
-  for (int id : ids) values += like_.at(id).numel();
+  const int64_t values = bucket_values_.at(index);
   auto flat = at::empty({values + static_cast<int64_t>(ids.size())},
                         at::TensorOptions().dtype(options_.reduce_dtype));
   std::vector<at::Tensor> own(ids.size());
+  std::vector<float> has(ids.size(), 0.0f);
   int64_t offset = 0;
   for (size_t i = 0; i < ids.size(); ++i) {
     const int64_t numel = like_.at(ids[i]).numel();
     auto slice = flat.narrow(0, offset, numel);
     const auto found = grads.find(ids[i]);
-    const bool has = found != grads.end() && found->second.defined();
-    if (has) {
+    if (found != grads.end() && found->second.defined()) {
       own[i] = found->second;
       slice.copy_(own[i].reshape({-1}));
+      has[i] = 1.0f;
     } else {
       slice.zero_();
     }
-    flat[values + static_cast<int64_t>(i)].fill_(has ? 1 : 0);
     offset += numel;
   }
+  flat.narrow(0, values, static_cast<int64_t>(ids.size()))
+      .copy_(at::from_blob(has.data(), {static_cast<int64_t>(has.size())}, at::kFloat));
   std::vector<at::Tensor> tensors{flat};
   c10::intrusive_ptr<c10d::Work> work;
   try {
-    work = options_.process_group->allreduce(tensors);
+    if (sharded()) {
+      c10d::ReduceOptions to_owner;
+      to_owner.rootRank = owners_.at(index);
+      work = options_.process_group->reduce(tensors, to_owner);
+    } else {
+      work = options_.process_group->allreduce(tensors);
+    }
   } catch (const std::exception& e) {
-    TORCH_CHECK(false, "data parallel: cannot start averaging gradient bucket ", index + 1, " of ",
-                buckets_.size(), " over ", world_size_, " processes (this is rank ", rank_,
-                "): ", error_message(e));
+    fail("starting the reduction of gradient bucket " + std::to_string(index + 1) + " of " +
+             std::to_string(buckets_.size()),
+         e);
   }
   pending_.push_back(Pending{index, flat, std::move(own), work});
   ++reductions_;
@@ -121,17 +177,15 @@ std::map<int, at::Tensor> GradientAverager::finish_oldest() {
   try {
     p.work->wait();
   } catch (const std::exception& e) {
-    TORCH_CHECK(false, "data parallel: averaging gradient bucket ", p.index + 1, " of ",
-                buckets_.size(), " over ", world_size_, " processes failed on rank ", rank_,
-                " (bucket ", reductions_ - static_cast<int64_t>(pending_.size()),
-                " since the start): ", error_message(e),
-                ". Another process most likely stopped (its output says why), or it did not "
-                "reach this step within the group's timeout; every process must run the same "
-                "number of steps");
+    fail("averaging gradient bucket " + std::to_string(p.index + 1) + " of " +
+             std::to_string(buckets_.size()) + " (bucket " +
+             std::to_string(reductions_ - static_cast<int64_t>(pending_.size())) +
+             " since the start)",
+         e);
   }
   const auto& ids = buckets_.at(p.index);
-  int64_t values = 0;
-  for (int id : ids) values += like_.at(id).numel();
+  const int64_t values = bucket_values_.at(p.index);
+  if (owners_.at(p.index) != rank_) return {};  // sharded: the owner has the mean
   // Counts are exact small integers, in any float dtype used here.
   const auto counts = p.flat.narrow(0, values, static_cast<int64_t>(ids.size())).to(at::kFloat);
   const auto* count = counts.const_data_ptr<float>();
@@ -150,6 +204,85 @@ std::map<int, at::Tensor> GradientAverager::finish_oldest() {
     offset += numel;
   }
   return averaged;
+}
+
+void GradientAverager::start_weights(int index, const std::map<int, at::Tensor>& updated) {
+  const auto& ids = buckets_.at(index);
+  const int owner = owners_.at(index);
+  const auto count = static_cast<int64_t>(ids.size());
+  // One flag per parameter (as bytes), then each weight's bytes, aligned.
+  auto flat = at::empty({aligned(count) + bucket_bytes_.at(index)}, at::kByte);
+  if (owner == rank_) {
+    auto* flags = flat.mutable_data_ptr<uint8_t>();
+    int64_t offset = aligned(count);
+    for (int64_t i = 0; i < count; ++i) {
+      const auto& like = like_.at(ids[i]);
+      const int64_t bytes = like.numel() * like.element_size();
+      const auto found = updated.find(ids[i]);
+      flags[i] = found != updated.end() ? 1 : 0;
+      if (flags[i] != 0) {
+        flat.narrow(0, offset, bytes)
+            .view(like.scalar_type())
+            .view(like.sizes())
+            .copy_(found->second);
+      }
+      offset += aligned(bytes);
+    }
+  }
+  std::vector<at::Tensor> tensors{flat};
+  c10d::BroadcastOptions from_owner;
+  from_owner.rootRank = owner;
+  c10::intrusive_ptr<c10d::Work> work;
+  try {
+    work = options_.process_group->broadcast(tensors, from_owner);
+  } catch (const std::exception& e) {
+    fail("starting to send the new weights of bucket " + std::to_string(index + 1), e);
+  }
+  sending_.push_back(Pending{index, flat, {}, work});
+}
+
+std::vector<int> GradientAverager::finish_oldest_weights(
+    const std::function<at::Tensor(int)>& target) {
+  TORCH_CHECK(!sending_.empty(), "internal: no weights are being sent");
+  Pending p = std::move(sending_.front());
+  sending_.pop_front();
+  try {
+    p.work->wait();
+  } catch (const std::exception& e) {
+    fail("sending the new weights of bucket " + std::to_string(p.index + 1) + " of " +
+             std::to_string(buckets_.size()) + " from rank " + std::to_string(owners_.at(p.index)),
+         e);
+  }
+  const auto& ids = buckets_.at(p.index);
+  const auto count = static_cast<int64_t>(ids.size());
+  const auto* flags = p.flat.const_data_ptr<uint8_t>();
+  const bool mine = owners_.at(p.index) == rank_;
+  std::vector<int> changed;
+  c10::NoGradGuard no_grad;
+  int64_t offset = aligned(count);
+  for (int64_t i = 0; i < count; ++i) {
+    const auto& like = like_.at(ids[i]);
+    const int64_t bytes = like.numel() * like.element_size();
+    if (flags[i] != 0) {
+      changed.push_back(ids[i]);
+      if (!mine) {
+        target(ids[i]).copy_(
+            p.flat.narrow(0, offset, bytes).view(like.scalar_type()).view(like.sizes()));
+      }
+    }
+    offset += aligned(bytes);
+  }
+  return changed;
+}
+
+double GradientAverager::sum(double value, const char* what) {
+  std::vector<at::Tensor> tensors{at::full({1}, value, at::kDouble)};
+  try {
+    options_.process_group->allreduce(tensors)->wait();
+  } catch (const std::exception& e) {
+    fail(std::string("adding up ") + what, e);
+  }
+  return tensors[0].item<double>();
 }
 
 }  // namespace roundpipe::detail

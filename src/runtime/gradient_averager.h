@@ -34,22 +34,45 @@ namespace roundpipe::detail {
 // process had a gradient for it. A parameter no process had a gradient for
 // stays without one (the optimizer skips it, as it would in one process);
 // one that only some had gets the mean with zeros for the others.
+// Note [Sharded optimizer state]
+// With DataParallelOptions::shard_optimizer_state each trainable parameter
+// has one owner: the buckets, in their fixed order, are cut into N
+// contiguous runs of about equal bytes, and every bucket lies in one run
+// (a bucket is cut where the owner changes). Only the owner keeps the
+// parameter's master and Adam moments. A bucket's gradients are reduced to
+// its owner alone (c10d reduce: the mean arrives there, the others drop
+// their sums); the owner updates it and broadcasts the new weights, in the
+// model's dtype, with one flag per parameter: whether it changed (a
+// parameter no process had a gradient for keeps its weight everywhere).
+// The others write what arrives where the step would have written it (the
+// staging copy of an async step, the home of a sync one). Per step each
+// process sends about the gradients' bytes once and the weights' once, as
+// an all-reduce would send the gradients twice; its host keeps 1/N of the
+// masters and moments. What needs every gradient (the clipping norm) adds
+// its per-process parts over the group.
 class GradientAverager {
  public:
   explicit GradientAverager(const DataParallelOptions& options);
   ~GradientAverager();
 
   int world_size() const { return world_size_; }
-  // Fixes the buckets (once): `ids` in the order backward makes their
-  // gradients final, `like(id)` a tensor of the gradient's shape and dtype.
+  bool sharded() const { return options_.shard_optimizer_state; }
+  // Fixes the buckets and their owners (once): `ids` in the order backward
+  // makes their gradients final, `like(id)` a tensor of the gradient's
+  // shape and dtype (the model's weight).
   void plan(const std::vector<int>& ids, const std::function<at::Tensor(int)>& like);
   bool planned() const { return !buckets_.empty(); }
   const std::vector<std::vector<int>>& buckets() const { return buckets_; }
+  // The rank that keeps the optimizer state of bucket `index` (sharded);
+  // every rank unsharded.
+  int owner(int index) const { return owners_.at(index); }
+  bool owns(int id) const;
+  int rank() const { return rank_; }
 
   // Refuses to train processes whose weights differ (built from different
   // seeds or checkpoints, where averaging gradients would train nothing
   // meaningful): compares a fingerprint of each `weight(id)` over the
-  // processes, once, at the first step.
+  // processes, once (later calls return at once).
   void check_same_weights(const std::function<at::Tensor(int)>& weight,
                           const std::function<std::string(int)>& name);
 
@@ -57,11 +80,25 @@ class GradientAverager {
   // other buckets ignored; absent ids: no gradient here).
   void start(int index, const std::map<int, at::Tensor>& grads);
   // Waits for the oldest started bucket and returns its averaged gradients
-  // (the ids some process had a gradient for).
+  // (the ids some process had a gradient for; sharded: none on the
+  // processes that do not own it).
   std::map<int, at::Tensor> finish_oldest();
   int in_flight() const { return static_cast<int>(pending_.size()); }
+  int oldest() const { return pending_.front().index; }
   // Forgets the started buckets (a call failed: this step has no update).
   void abandon();
+
+  // Sharded: sends bucket `index`'s new weights from its owner, which
+  // passes `updated` (id -> tensor holding the new weight, the model's
+  // dtype; ids absent did not change). The others pass nothing.
+  void start_weights(int index, const std::map<int, at::Tensor>& updated);
+  // Waits for the oldest weights sent; on the others, copies each changed
+  // weight into `target(id)`. Returns the ids that changed.
+  std::vector<int> finish_oldest_weights(const std::function<at::Tensor(int)>& target);
+  int weights_in_flight() const { return static_cast<int>(sending_.size()); }
+  // The sum of `value` over the processes (on the optimizer thread, in
+  // step order like the buckets).
+  double sum(double value, const char* what);
 
  private:
   struct Pending {
@@ -70,13 +107,22 @@ class GradientAverager {
     std::vector<at::Tensor> own;  // this process's sums (undefined: none), overwritten by the means
     c10::intrusive_ptr<c10d::Work> work;
   };
+  // A failed collective as an error naming what it did and the likely cause.
+  [[noreturn]] void fail(const std::string& doing, const std::exception& e) const;
+
   DataParallelOptions options_;
   int world_size_;
   int rank_;
   std::vector<std::vector<int>> buckets_;
-  std::map<int, at::Tensor> like_;  // per id: shape and dtype of its gradient
+  std::vector<int64_t> bucket_values_;  // per bucket: its gradients' elements
+  std::vector<int64_t> bucket_bytes_;   // per bucket: its weights' bytes
+  std::vector<int> owners_;             // per bucket
+  std::map<int, int> bucket_of_;        // per id
+  std::map<int, at::Tensor> like_;      // per id: shape and dtype of its gradient
   std::deque<Pending> pending_;
-  int64_t reductions_ = 0;  // buckets started so far (for messages)
+  std::deque<Pending> sending_;  // sharded: new weights on their way (flags, then bytes)
+  int64_t reductions_ = 0;       // buckets started so far (for messages)
+  bool weights_checked_ = false;
 };
 
 }  // namespace roundpipe::detail

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <set>
 
 #include "runtime/trace.h"
@@ -27,9 +28,64 @@ OptimizerStream::OptimizerStream(const void* owner, WeightTable& weights, Gradie
       thread_(owner) {}
 
 void OptimizerStream::ensure_masters() {
+  if (averager_ && !averager_->planned()) {
+    // The buckets, and with sharding who keeps which masters, before any.
+    auto ids = weights_.trainable_ids();
+    std::reverse(ids.begin(), ids.end());  // backward finishes the deepest layers first
+    averager_->plan(ids, [&](int id) { return weights_.home(id); });
+  }
   if (!weights_.masters_missing()) return;
   thread_.drain();  // the homes must hold the weights the masters start from
-  weights_.make_masters(optim_dtype_);
+  if (averager_ && averager_->sharded()) {
+    weights_.make_masters(optim_dtype_, [&](int id) { return averager_->owns(id); });
+  } else {
+    weights_.make_masters(optim_dtype_);
+  }
+}
+
+double OptimizerStream::gradient_norm(const std::vector<at::Tensor>& grads) {
+  const double norm = optim::global_grad_norm(grads);
+  if (!averager_ || !averager_->sharded()) return norm;
+  return std::sqrt(averager_->sum(norm * norm, "the squares of the gradient norm"));
+}
+
+void OptimizerStream::start_sending(int index, const std::vector<int>& updated,
+                                    const Sending& send) {
+  std::map<int, at::Tensor> weights;
+  for (int id : updated) {
+    switch (send.kind) {
+      case StepKind::kSync:
+      case StepKind::kAsync:  // the step function updated the master
+        weights[id] = weights_.master(id).to(weights_.home(id).scalar_type());
+        break;
+      case StepKind::kSyncFused:  // the fused pass wrote the home
+        weights[id] = weights_.home(id);
+        break;
+      default:  // the fused pass wrote the staging copy
+        weights[id] = weights_.stage(id);
+    }
+  }
+  averager_->start_weights(index, weights);
+}
+
+void OptimizerStream::finish_sending(const Sending& send) {
+  const bool async = is_async(send.kind);
+  const auto changed = averager_->finish_oldest_weights(
+      [&](int id) { return async ? weights_.stage(id) : weights_.home(id); });
+  if (async) weights_.staged_written(changed, send.version);
+}
+
+void OptimizerStream::send_all(const std::set<int>& updated, const Sending& send) {
+  const auto& buckets = averager_->buckets();
+  for (int b = 0; b < static_cast<int>(buckets.size()); ++b) {
+    std::vector<int> mine;
+    for (int id : buckets[b]) {
+      if (updated.count(id) > 0) mine.push_back(id);
+    }
+    start_sending(b, mine, send);
+    while (averager_->weights_in_flight() > 1) finish_sending(send);
+  }
+  while (averager_->weights_in_flight() > 0) finish_sending(send);
 }
 
 std::vector<std::pair<std::string, at::Tensor>> OptimizerStream::named_masters() {
@@ -60,6 +116,10 @@ void OptimizerStream::step_fused(std::vector<std::shared_ptr<CallState>> calls, 
   // Parameter by parameter as gradients arrive, unless a scaler or a
   // clipper must first see every gradient (a sync step has nothing to
   // overlap).
+  TORCH_CHECK(scaler == nullptr || !averager_ || !averager_->sharded(),
+              "step(adam, ..., scaler): a GradScaler with DataParallelOptions::"
+              "shard_optimizer_state is not supported (each process would find inf/NaN in its "
+              "own share only); train in bfloat16, which needs no scaler, or do not shard");
   const StepKind kind = !is_async                                ? StepKind::kSyncFused
                         : (scaler == nullptr && clip == nullptr) ? StepKind::kAsyncPiecewise
                                                                  : StepKind::kAsyncFused;
@@ -82,7 +142,8 @@ void OptimizerStream::step_fused(std::vector<std::shared_ptr<CallState>> calls, 
         }
         // (Clipped after the scaler unscaled them.)
         auto update = [&] {
-          const double multiplier = clip != nullptr ? clip->clip(lowp_grads) : 1.0;
+          const double multiplier =
+              clip != nullptr ? clip->clip_norm(gradient_norm(lowp_grads)) : 1.0;
           adam.fused_step(masters, lowp_grads, outs, lr, multiplier);
         };
         if (scaler == nullptr) {
@@ -151,6 +212,21 @@ void OptimizerStream::run_whole(std::vector<std::shared_ptr<CallState>> calls, c
   } catch (...) {
     error = std::current_exception();
   }
+  if (averager_ && averager_->sharded() && !error) {
+    // The owners' new weights to the others (each updated what it owns).
+    std::set<int> updated;
+    const bool all_owned = kind == StepKind::kSync || kind == StepKind::kAsync;
+    for (int id : all_owned ? weights_.ids_with_master() : std::vector<int>{}) updated.insert(id);
+    for (const auto& [id, g] : grads) {
+      if (weights_.master(id).defined()) updated.insert(id);
+    }
+    const Sending send{kind, version};
+    try {
+      send_all(updated, send);
+    } catch (...) {
+      error = std::current_exception();
+    }
+  }
   if (kind == StepKind::kAsyncFused && !error) {
     // The staged weights are written: calls that read this version may
     // upload them from the staging copies before they are published.
@@ -181,16 +257,19 @@ void OptimizerStream::run_piecewise(std::vector<std::shared_ptr<CallState>> call
   // calls that read this update's version.
   double updating = 0;
   std::exception_ptr error;
+  const Sending send{StepKind::kAsyncPiecewise, version};
   try {
-    update_as_gradients_arrive(std::move(calls), pending_publish_,
-                               [&](std::map<int, at::Tensor>& batch) {
-                                 const auto batch_start = Clock::now();
-                                 update(batch);
-                                 std::vector<int> ids;
-                                 for (auto& [id, g] : batch) ids.push_back(id);
-                                 weights_.staged_written(ids, version);
-                                 updating += ms_since(batch_start) / 1000;
-                               });
+    update_as_gradients_arrive(
+        std::move(calls), pending_publish_,
+        [&](std::map<int, at::Tensor>& batch) {
+          const auto batch_start = Clock::now();
+          update(batch);
+          std::vector<int> ids;
+          for (auto& [id, g] : batch) ids.push_back(id);
+          weights_.staged_written(ids, version);
+          updating += ms_since(batch_start) / 1000;
+        },
+        averager_ && averager_->sharded() ? &send : nullptr);
   } catch (...) {
     error = std::current_exception();
     if (pending_publish_ >= 0) weights_.publish(pending_publish_);
@@ -206,7 +285,8 @@ void OptimizerStream::run_piecewise(std::vector<std::shared_ptr<CallState>> call
 }
 
 void OptimizerStream::update_as_gradients_arrive(std::vector<std::shared_ptr<CallState>> calls,
-                                                 int64_t pending_version, const Update& update) {
+                                                 int64_t pending_version, const Update& update,
+                                                 const Sending* send) {
   const auto with_master = weights_.ids_with_master();
   std::set<int> left(with_master.begin(), with_master.end());
   std::vector<CallGradients*> call_grads;
@@ -229,7 +309,7 @@ void OptimizerStream::update_as_gradients_arrive(std::vector<std::shared_ptr<Cal
     return batch;
   };
   if (averager_) {
-    update_averaged_buckets(call_grads, failed, take_final, update);
+    update_averaged_buckets(call_grads, failed, take_final, update, send);
   } else {
     while (!left.empty()) {
       // A failing call wakes the wait (Note [Call cancellation]); the
@@ -254,18 +334,21 @@ void OptimizerStream::update_as_gradients_arrive(std::vector<std::shared_ptr<Cal
 void OptimizerStream::update_averaged_buckets(
     const std::vector<CallGradients*>& call_grads, const std::function<bool()>& failed,
     const std::function<std::map<int, at::Tensor>(const std::vector<int>&)>& take_final,
-    const Update& update) {
-  if (!averager_->planned()) {
-    auto ids = weights_.ids_with_master();
-    std::reverse(ids.begin(), ids.end());  // backward finishes the deepest layers first
-    averager_->plan(ids, [&](int id) { return weights_.home(id); });
-    averager_->check_same_weights([&](int id) { return weights_.master(id); },
-                                  [&](int id) { return weights_.name(id); });
-  }
+    const Update& update, const Sending* send) {
+  // (The homes: every process has them, and the masters start from them.)
+  averager_->check_same_weights([&](int id) { return weights_.home(id); },
+                                [&](int id) { return weights_.name(id); });
   const auto& buckets = averager_->buckets();
   auto update_oldest = [&] {
+    const int index = averager_->oldest();
     auto averaged = averager_->finish_oldest();
     if (!averaged.empty()) update(averaged);
+    if (send == nullptr) return;
+    std::vector<int> updated;
+    for (const auto& [id, g] : averaged) updated.push_back(id);
+    start_sending(index, updated, *send);
+    // The weights of the bucket before have travelled meanwhile.
+    while (averager_->weights_in_flight() > 1) finish_sending(*send);
   };
   try {
     for (int b = 0; b < static_cast<int>(buckets.size()); ++b) {
@@ -286,6 +369,7 @@ void OptimizerStream::update_averaged_buckets(
       while (averager_->in_flight() > 1) update_oldest();
     }
     while (averager_->in_flight() > 0) update_oldest();
+    while (averager_->weights_in_flight() > 0) finish_sending(*send);
   } catch (...) {
     averager_->abandon();
     throw;
@@ -322,6 +406,12 @@ void OptimizerStream::restore_pending_update() {
   // step() or synchronize() before anything else (Note [Weight versions]).
   ensure_masters();
   pending_publish_ = ++updates_;
+  if (averager_ && averager_->sharded()) {
+    // The others' share of that update is in the owners' masters only.
+    const auto owned = weights_.ids_with_master();
+    send_all(std::set<int>(owned.begin(), owned.end()),
+             Sending{StepKind::kAsync, pending_publish_});
+  }
 }
 
 }  // namespace roundpipe::detail

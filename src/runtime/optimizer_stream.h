@@ -14,6 +14,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <set>
 #include <vector>
 
 #include "roundpipe/distributed.h"
@@ -93,15 +94,32 @@ class OptimizerStream {
   // (if >= 0) for each parameter just before; then waits for the calls and
   // rethrows the first one's error. Data parallel: the batches are the
   // averager's buckets, averaged over the processes.
+  // Sharded (Note [Sharded optimizer state]): `send` (when given) has the
+  // owners send each bucket's new weights as soon as its update ran.
+  struct Sending {
+    StepKind kind;
+    int64_t version;  // the version the new weights make
+  };
   void update_as_gradients_arrive(std::vector<std::shared_ptr<CallState>> calls,
-                                  int64_t pending_version, const Update& update);
+                                  int64_t pending_version, const Update& update,
+                                  const Sending* send = nullptr);
   // Data parallel: waits for each bucket's gradients in turn, starts its
   // average, and runs `update` on the averages of the buckets before
   // (Note [Data parallel steps]). Returns early when a call failed.
   void update_averaged_buckets(
       const std::vector<CallGradients*>& call_grads, const std::function<bool()>& failed,
       const std::function<std::map<int, at::Tensor>(const std::vector<int>&)>& take_final,
-      const Update& update);
+      const Update& update, const Sending* send);
+  // Sharded: starts sending bucket `index`'s new weights (the owner's
+  // `updated` ids; the others pass none), then finishes the oldest sent;
+  // the others write them where a step of `send.kind` writes its weights.
+  void start_sending(int index, const std::vector<int>& updated, const Sending& send);
+  void finish_sending(const Sending& send);
+  // Sharded: after a whole update, every bucket's new weights (the owner's
+  // ids in `updated`) to the others.
+  void send_all(const std::set<int>& updated, const Sending& send);
+  // The global norm of `grads` (sharded: of every process's share).
+  double gradient_norm(const std::vector<at::Tensor>& grads);
 
   WeightTable& weights_;
   GradientLedger& grads_;

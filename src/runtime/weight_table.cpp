@@ -337,13 +337,19 @@ void WeightTable::wake() {
 
 bool WeightTable::masters_missing() const {
   return std::any_of(params_.begin(), params_.end(), [](const ParamEntry& e) {
-    return e.home.requires_grad() && !e.master.defined();
+    return e.home.requires_grad() && !e.master.defined() && !e.master_elsewhere;
   });
 }
 
-void WeightTable::make_masters(std::optional<c10::ScalarType> dtype) {
-  for (auto& entry : params_) {
+void WeightTable::make_masters(std::optional<c10::ScalarType> dtype,
+                               const std::function<bool(int)>& keep) {
+  for (int id = 0; id < size(); ++id) {
+    auto& entry = params_[id];
     if (!entry.home.requires_grad() || entry.master.defined()) continue;
+    if (keep && !keep(id)) {
+      entry.master_elsewhere = true;
+      continue;
+    }
     entry.master = entry.home.detach().to(dtype.value_or(entry.home.scalar_type()),
                                           /*non_blocking=*/false, /*copy=*/true);
     entry.master.requires_grad_(true);
@@ -354,6 +360,14 @@ std::vector<int> WeightTable::ids_with_master() const {
   std::vector<int> ids;
   for (int id = 0; id < size(); ++id) {
     if (params_[id].master.defined()) ids.push_back(id);
+  }
+  return ids;
+}
+
+std::vector<int> WeightTable::trainable_ids() const {
+  std::vector<int> ids;
+  for (int id = 0; id < size(); ++id) {
+    if (trainable(id)) ids.push_back(id);
   }
   return ids;
 }

@@ -42,6 +42,8 @@ struct ParamEntry {
   at::Tensor home;    // CPU tensor, the model's own parameter (what uploads read)
   std::string name;   // "<layer>.<name in the layer>" of its first use
   at::Tensor master;  // optim_dtype copy the optimizer updates (trainable only)
+  bool master_elsewhere =
+      false;  // another process keeps its master (Note [Sharded optimizer state])
   int64_t published = 0;
   std::map<int64_t, int> reads;  // per version: jobs whose upload is still to read it
   at::Tensor staging;            // the next version, written by a fused async step
@@ -101,8 +103,12 @@ class WeightTable {
   // The optimizer's side: masters (optim_dtype copies of the trainable
   // homes, made once) and the staging copies of fused async steps.
   bool masters_missing() const;
-  void make_masters(std::optional<c10::ScalarType> dtype);
+  // Masters of the trainable parameters for which `keep(id)` holds (all
+  // when none is given); the others' are kept by other processes.
+  void make_masters(std::optional<c10::ScalarType> dtype,
+                    const std::function<bool(int)>& keep = nullptr);
   std::vector<int> ids_with_master() const;
+  std::vector<int> trainable_ids() const;
   std::vector<std::pair<std::string, at::Tensor>> named_masters() const;
   at::Tensor master(int id) const { return params_[id].master; }
   // The staging copy that receives the next version of `id` (made once).

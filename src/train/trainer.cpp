@@ -228,6 +228,10 @@ void validate(const TrainOptions& a) {
   check(a.reduce_dtype == "float32" || a.reduce_dtype == "bfloat16", "--reduce-dtype",
         "float32 or bfloat16", a.reduce_dtype);
   check(a.dist_timeout_s > 0, "--dist-timeout", "> 0 seconds", text(a.dist_timeout_s));
+  check(!a.shard_optimizer_state || a.dtype != "float16", "--shard-optimizer-state",
+        "bfloat16 or float32 training (float16's loss scaling would need every process's "
+        "inf/NaN check)",
+        "set with --dtype float16");
   check(a.microbatches >= 0, "--microbatches", ">= 0 (0: devices + 1)", text(a.microbatches));
   check(a.train_examples >= 1, "--train-examples", "at least 1", text(a.train_examples));
   check(a.eval_examples >= 0, "--eval-examples", ">= 0", text(a.eval_examples));
@@ -288,7 +292,8 @@ TrainSummary run_training(const TrainOptions& args) {
     const auto timeout =
         std::chrono::milliseconds(static_cast<int64_t>(args.dist_timeout_s * 1000));
     data_parallel.emplace(new_gloo_group(launch, "gradients", timeout));
-    data_parallel->set_reduce_dtype(dtype_from_string(args.reduce_dtype));
+    data_parallel->set_reduce_dtype(dtype_from_string(args.reduce_dtype))
+        .set_shard_optimizer_state(args.shard_optimizer_state);
     control = new_gloo_group(launch, "control", timeout);
   }
   // What every process prints only once.
@@ -406,8 +411,9 @@ TrainSummary run_training(const TrainOptions& args) {
       static_cast<long long>(total_steps));
   if (launch.distributed()) {
     say("data parallel: %d processes, %lld examples of each batch per process, gradients "
-        "averaged in %s\n",
-        processes, static_cast<long long>(args.batch_size / processes), args.reduce_dtype.c_str());
+        "averaged in %s%s\n",
+        processes, static_cast<long long>(args.batch_size / processes), args.reduce_dtype.c_str(),
+        args.shard_optimizer_state ? ", optimizer state sharded" : "");
     // torchrun sets OMP_NUM_THREADS=1 unless it is set, which leaves the
     // CPU side (Adam, gradient sums, the reductions) one core a process.
     const unsigned cores = std::thread::hardware_concurrency();
@@ -550,13 +556,19 @@ TrainSummary run_training(const TrainOptions& args) {
   };
   // A training checkpoint of the state after `steps_done` steps, never of
   // non-finite weights (the last good one stays).
+  const bool sharded = data_parallel && data_parallel->shard_optimizer_state;
   auto save_training_checkpoint = [&](int64_t steps_done) {
     pipe.wait_for_background_work();
-    if (!all_finite(pipe.optim_parameters())) {
-      diverged("the weights hold inf or NaN after step " + std::to_string(steps_done));
+    bool finite = all_finite(pipe.optim_parameters());
+    if (sharded) {  // each process sees its own share of the masters
+      auto flags = at::full({1}, finite ? 0.0 : 1.0, at::kDouble);
+      all_reduce_sum(control, flags);
+      finite = flags.item<double>() == 0;
     }
+    if (!finite) diverged("the weights hold inf or NaN after step " + std::to_string(steps_done));
     // Data parallel: every process holds the same state; rank 0 writes it.
-    if (leader) {
+    // Sharded: every process writes its share (save_checkpoint).
+    if (leader || sharded) {
       roundpipe::save_checkpoint(paths.checkpoint, pipe, &adam, scaler.get(),
                                  {{"step", std::to_string(steps_done)}});
     }
@@ -815,6 +827,9 @@ TrainSummary run_training(const TrainOptions& args) {
   } catch (const std::exception& e) {
     // The trained model must not be lost: keep it as a training checkpoint.
     const std::string why = error_message(e);
+    TORCH_CHECK(!sharded, "cannot save the trained model to ", paths.output, " (", why,
+                "); with sharded optimizer state only the periodic checkpoints in ",
+                paths.checkpoint, " are kept (rank 0 cannot write the others' shares alone)");
     try {
       roundpipe::save_checkpoint(paths.checkpoint, pipe, &adam, scaler.get(),
                                  {{"step", std::to_string(total_steps)}});

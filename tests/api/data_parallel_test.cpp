@@ -1,9 +1,12 @@
 // Data parallel over c10d (Gloo on loopback): 2 and 3 ranks, each a thread
 // of this process with its own RoundPipe on simulated devices and its own
-// share of every batch, train as one model on the whole batch would; a rank
-// that fails makes the others fail with an error instead of hanging.
+// share of every batch, train as one model on the whole batch would, with
+// and without sharded optimizer state; sharded checkpoints resume with
+// another number of ranks; a rank that fails makes the others fail with an
+// error instead of hanging.
 #include <gtest/gtest.h>
 #include <netinet/in.h>
+#include <roundpipe/checkpoint.h>
 #include <roundpipe/distributed.h>
 #include <roundpipe/optim/adam.h>
 #include <sys/socket.h>
@@ -99,17 +102,25 @@ optim::AdamConfig adam_config() {
 // Trains `model` through RoundPipe for kSteps on its rows of each batch
 // (rank of world), data parallel over `group` when there is one; returns
 // the weights after synchronize().
+// `masters`: the elements of this rank's masters (sharded: its share).
 std::vector<at::Tensor> train(torch::nn::Sequential model, StepKind kind, int rank, int world,
                               const c10::intrusive_ptr<c10d::ProcessGroup>& group,
                               c10::ScalarType reduce_dtype = c10::kFloat,
-                              std::vector<at::Tensor>* first_grads = nullptr) {
+                              std::vector<at::Tensor>* first_grads = nullptr, bool shard = false,
+                              int64_t* masters = nullptr) {
   auto options = RoundPipeOptions().set_devices("sim:2,jitter_us=150");
   // Tiny buckets: several reductions in flight within one step.
   if (group) {
-    options.set_data_parallel(
-        DataParallelOptions(group).set_bucket_bytes(300).set_reduce_dtype(reduce_dtype));
+    options.set_data_parallel(DataParallelOptions(group)
+                                  .set_bucket_bytes(300)
+                                  .set_reduce_dtype(reduce_dtype)
+                                  .set_shard_optimizer_state(shard));
   }
   RoundPipe pipe(model, options);
+  if (masters != nullptr) {
+    *masters = 0;
+    for (const auto& m : pipe.optim_parameters()) *masters += m.numel();
+  }
   optim::Adam adam(pipe.optim_parameters(), adam_config());
   optim::GradClipper clip(0.05);  // below the gradients' norm: every step clips
   const int64_t share = kBatch / world;
@@ -174,10 +185,16 @@ void rethrow_any(const std::vector<std::exception_ptr>& errors) {
     if (e) std::rethrow_exception(e);
 }
 
-class DataParallelTest : public ::testing::TestWithParam<std::tuple<int, StepKind>> {};
+int64_t trainable_elements(const torch::nn::Sequential& model) {
+  int64_t n = 0;
+  for (const auto& p : model->parameters()) n += p.numel();
+  return n;
+}
+
+class DataParallelTest : public ::testing::TestWithParam<std::tuple<int, StepKind, bool>> {};
 
 TEST_P(DataParallelTest, RanksTrainAsOneProcessOnTheWholeBatch) {
-  const auto [world, kind] = GetParam();
+  const auto [world, kind, shard] = GetParam();
   // The oracle: plain LibTorch for the synchronous step; for the
   // asynchronous ones (one update of staleness, tested against plain
   // LibTorch in training_loop_test), one RoundPipe on the whole batch.
@@ -185,10 +202,26 @@ TEST_P(DataParallelTest, RanksTrainAsOneProcessOnTheWholeBatch) {
                             ? train_plain()
                             : train(make_model(ModelKind::kMlp), kind, 0, 1, {});
   std::vector<std::vector<at::Tensor>> weights(world);
+  std::vector<int64_t> masters(world);
   const auto models = models_for(world);
   rethrow_any(run_ranks(world, std::chrono::seconds(120), [&](int rank, const auto& group) {
-    weights[rank] = train(models[rank], kind, rank, world, group);
+    weights[rank] =
+        train(models[rank], kind, rank, world, group, c10::kFloat, nullptr, shard, &masters[rank]);
   }));
+  // Sharded: each rank keeps masters (and moments) for its share only, the
+  // shares cover the model once and every rank has one.
+  const int64_t total = trainable_elements(models[0]);
+  int64_t kept = 0;
+  for (int rank = 0; rank < world; ++rank) {
+    kept += masters[rank];
+    if (shard) {
+      EXPECT_GT(masters[rank], 0) << "rank " << rank;
+      EXPECT_LT(masters[rank], total) << "rank " << rank;
+    } else {
+      EXPECT_EQ(masters[rank], total) << "rank " << rank;
+    }
+  }
+  EXPECT_EQ(kept, shard ? total : world * total);
   for (int rank = 0; rank < world; ++rank) {
     for (size_t i = 0; i < expected.size(); ++i) {
       // Adam on gradients that differ by rounding (test_util.h).
@@ -204,11 +237,114 @@ INSTANTIATE_TEST_SUITE_P(Ranks, DataParallelTest,
                          ::testing::Combine(::testing::Values(2, 3),
                                             ::testing::Values(StepKind::kSyncStepFn,
                                                               StepKind::kFusedAsync,
-                                                              StepKind::kFusedAsyncClipped)),
+                                                              StepKind::kFusedAsyncClipped),
+                                            ::testing::Bool()),
                          [](const auto& info) {
                            return std::to_string(std::get<0>(info.param)) + "Ranks" +
-                                  step_name(std::get<1>(info.param));
+                                  step_name(std::get<1>(info.param)) +
+                                  (std::get<2>(info.param) ? "Sharded" : "");
                          });
+
+// Trains steps [from, to) of the whole run on this rank's rows, sharded
+// when data parallel: loaded from `load` first and saved to `save` after
+// (each when not empty); returns the weights after synchronize().
+std::vector<at::Tensor> train_part(torch::nn::Sequential model, int rank, int world,
+                                   const c10::intrusive_ptr<c10d::ProcessGroup>& group, int from,
+                                   int to, const std::string& load, const std::string& save) {
+  auto options = RoundPipeOptions().set_devices("sim:2,jitter_us=150");
+  if (group) {
+    options.set_data_parallel(
+        DataParallelOptions(group).set_bucket_bytes(300).set_shard_optimizer_state(true));
+  }
+  RoundPipe pipe(model, options);
+  optim::Adam adam(pipe.optim_parameters(), adam_config());
+  StepsGuard steps_done_before_adam_goes(pipe);
+  if (!load.empty()) load_checkpoint(load, pipe, &adam, nullptr);
+  const int64_t share = kBatch / world;
+  for (int step = from; step < to; ++step) {
+    auto [x, y] = batch(step);
+    pipe.forward_backward(x.narrow(0, rank * share, share), y.narrow(0, rank * share, share),
+                          sum_over(share));
+    pipe.step(adam);  // async: the checkpoint holds a pending update
+  }
+  if (!save.empty()) save_checkpoint(save, pipe, &adam, nullptr);
+  pipe.synchronize();
+  std::vector<at::Tensor> weights;
+  for (const auto& p : model->parameters()) weights.push_back(p.detach().clone());
+  return weights;
+}
+
+TEST(DataParallel, ShardedCheckpointsResumeWithAnotherNumberOfRanks) {
+  // The uninterrupted run: one process, the whole batch, kSteps steps.
+  const auto expected = train(make_model(ModelKind::kMlp), StepKind::kFusedAsync, 0, 1, {});
+  const auto dir = process_temp_dir() / "sharded_checkpoints";
+  std::filesystem::remove_all(dir);
+  const std::string first = (dir / "by-2").string(), second = (dir / "by-3").string();
+  // 2 ranks train step 0 and write a checkpoint of one share each...
+  auto models = models_for(2);
+  rethrow_any(run_ranks(2, std::chrono::seconds(120), [&](int rank, const auto& group) {
+    train_part(models[rank], rank, 2, group, 0, 1, "", first);
+  }));
+  EXPECT_TRUE(std::filesystem::exists(first + "/master-rank00001-of-00002.safetensors"));
+  EXPECT_FALSE(std::filesystem::exists(first + "/master.safetensors"));
+  // ...3 ranks resume it for step 1 and write theirs...
+  models = models_for(3);
+  std::vector<std::vector<at::Tensor>> weights(3);
+  rethrow_any(run_ranks(3, std::chrono::seconds(120), [&](int rank, const auto& group) {
+    train_part(models[rank], rank, 3, group, 1, 2, first, second);
+  }));
+  EXPECT_TRUE(std::filesystem::exists(second + "/optimizer-rank00002-of-00003.safetensors"));
+  // ...and one process without data parallel reads the 3 shares for the
+  // last step.
+  const auto resumed = train_part(make_model(ModelKind::kMlp), 0, 1, {}, 2, kSteps, second, "");
+  for (size_t i = 0; i < expected.size(); ++i) {
+    EXPECT_TENSOR_ABS_NEAR(resumed[i], expected[i], adam_weight_tolerance(kSteps, kLr),
+                           "weight " << i);
+  }
+}
+
+// The model's dtype on the wire: bfloat16 weights, float32 masters. Every
+// rank ends with the owners' bytes, and the run follows one process's.
+TEST(DataParallel, ShardedBfloat16WeightsWithFloat32Masters) {
+  constexpr int world = 2;
+  auto run = [&](torch::nn::Sequential model, int rank, int w,
+                 const c10::intrusive_ptr<c10d::ProcessGroup>& group) {
+    model->to(c10::kBFloat16);
+    auto options = RoundPipeOptions().set_devices("sim:1").set_optim_dtype(c10::kFloat);
+    if (group) {
+      options.set_data_parallel(
+          DataParallelOptions(group).set_bucket_bytes(300).set_shard_optimizer_state(true));
+    }
+    RoundPipe pipe(model, options);
+    optim::Adam adam(pipe.optim_parameters(), adam_config());
+    StepsGuard steps_done_before_adam_goes(pipe);
+    const int64_t share = kBatch / w;
+    for (int step = 0; step < kSteps; ++step) {
+      auto [x, y] = batch(step);
+      pipe.forward_backward(x.narrow(0, rank * share, share).to(c10::kBFloat16),
+                            y.narrow(0, rank * share, share).to(c10::kBFloat16), sum_over(share));
+      pipe.step(adam, /*is_async=*/step % 2 == 0);
+    }
+    pipe.synchronize();
+    std::vector<at::Tensor> weights;
+    for (const auto& p : model->parameters()) weights.push_back(p.detach().to(c10::kFloat));
+    return weights;
+  };
+  const auto expected = run(make_model(ModelKind::kMlp), 0, 1, {});
+  std::vector<std::vector<at::Tensor>> weights(world);
+  const auto models = models_for(world);
+  rethrow_any(run_ranks(world, std::chrono::seconds(120), [&](int rank, const auto& group) {
+    weights[rank] = run(models[rank], rank, world, group);
+  }));
+  for (size_t i = 0; i < expected.size(); ++i) {
+    EXPECT_TRUE(at::equal(weights[1][i], weights[0][i])) << "weight " << i;
+    // Gradients from bf16 activations added in another order: a few bf16
+    // roundings of the weight per step on top of Adam's bound.
+    const double bound = adam_weight_tolerance(kSteps, kLr) +
+                         kSteps * std::ldexp(1.0, -7) * expected[i].abs().max().item<double>();
+    EXPECT_TENSOR_ABS_NEAR(weights[0][i], expected[i], bound, "weight " << i);
+  }
+}
 
 TEST(DataParallel, Bfloat16ReductionIsWithinItsRounding) {
   constexpr int world = 3;

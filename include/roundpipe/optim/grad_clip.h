@@ -40,6 +40,9 @@ class GradClipper {
   // `grads` and returns their clip coefficient (the fused Adam multiplies
   // each gradient by it as it reads it; the gradients stay as they are).
   double clip(const std::vector<at::Tensor>& grads);
+  // The same for a global norm computed elsewhere (data parallel with
+  // sharded optimizer state: the parts of every process added up).
+  double clip_norm(double norm);
   // A step a GradScaler skipped (non-finite gradients): its norm is +inf.
   void skipped();
   // The norm of each step whose update has run so far, in order.

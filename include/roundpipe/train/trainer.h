@@ -66,6 +66,10 @@ struct TrainOptions {
   // how long a collective waits for the other processes before failing.
   std::string reduce_dtype = "float32";
   double dist_timeout_s = 1800;
+  // Each process keeps the masters and Adam moments of 1/WORLD_SIZE of the
+  // parameters (DataParallelOptions::shard_optimizer_state); checkpoints
+  // are written a share per process and resume with any process count.
+  bool shard_optimizer_state = false;
   // Called after each finished step with the number of steps done (tests
   // use it to interrupt a run at a chosen step).
   std::function<void(int64_t steps_done)> after_step;
