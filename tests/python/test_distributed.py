@@ -441,11 +441,14 @@ def assert_same_training(ours, alone, steps):
         assert diff <= 2 * steps * 1e-3, (name, diff)
 
 
-@pytest.mark.parametrize("processes,packing", [(2, []), (3, []), (2, ["--no-packing"])])
+@pytest.mark.parametrize("processes,packing", [(2, []), (3, []), (2, ["--no-packing"]),
+                                               (3, ["--shard-optimizer-state"]),
+                                               (2, ["--no-packing", "--shard-optimizer-state"])])
 def test_cpp_roundpipe_train_under_torchrun_trains_as_one_process(tmp_path, processes, packing):
     out = run_cpp_train(tmp_path / "dp", processes, *packing)
     run_cpp_train(tmp_path / "alone", 1, *packing)
     assert f"data parallel: {processes} processes, {12 // processes} examples of each batch" in out
+    assert ("optimizer state sharded" in out) == ("--shard-optimizer-state" in packing)
     assert out.count("summary:") == 1  # rank 0 alone prints
     assert_same_training(tmp_path / "dp", tmp_path / "alone", steps=4)
 
@@ -455,6 +458,23 @@ def test_cpp_roundpipe_train_checkpoint_of_2_processes_resumes_with_3(tmp_path):
     process count resumes it (the state is the same on every process)."""
     run_cpp_train(tmp_path / "dp", 2, "--checkpoint-every", "2", steps=3)
     run_cpp_train(tmp_path / "dp", 3, "--resume", steps=4)
+    run_cpp_train(tmp_path / "alone", 1, steps=4)
+    assert_same_training(tmp_path / "dp", tmp_path / "alone", steps=4)
+
+
+def test_cpp_roundpipe_train_sharded_checkpoint_resumes_with_another_process_count(tmp_path):
+    """With --shard-optimizer-state every process writes its share of the
+    masters and moments; 3 sharded processes resume the checkpoint 2 wrote
+    and train as one uninterrupted process (tests/api/data_parallel_test.cpp
+    resumes shares in one unsharded process too)."""
+    run_cpp_train(tmp_path / "dp", 2, "--shard-optimizer-state", "--checkpoint-every", "2", steps=3)
+    checkpoint = str(tmp_path / "dp") + ".ckpt"
+    shares = sorted(n for n in os.listdir(checkpoint) if n.startswith("master-rank"))
+    assert shares == ["master-rank00000-of-00002.safetensors", "master-rank00001-of-00002.safetensors"]
+    run_cpp_train(tmp_path / "dp", 3, "--shard-optimizer-state", "--resume", "--checkpoint-every", "1",
+                  steps=4)
+    assert sorted(n for n in os.listdir(checkpoint) if n.startswith("optimizer-rank"))[-1] == \
+        "optimizer-rank00002-of-00003.safetensors"
     run_cpp_train(tmp_path / "alone", 1, steps=4)
     assert_same_training(tmp_path / "dp", tmp_path / "alone", steps=4)
 
