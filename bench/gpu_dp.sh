@@ -6,7 +6,10 @@
 # GPU both processes share it: this shows the C++ data-parallel path on
 # CUDA and measures what the gradients' all-reduce costs on loopback Gloo
 # (the "network" here), not scaling. Logs go to $OUT (or ./bench-out).
-# Env: STEPS (6), PROCS (2), LORA (0: full fine-tuning; r: LoRA rank r).
+# Each run's processes report their peak host memory (bench/peak_rss.py).
+# Env: STEPS (6), PROCS (2), LORA (0: full fine-tuning; r: LoRA rank r),
+# RUNS (the data-parallel runs: float32, bfloat16, sharded = float32
+# gradients with --shard-optimizer-state).
 set -uo pipefail
 out="${OUT:-$PWD/bench-out}"; mkdir -p "$out"
 export PYTHON="${PYTHON:-python3}"
@@ -26,13 +29,17 @@ print(f"{sys.argv[1]}: {s:.2f} s/step, {t / s:,.0f} tokens/s, rank 0 host reside
       f"device peak {max(r['device_peak_bytes'] for r in rows) / 2**30:.2f} GiB, losses {[round(r['loss'], 4) for r in rows]}")
 PY
 }
-./build-gpu/roundpipe-train "${args[@]}" --output /tmp/dp-one > "$out/one_process.log" 2>&1
+"$PYTHON" bench/peak_rss.py ./build-gpu/roundpipe-train "${args[@]}" --output /tmp/dp-one > "$out/one_process.log" 2>&1
 tail -4 "$out/one_process.log"; summarize "1 process" /tmp/dp-one
+grep -h "peak host resident" "$out/one_process.log" | tee -a "$out/summary.txt"
 # torchrun sets OMP_NUM_THREADS=1 unless it is set: the CPU side (Adam,
 # gradient copies, the all-reduce's sums) would run on one core each.
 cores=$(nproc)
-for dtype in float32 bfloat16; do
+for run in ${RUNS:-float32 bfloat16 sharded}; do
+  extra=(--reduce-dtype "$run")
+  [ "$run" = sharded ] && extra=(--reduce-dtype float32 --shard-optimizer-state)
   OMP_NUM_THREADS=$((cores / procs)) "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$procs" --no-python \
-    ./build-gpu/roundpipe-train "${args[@]}" --reduce-dtype "$dtype" --output "/tmp/dp-$dtype" > "$out/dp_$dtype.log" 2>&1
-  tail -4 "$out/dp_$dtype.log"; summarize "$procs processes sharing the GPU, gradients in $dtype" "/tmp/dp-$dtype"
+    "$PYTHON" bench/peak_rss.py ./build-gpu/roundpipe-train "${args[@]}" "${extra[@]}" --output "/tmp/dp-$run" > "$out/dp_$run.log" 2>&1
+  tail -4 "$out/dp_$run.log"; summarize "$procs processes sharing the GPU, ${extra[*]}" "/tmp/dp-$run"
+  grep -h "peak host resident" "$out/dp_$run.log" | sort | tee -a "$out/summary.txt"
 done
