@@ -367,12 +367,15 @@ TEST(DataParallel, Bfloat16ReductionIsWithinItsRounding) {
   }
 }
 
-TEST(DataParallel, ARankThatFailsMakesTheOthersFailInsteadOfHanging) {
+class DataParallelFailureTest : public ::testing::TestWithParam<bool> {};
+
+TEST_P(DataParallelFailureTest, ARankThatFailsMakesTheOthersFailInsteadOfHanging) {
+  const bool shard = GetParam();
   const auto start = std::chrono::steady_clock::now();
   const auto models = models_for(2);
   const auto errors = run_ranks(2, std::chrono::seconds(5), [&](int rank, const auto& group) {
     RoundPipe pipe(models[rank], RoundPipeOptions().set_devices("sim:1").set_data_parallel(
-                                     DataParallelOptions(group)));
+                                     DataParallelOptions(group).set_shard_optimizer_state(shard)));
     optim::Adam adam(pipe.optim_parameters(), adam_config());
     StepsGuard steps_done_before_adam_goes(pipe);  // this loop ends by an exception
     auto [x, y] = batch(0);
@@ -393,6 +396,9 @@ TEST(DataParallel, ARankThatFailsMakesTheOthersFailInsteadOfHanging) {
   EXPECT_HAS(error, "Another process most likely stopped");
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(60));
 }
+
+INSTANTIATE_TEST_SUITE_P(DataParallel, DataParallelFailureTest, ::testing::Bool(),
+                         [](const auto& info) { return info.param ? "Sharded" : "Replicated"; });
 
 TEST(DataParallel, RanksThatStartFromDifferentWeightsAreRefused) {
   std::vector<torch::nn::Sequential> models{make_model(ModelKind::kMlp, 1),
