@@ -1,23 +1,21 @@
-"""Data parallelism across processes on torch.distributed (issue 21, first
-slice): each process runs its own RoundPipe over its own devices on its own
-shard of the batch; before every optimizer step the masters' gradients are
-averaged over the processes of the group (a sum all-reduce in flat buckets,
-divided by the group's size: DDP's mean over ranks), so every process takes
-the same step and the weights stay identical.
+"""Data parallelism across processes on torch.distributed (issue 21): each
+process runs its own RoundPipe over its own devices on its own shard of the
+batch, and every step averages the gradients over the processes of a group
+(DDP's mean over ranks), so every process takes the same step.
 
-The group is the one passed as ``process_group=``, else the default group
-when torch.distributed is initialised (``torchrun`` sets it up), else none.
+A RoundPipe hands its group to the C++ engine, which reduces the gradients
+bucket by bucket while backward still runs, on a Gloo group of its own
+(engine_group) made from the one passed as ``process_group=``, else the
+default group when torch.distributed is initialised (``torchrun`` sets it
+up), else none. With ``shard_optimizer_state=True`` each process keeps the
+masters and optimizer state of about 1/N of the parameters, and the owners
+broadcast the new weights (Note [Sharded optimizer state] in
+src/runtime/gradient_averager.h). ``save_sharded`` / ``load_sharded`` write
+and read a checkpoint as one file per process, keyed by parameter name, so
+that it resumes with any number of processes.
 
-With ``shard_optimizer_state=True`` (ZeRO's stage 1 on the host, with the
-gradients of a step sharded too) each process owns a contiguous run of
-about 1/N of the masters' bytes (OptimizerShards): ``optim_parameters()``
-gives only those, so the user's optimizer keeps moments for 1/N of the
-parameters; a step reduces each gradient to its owner (the mean), drops
-the others, runs the user's step, and broadcasts each owner's new masters
-to every process, which then publishes identical weights as before.
-``save_sharded`` / ``load_sharded`` write and read a checkpoint as one file
-per process, keyed by parameter name, so that it resumes with any number of
-processes.
+Automatic wrapping (several RoundPipes and glue on the CPU) averages here
+instead (average_gradients), once every part's gradients are in.
 """
 from __future__ import annotations
 
@@ -55,6 +53,22 @@ def init_from_environment() -> None:
 
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and dist.is_available() and not dist.is_initialized():
         dist.init_process_group("gloo")
+
+
+def engine_group(group):
+    """A Gloo group of the processes of `group`, with its timeout, for one
+    RoundPipe's engine: its optimizer thread issues collectives while the
+    caller's thread may use `group` (two threads on one group could pair
+    different collectives across processes), and the gradients are in CPU
+    memory (which NCCL does not take). Every process of the default group
+    makes it (torch's new_group), in the same order."""
+    import torch.distributed as dist
+
+    try:
+        timeout = group._get_backend(torch.device("cpu")).options._timeout
+    except (AttributeError, RuntimeError):
+        timeout = None  # no Gloo backend in `group`: torch's default
+    return dist.new_group(ranks=dist.get_process_group_ranks(group), backend="gloo", timeout=timeout)
 
 
 def check_same_weights(parameters, group, what: str) -> None:
@@ -147,110 +161,50 @@ def describe_failure(error: Exception, group: Optional[object], doing: str) -> R
         "as often as the others); the group's timeout (init_process_group(timeout=...)) bounds the wait")
 
 
-class OptimizerShards:
-    """Which process owns which masters: the masters in the engine's order
-    (the same on every rank: check_same_weights), cut into `world`
-    contiguous runs of about equal bytes; master i goes to the rank its
-    middle byte falls in."""
-
-    def __init__(self, named_masters, group, reduce_dtype=None):
-        import torch.distributed as dist
-
-        self.group, self.reduce_dtype = group, reduce_dtype
-        self.world = dist.get_world_size(group) if group is not None else 1
-        self.rank = dist.get_rank(group) if group is not None else 0
-        self.names = [n for n, _ in named_masters]
-        self.masters = [m for _, m in named_masters]
-        sizes = [m.numel() * m.element_size() for m in self.masters]
-        total, before, self.owner = max(sum(sizes), 1), 0, []
-        for size in sizes:
-            self.owner.append(min(self.world - 1, (2 * before + size) * self.world // (2 * total)))
-            before += size
-
-    def owned(self, rank=None):
-        rank = self.rank if rank is None else rank
-        return [i for i, o in enumerate(self.owner) if o == rank]
-
-    def _global(self, rank):
-        import torch.distributed as dist
-
-        return dist.get_global_rank(self.group, rank)
-
-    def _buckets(self, rank, of):
-        """Rank `rank`'s masters in flat buckets (_flat_buckets): (master
-        indices, the tensors `of(master)` concatenated)."""
-        mine = self.owned(rank)
-        for positions, flat in _flat_buckets([self.masters[i] for i in mine], of):
-            yield [mine[p] for p in positions], flat
-
-    def reduce_gradients(self):
-        """Each master's gradient, averaged over the group, on its owner (a
-        missing gradient counts as zeros); the others' are dropped."""
-        import torch.distributed as dist
-
-        def grad_of(m):
-            return m.grad if m.grad is not None else torch.zeros_like(m)
-
-        for rank in range(self.world):
-            for indices, flat in self._buckets(rank, grad_of):
-                flat = _reduce_in(flat, self.reduce_dtype, self.world,
-                                  lambda t: dist.reduce(t, dst=self._global(rank), group=self.group))
-                if rank == self.rank:
-                    for i in indices:
-                        if self.masters[i].grad is None:
-                            self.masters[i].grad = torch.zeros_like(self.masters[i])
-                    _unflatten(flat, [self.masters[i].grad for i in indices])
-        for i, m in enumerate(self.masters):
-            if self.owner[i] != self.rank:
-                m.grad = None
-
-    def broadcast_masters(self):
-        """Every owner's (just updated) masters to every process."""
-        import torch.distributed as dist
-
-        for rank in range(self.world):
-            for indices, flat in self._buckets(rank, lambda m: m.detach()):
-                dist.broadcast(flat, src=self._global(rank), group=self.group)
-                if rank != self.rank:
-                    with torch.no_grad():
-                        _unflatten(flat, [self.masters[i] for i in indices])
-
-
 _SHARD_FILE = "optimizer-rank{rank:05d}-of-{world:05d}.pt"
+
+
+def _world_and_rank(pipe):
+    import torch.distributed as dist
+
+    group = getattr(pipe, "_process_group", None)
+    return (dist.get_world_size(group), dist.get_rank(group)) if group is not None else (1, 0)
 
 
 def save_sharded(pipe, optimizer, directory) -> str:
     """Writes this process's part of a training checkpoint into `directory`
-    (every process calls it, after the same step): for the masters it owns,
-    the master, the weight the next call would run on and the optimizer's
+    (every process calls it, after the same step): for its part of the
+    masters (sharded: the ones it keeps; replicated: every N-th), the
+    master, the weight the next call would run on and the optimizer's
     state, by parameter name; rank 0 adds the buffers. Waits for the pending
     step but publishes nothing (an async run stays one update behind, and
     load_sharded restores that). Returns the file written."""
-    shards = pipe._optimizer_shards()
+    world, rank = _world_and_rank(pipe)
     ahead = pipe._engine.wait_for_background_work()
+    masters = dict(pipe._engine.optim_named_parameters())  # sharded: this process's
     weights = dict(pipe._engine.named_parameters())
-    by_master = {id(p): i for i, p in enumerate(shards.masters)}
+    names = list(masters)
+    mine = set(names if getattr(pipe, "_shard_optimizer_state", False) else names[rank::world])
+    by_id = {id(m): n for n, m in masters.items()}
     states, groups = {}, []
     for g in optimizer.param_groups:
         groups.append({k: v for k, v in g.items() if k != "params"})
         for p in g["params"]:
-            i = by_master.get(id(p))
-            if i is None:
+            name = by_id.get(id(p))
+            if name is None:
                 raise ValueError("save_sharded: the optimizer holds a tensor that is not one of this "
                                  "RoundPipe's optim_parameters(); build it on pipe.optim_parameters()")
-            if p in optimizer.state:
-                states[shards.names[i]] = {k: v.clone() if torch.is_tensor(v) else v
-                                           for k, v in optimizer.state[p].items()}
+            if name in mine and p in optimizer.state:
+                states[name] = {k: v.clone() if torch.is_tensor(v) else v for k, v in optimizer.state[p].items()}
     part = {
-        "world": shards.world, "rank": shards.rank, "ahead": bool(ahead), "param_groups": groups,
-        "masters": {shards.names[i]: shards.masters[i].detach().clone() for i in shards.owned()},
-        "weights": {shards.names[i]: weights[shards.names[i]].detach().clone() for i in shards.owned()},
+        "world": world, "rank": rank, "ahead": bool(ahead), "param_groups": groups,
+        "masters": {n: masters[n].detach().clone() for n in names if n in mine},
+        "weights": {n: weights[n].detach().clone() for n in names if n in mine},
         "state": states,
-        "buffers": ({n: b.detach().clone() for n, b in pipe._engine.named_buffers()}
-                    if shards.rank == 0 else {}),
+        "buffers": ({n: b.detach().clone() for n, b in pipe._engine.named_buffers()} if rank == 0 else {}),
     }
     os.makedirs(directory, exist_ok=True)
-    path = os.path.join(directory, _SHARD_FILE.format(rank=shards.rank, world=shards.world))
+    path = os.path.join(directory, _SHARD_FILE.format(rank=rank, world=world))
     torch.save(part, path + ".tmp")
     os.replace(path + ".tmp", path)  # a crash mid-write leaves the last complete file
     return path
@@ -259,9 +213,9 @@ def save_sharded(pipe, optimizer, directory) -> str:
 def load_sharded(pipe, optimizer, directory) -> None:
     """Restores a checkpoint that save_sharded wrote with any number of
     processes into this RoundPipe (before its first call) and `optimizer`
-    (built on its optim_parameters()): every weight and master from all the
-    files, the optimizer's state for the masters this process owns, and the
-    pending update of an async run."""
+    (built on its optim_parameters()): every weight from all the files, the
+    masters and optimizer state this process keeps, and the pending update
+    of an async run (every process calls it)."""
     files = sorted(glob.glob(os.path.join(directory, "optimizer-rank*-of-*.pt")))
     found = {}
     for f in files:
@@ -274,28 +228,30 @@ def load_sharded(pipe, optimizer, directory) -> None:
             f"(found {', '.join(f'{len(r)} of {w}' for w, r in sorted(found.items())) or 'none'}); "
             "point it at the directory every process of one run saved into")
     parts = [torch.load(found[complete[0]][r], weights_only=False) for r in range(complete[0])]
-    shards = pipe._optimizer_shards()
+    masters = dict(pipe._engine.optim_named_parameters())  # sharded: this process's
     weights = dict(pipe._engine.named_parameters())
     buffers = dict(pipe._engine.named_buffers())
+    trainable = [n for n, w in weights.items() if w.requires_grad]
     saved = {}
     for part in parts:
         for name in part["masters"]:
             saved[name] = part
-    missing = [n for n in shards.names if n not in saved]
-    if missing or len(saved) != len(shards.names):
+    missing = [n for n in trainable if n not in saved]
+    if missing or len(saved) != len(trainable):
         raise ValueError(f"load_sharded: the checkpoint's parameters differ from this model's "
-                         f"(missing: {missing[:3]}, extra: {sorted(set(saved) - set(shards.names))[:3]})")
+                         f"(missing: {missing[:3]}, extra: {sorted(set(saved) - set(trainable))[:3]})")
     with torch.no_grad():
-        for name, master in zip(shards.names, shards.masters):
+        for name in trainable:
             weights[name].copy_(saved[name]["weights"][name])
+        for name, master in masters.items():
             master.copy_(saved[name]["masters"][name])
         for name, b in parts[0]["buffers"].items():
             buffers[name].copy_(b)
-    mine = {id(shards.masters[i]): shards.names[i] for i in shards.owned()}
+    by_id = {id(m): n for n, m in masters.items()}
     for g, saved_group in zip(optimizer.param_groups, parts[0]["param_groups"]):
         g.update({k: v for k, v in saved_group.items() if k in g})
         for p in g["params"]:
-            name = mine.get(id(p))
+            name = by_id.get(id(p))
             if name is None:
                 raise ValueError("load_sharded: the optimizer holds a tensor that is not one of this "
                                  "RoundPipe's optim_parameters(); build it on pipe.optim_parameters()")

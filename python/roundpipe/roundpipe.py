@@ -216,16 +216,21 @@ class RoundPipe(PassThroughToModel, nn.Module):
       device (default: what the smallest device has left); verbose: log the
       automatic plan with its predicted stage times and memory
     - process_group: data parallelism over processes (roundpipe.distributed):
-      each process feeds its own shard, and step() first averages the
-      gradients over the group. Default: torch.distributed's default group
-      when it is initialised (torchrun), else none; False: none
-    - shard_optimizer_state: with a process group, each process owns about
-      1/N of the masters (optim_parameters() gives those, so the optimizer
-      keeps state for them alone); step() reduces each gradient to its owner
-      and broadcasts the updated masters (roundpipe.distributed); checkpoint
-      with roundpipe.distributed.save_sharded / load_sharded
-    - reduce_dtype: the dtype gradients cross the network in (default: the
-      masters'); torch.bfloat16 halves float32's bytes
+      each process feeds its own shard, and every step averages the
+      gradients over the group, bucket by bucket while backward still runs.
+      Default: torch.distributed's default group when it is initialised
+      (torchrun), else none; False: none. Every process of the default
+      group must build its RoundPipes in the same order (each makes a Gloo
+      group of its own for the engine)
+    - shard_optimizer_state: with a process group, each process keeps the
+      masters of about 1/N of the parameters (optim_parameters() gives
+      those, so the optimizer keeps state for them alone); each gradient
+      bucket is reduced to its owner, which broadcasts the updated weights;
+      checkpoint with roundpipe.distributed.save_sharded / load_sharded.
+      A step function sees only its share of the gradients: a gradient
+      norm or an inf check in it is not the whole model's
+    - reduce_dtype: the dtype gradients cross the network in (default:
+      float32); torch.bfloat16 halves the bytes
 
     Attributes the wrapper lacks are read from the original model (e.g.
     ``model.config``); writes go to both.
@@ -263,8 +268,10 @@ class RoundPipe(PassThroughToModel, nn.Module):
             else:
                 _layers = [_C.python_layer(model, True)]
         group = distributed.resolve_group(process_group)
+        engine_group = None
         if group is not None:
             distributed.check_same_weights(model.named_parameters(), group, type(model).__name__)
+            engine_group = distributed.engine_group(group)
         _claim_parameters(self, model)  # before the engine: a refusal leaves nothing behind
         # Plain attributes (not submodules): the original's parameters are the
         # engine's home tensors and must not be registered twice.
@@ -272,12 +279,15 @@ class RoundPipe(PassThroughToModel, nn.Module):
         object.__setattr__(self, "_model_run_config", model_run_config)
         object.__setattr__(self, "_optim_dtype", optim_dtype)
         object.__setattr__(self, "_process_group", group)
-        object.__setattr__(self, "_shard_optimizer_state", bool(shard_optimizer_state))
-        object.__setattr__(self, "_shards", None)
-        object.__setattr__(self, "_reduce_dtype", reduce_dtype)
+        object.__setattr__(self, "_shard_optimizer_state", bool(shard_optimizer_state) and group is not None)
+        # Data parallel runs in the engine (Note [Data parallel steps] and
+        # [Sharded optimizer state] in src/runtime/gradient_averager.h), on
+        # a Gloo group of its own.
         object.__setattr__(self, "_engine", _C.Engine(
             _layers, optim_dtype, name or _call_site(), pin_model, devices or "",
-            model_memory_limit, bool(verbose or ModelTimer.VERBOSE)))
+            model_memory_limit, bool(verbose or ModelTimer.VERBOSE),
+            process_group=engine_group.boxed() if engine_group is not None else None,
+            reduce_dtype=reduce_dtype, shard_optimizer_state=bool(shard_optimizer_state)))
         object.__setattr__(self, "_names", self._original_names())
         object.__setattr__(self, "training", model.training)
         _live_roundpipes.add(self)
@@ -363,31 +373,6 @@ class RoundPipe(PassThroughToModel, nn.Module):
             raise TypeError("step() takes a function that steps the optimizer, e.g. lambda: (opt.step(), opt.zero_grad())")
         if args or kwargs:  # the original's step(step_fn, is_async, *args, **kwargs)
             step_fn = functools.partial(step_fn, *args, **kwargs)
-        if self._shard_optimizer_state and self._process_group is not None:
-            # roundpipe.distributed: each owner's mean gradient, its update,
-            # then its new masters to everyone
-            user_step, group, shards = step_fn, self._process_group, self._optimizer_shards()
-
-            def step_fn():
-                try:
-                    shards.reduce_gradients()
-                except RuntimeError as e:
-                    raise distributed.describe_failure(e, group, "reducing the gradients to their owners") from e
-                result = user_step()
-                try:
-                    shards.broadcast_masters()
-                except RuntimeError as e:
-                    raise distributed.describe_failure(e, group, "broadcasting the updated masters") from e
-                return result
-        elif self._process_group is not None:  # roundpipe.distributed: the mean over ranks first
-            user_step, group, masters = step_fn, self._process_group, self.optim_parameters()
-
-            def step_fn():
-                try:
-                    distributed.average_gradients(masters, group, self._reduce_dtype)
-                except RuntimeError as e:
-                    raise distributed.describe_failure(e, group, "averaging the gradients") from e
-                return user_step()
         self._engine.step(in_step_function(step_fn), bool(is_async))
 
     def synchronize(self) -> None:
@@ -407,17 +392,7 @@ class RoundPipe(PassThroughToModel, nn.Module):
         """The optimizer's master copies (optim_dtype) of the trainable
         parameters, created on first use; tied parameters appear once. With
         shard_optimizer_state, this process's share of them."""
-        if self._shard_optimizer_state:
-            shards = self._optimizer_shards()
-            return [shards.masters[i] for i in shards.owned()]
         return list(self._engine.optim_parameters())
-
-    def _optimizer_shards(self) -> "distributed.OptimizerShards":
-        """Which process owns which master (every master, engine names)."""
-        if self._shards is None:
-            object.__setattr__(self, "_shards", distributed.OptimizerShards(
-                self._engine.optim_named_parameters(), self._process_group, self._reduce_dtype))
-        return self._shards
 
     def optim_named_parameters(self, prefix: str = "", remove_duplicate: bool = True) -> list:
         """(name, master) pairs, named as in the original model (``prefix``
@@ -425,9 +400,6 @@ class RoundPipe(PassThroughToModel, nn.Module):
         first name, or (remove_duplicate=False) under each of its names."""
         dot = prefix + "." if prefix else ""
         pairs = [(self._names.get(n, n), p) for n, p in self._engine.optim_named_parameters()]
-        if self._shard_optimizer_state:
-            mine = {id(p) for p in self.optim_parameters()}
-            pairs = [(n, p) for n, p in pairs if id(p) in mine]
         if remove_duplicate:
             return [(dot + n, p) for n, p in pairs]
         aliases = {}  # first name -> every name of that parameter

@@ -12,8 +12,10 @@
 #include <mutex>
 #include <thread>
 
+#include "process_group.h"
 #include "py_layer.h"
 #include "pytree.h"
+#include "roundpipe/distributed.h"
 #include "roundpipe/models/causal_lm.h"
 #include "roundpipe/optim/adam.h"
 #include "roundpipe/optim/grad_scaler.h"
@@ -291,8 +293,16 @@ PYBIND11_MODULE(_C, m) {
   py::class_<RoundPipe, EnginePtr>(m, "Engine")
       .def(py::init([](std::vector<LayerPtr> layers, std::optional<at::ScalarType> optim_dtype,
                        std::string name, std::string pin_model, std::string devices,
-                       std::optional<double> model_memory_limit, bool verbose) {
+                       std::optional<double> model_memory_limit, bool verbose,
+                       py::object process_group, std::optional<at::ScalarType> reduce_dtype,
+                       bool shard_optimizer_state) {
              RoundPipeOptions options;
+             if (!process_group.is_none()) {  // data parallel: its boxed() object
+               DataParallelOptions data_parallel(process_group_from(process_group));
+               data_parallel.set_shard_optimizer_state(shard_optimizer_state);
+               if (reduce_dtype) data_parallel.set_reduce_dtype(*reduce_dtype);
+               options.set_data_parallel(data_parallel);
+             }
              options.model_memory_limit_gib = model_memory_limit;
              options.verbose = verbose;
              options.optim_dtype = optim_dtype;
@@ -305,7 +315,9 @@ PYBIND11_MODULE(_C, m) {
              return EnginePtr(new RoundPipe(std::move(layers), std::move(options)));
            }),
            py::arg("layers"), py::arg("optim_dtype"), py::arg("name"), py::arg("pin_model"),
-           py::arg("devices"), py::arg("model_memory_limit"), py::arg("verbose"))
+           py::arg("devices"), py::arg("model_memory_limit"), py::arg("verbose"),
+           py::arg("process_group") = py::none(), py::arg("reduce_dtype") = py::none(),
+           py::arg("shard_optimizer_state") = false)
       .def("forward",
            [](RoundPipe& self, py::object input, py::object run_config) {
              auto value = to_ivalue(input);

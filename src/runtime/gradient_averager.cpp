@@ -109,9 +109,7 @@ void GradientAverager::check_same_weights(const std::function<at::Tensor(int)>& 
     options_.process_group->allreduce(high, max)->wait();
     options_.process_group->allreduce(low, max)->wait();
   } catch (const std::exception& e) {
-    TORCH_CHECK(false, "data parallel: comparing the starting weights of the ", world_size_,
-                " processes failed on rank ", rank_, ": ", error_message(e),
-                ". Another process most likely stopped (its output says why)");
+    fail("comparing the starting weights", e);
   }
   const auto differs = (high[0] + low[0]).ne(0);
   const auto* flags = differs.const_data_ptr<bool>();

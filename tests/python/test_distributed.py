@@ -233,12 +233,13 @@ def test_data_parallel_training_equals_one_process_on_the_whole_batch(tmp_path, 
     assert any(not torch.allclose(start[n], w, atol=1e-3) for n, w in reference.items())
 
 
-@pytest.mark.parametrize("mode,doing", [("one_stops", "comparing the starting weights"),
-                                        ("one_stops_later", "averaging the gradients")])
-def test_a_rank_that_stops_is_an_error_within_the_timeout_not_a_hang(tmp_path, mode, doing):
+@pytest.mark.parametrize("mode,error", [
+    ("one_stops", "comparing the starting weights over the 2 processes of the group failed"),  # at construction
+    ("one_stops_later", "data parallel: comparing the starting weights over 2 processes failed")])  # first step
+def test_a_rank_that_stops_is_an_error_within_the_timeout_not_a_hang(tmp_path, mode, error):
     results = run_ranks(tmp_path, 2, mode)
     assert results[1] == "stopped"
-    assert f"{doing} over the 2 processes of the group failed" in results[0], results[0]
+    assert error in results[0], results[0]
     assert "timeout" in results[0]
 
 
