@@ -274,6 +274,7 @@ def train(model, data, args: Optional[TrainingArguments] = None, **kwargs) -> Tr
         raise ValueError(f"TrainingArguments: batch_size {args.batch_size} does not split over {world} processes: "
                          f"make it a multiple of {world} (each process trains on batch_size / {world} examples)")
     writes = rank == 0
+    sharded = getattr(pipe, "_shard_optimizer_state", False)  # optim_parameters(): this process's share
     # torchrun sets OMP_NUM_THREADS=1 unless it is set, which leaves the
     # CPU optimizer one core a process (roundpipe-train prints the same).
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
@@ -309,7 +310,14 @@ def train(model, data, args: Optional[TrainingArguments] = None, **kwargs) -> Tr
             torch.distributed.all_reduce(total, group=group)
             global_losses[step] = float(total) / world
         grads = [p.grad for p in params if p.grad is not None]
-        if args.max_grad_norm > 0:
+        if sharded:  # this process holds its share of the gradients: the norm is over all shares
+            squares = torch.tensor([float(torch.nn.utils.get_total_norm(grads)) ** 2 if grads else 0.0],
+                                   dtype=torch.float64)
+            torch.distributed.all_reduce(squares, group=group)
+            norm = squares.sqrt().float()[0]
+            if args.max_grad_norm > 0:
+                torch.nn.utils.clip_grads_with_norm_(params, args.max_grad_norm, norm)
+        elif args.max_grad_norm > 0:
             norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
         else:
             norm = torch.nn.utils.get_total_norm(grads)

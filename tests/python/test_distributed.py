@@ -138,14 +138,17 @@ def tool_examples(n=48):
     return out
 
 
-def train_tool(output_dir, is_async):
+def train_tool(output_dir, is_async, sharded=False):
     """roundpipe.train on a tiny Qwen3 (fp32): clipping that binds, 2
     accumulated calls a step, packed rows, Adam's eps at ADAM_EPS (weights
     comparable: conftest); returns its losses, norms, the trained weights
-    and what it wrote."""
+    and what it wrote. `sharded`: on a RoundPipe with sharded optimizer
+    state (the clipping norm then adds up the processes' shares)."""
     from hf_models import tiny_qwen3
     model = tiny_qwen3()
-    result = roundpipe.train(model, tool_examples(), roundpipe.TrainingArguments(
+    result = roundpipe.train(
+        roundpipe.wrap_model_to_roundpipe(model, shard_optimizer_state=True) if sharded else model,
+        tool_examples(), roundpipe.TrainingArguments(
         output_dir=output_dir, batch_size=4, grad_accum=2, max_steps=3, lr=3e-3, max_grad_norm=0.5,
         adam_epsilon=ADAM_EPS,
         num_microbatch=2, sync_step=not is_async, tensorboard=False, save_model=True))
@@ -185,8 +188,9 @@ def worker(rank, world, init, out, mode):
         elif mode.startswith("first_grads_"):  # first_grads_{float32,bfloat16}[_sharded]
             dtype = getattr(torch, mode.split("_")[2])
             result = first_step_gradients(rank, world, dtype, sharded=mode.endswith("_sharded"))
-        elif mode.startswith("train_"):  # roundpipe.train under the group: train_{sync,async}
-            result = train_tool(os.path.join(out, f"run{rank}"), is_async=mode == "train_async")
+        elif mode.startswith("train_"):  # roundpipe.train under the group: train_{sync,async}[_sharded]
+            result = train_tool(os.path.join(out, f"run{rank}"), is_async=mode.startswith("train_async"),
+                                sharded=mode.endswith("_sharded"))
         elif mode.startswith("sharded"):  # sharded_{sync,async}[|save|DIR or |load|DIR]
             kind, action, directory = (mode.split("|") + ["", ""])[:3]
             report = {}
@@ -313,14 +317,14 @@ def test_a_sharded_checkpoint_resumes_with_another_number_of_processes(tmp_path,
             assert_adam_weights_close(forgot[name], w, steps=STEPS + 1, lr=LR)
 
 
-@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("mode", ["sync", "async", "async_sharded"])
 def test_roundpipe_train_under_a_group_trains_as_one_process_and_rank_0_writes(tmp_path, mode):
     """roundpipe.train in 2 processes (as under torchrun): each trains on
     half of every batch, and the losses (the step's token mean over both
     shares), gradient norms (clipping binds) and weights are one process's
     on the whole batches; only rank 0 writes the metrics and the model."""
     ranks = run_ranks(tmp_path, 2, f"train_{mode}")
-    losses, norms, weights, written = train_tool(str(tmp_path / "alone"), is_async=mode == "async")
+    losses, norms, weights, written = train_tool(str(tmp_path / "alone"), is_async=mode.startswith("async"))
     assert all(n > 0.5 for n in norms), "clipping never bound: the test shows less"
     for rank, (r_losses, r_norms, r_weights, r_written) in enumerate(ranks):
         assert r_losses == pytest.approx(losses, rel=1e-4), f"rank {rank}"
