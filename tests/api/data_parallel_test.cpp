@@ -245,18 +245,24 @@ INSTANTIATE_TEST_SUITE_P(Ranks, DataParallelTest,
                                   (std::get<2>(info.param) ? "Sharded" : "");
                          });
 
+// `options` with sharded optimizer state over `group` (when there is one)
+// in small buckets.
+RoundPipeOptions sharded_over(const c10::intrusive_ptr<c10d::ProcessGroup>& group,
+                              RoundPipeOptions options) {
+  if (group) {
+    options.set_data_parallel(
+        DataParallelOptions(group).set_bucket_bytes(300).set_shard_optimizer_state(true));
+  }
+  return options;
+}
+
 // Trains steps [from, to) of the whole run on this rank's rows, sharded
 // when data parallel: loaded from `load` first and saved to `save` after
 // (each when not empty); returns the weights after synchronize().
 std::vector<at::Tensor> train_part(torch::nn::Sequential model, int rank, int world,
                                    const c10::intrusive_ptr<c10d::ProcessGroup>& group, int from,
                                    int to, const std::string& load, const std::string& save) {
-  auto options = RoundPipeOptions().set_devices("sim:2,jitter_us=150");
-  if (group) {
-    options.set_data_parallel(
-        DataParallelOptions(group).set_bucket_bytes(300).set_shard_optimizer_state(true));
-  }
-  RoundPipe pipe(model, options);
+  RoundPipe pipe(model, sharded_over(group, RoundPipeOptions().set_devices("sim:2,jitter_us=150")));
   optim::Adam adam(pipe.optim_parameters(), adam_config());
   StepsGuard steps_done_before_adam_goes(pipe);
   if (!load.empty()) load_checkpoint(load, pipe, &adam, nullptr);
@@ -310,12 +316,9 @@ TEST(DataParallel, ShardedBfloat16WeightsWithFloat32Masters) {
   auto run = [&](torch::nn::Sequential model, int rank, int w,
                  const c10::intrusive_ptr<c10d::ProcessGroup>& group) {
     model->to(c10::kBFloat16);
-    auto options = RoundPipeOptions().set_devices("sim:1").set_optim_dtype(c10::kFloat);
-    if (group) {
-      options.set_data_parallel(
-          DataParallelOptions(group).set_bucket_bytes(300).set_shard_optimizer_state(true));
-    }
-    RoundPipe pipe(model, options);
+    RoundPipe pipe(
+        model,
+        sharded_over(group, RoundPipeOptions().set_devices("sim:1").set_optim_dtype(c10::kFloat)));
     optim::Adam adam(pipe.optim_parameters(), adam_config());
     StepsGuard steps_done_before_adam_goes(pipe);
     const int64_t share = kBatch / w;
