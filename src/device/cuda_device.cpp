@@ -323,6 +323,10 @@ std::vector<DevicePtr> make_cuda_devices(const std::vector<int>& indices_in,
   if (indices.empty()) {
     for (int i = 0; i < count; ++i) indices.push_back(i);
   }
+  // The caching allocator must be set up before its fraction is set (the
+  // Python package may get here before torch touched CUDA: "Allocator not
+  // initialized for device").
+  at::globalContext().lazyInitDevice(c10::DeviceType::CUDA);
   std::vector<DevicePtr> devices;
   for (int i : indices) {
     TORCH_CHECK(i >= 0 && i < count, "GPU index ", i, " is out of range: ", count,
