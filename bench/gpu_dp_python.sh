@@ -10,6 +10,7 @@ out="${OUT:-$PWD/bench-out}"; mkdir -p "$out"
 py=python3
 source bench/gpu_install.sh
 steps="${STEPS:-4}"
+$py -m pytest -q -p no:cacheprovider tests/python/test_lifecycle.py -k memory_capped 2>&1 | tail -1 | tee "$out/pytest.log"
 $py bench/make_qwen3_checkpoint.py /tmp/qwen3-1.7b /tmp/tokens.jsonl 1.7B 4 4096 2>&1 | tail -1 | tee "$out/checkpoint.log"
 cores=$(nproc)
 run() {  # processes, sharded

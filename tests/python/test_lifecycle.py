@@ -81,6 +81,27 @@ def test_a_script_that_raises_keeps_pythons_exit_status():
     assert "terminate called" not in result.stderr and "FATAL" not in result.stderr
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_a_memory_capped_gpu_works_before_torch_touched_cuda():
+    """devices='cuda,mem=...' in a fresh process, where nothing has set up
+    CUDA yet: the engine sets up LibTorch's CUDA before capping its
+    allocator (it failed with 'Allocator not initialized for device'), and
+    the capped GPU computes what the CPU does."""
+    script = (
+        "import torch, roundpipe\n"
+        "from torch import nn\n"
+        "torch.manual_seed(0)\n"
+        "model, x = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4)), torch.randn(6, 8)\n"
+        "expected = model(x).detach()\n"
+        "pipe = roundpipe.RoundPipe(model, devices='cuda,mem=1GiB')\n"
+        "with torch.no_grad():\n"
+        "    out = pipe(x)\n"
+        "print('MAX_DIFF', float((out - expected).abs().max()))\n")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert float(result.stdout.split("MAX_DIFF")[1]) < 1e-5, result.stdout  # fp32; TF32 off by default
+
+
 def test_dropping_a_roundpipe_publishes_its_pending_step(devices):
     def trained(drop):
         torch.manual_seed(1)
