@@ -55,10 +55,8 @@ for step in range(steps):
 pipe.synchronize()
 if rank == 0:
     s = sum(seconds[1:]) / len(seconds[1:])
-    device = (f", device peak {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB"
-              if torch.cuda.is_available() else "")
     print(f"{world} process(es){', sharded' if sharded else ''}: {s:.2f} s/step, "
-          f"{sum(tokens[1:]) / sum(seconds[1:]):,.0f} tokens/s (all processes, unpadded){device}", flush=True)
+          f"{sum(tokens[1:]) / sum(seconds[1:]):,.0f} tokens/s (all processes, unpadded)", flush=True)
 dist.barrier()
 print(f"rank {rank}: peak host resident {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.1f} GiB, "
       f"masters kept {sum(p.numel() for p in pipe.optim_parameters()):,}", flush=True)
