@@ -36,6 +36,18 @@ constexpr int64_t kWeightAlign = 8;
 int64_t aligned(int64_t bytes) {
   return (bytes + kWeightAlign - 1) / kWeightAlign * kWeightAlign;
 }
+// The weights in a bucket's message `flat` (the flags, then each weight's
+// bytes, aligned), each viewed in its dtype and shape (`likes`).
+std::vector<at::Tensor> weight_views(const at::Tensor& flat, const std::vector<at::Tensor>& likes) {
+  std::vector<at::Tensor> views;
+  int64_t offset = aligned(static_cast<int64_t>(likes.size()));
+  for (const auto& like : likes) {
+    const int64_t bytes = like.numel() * like.element_size();
+    views.push_back(flat.narrow(0, offset, bytes).view(like.scalar_type()).view(like.sizes()));
+    offset += aligned(bytes);
+  }
+  return views;
+}
 }  // namespace
 
 void GradientAverager::plan(const std::vector<int>& ids,
@@ -72,6 +84,12 @@ void GradientAverager::plan(const std::vector<int>& ids,
     bucket_bytes_.back() += aligned(numel * like_[id].element_size());
     bytes += size;
   }
+}
+
+std::vector<at::Tensor> GradientAverager::likes_of(int index) const {
+  std::vector<at::Tensor> likes;
+  for (int id : buckets_.at(index)) likes.push_back(like_.at(id));
+  return likes;
 }
 
 bool GradientAverager::owns(int id) const {
@@ -211,20 +229,13 @@ void GradientAverager::start_weights(int index, const std::map<int, at::Tensor>&
   // One flag per parameter (as bytes), then each weight's bytes, aligned.
   auto flat = at::empty({aligned(count) + bucket_bytes_.at(index)}, at::kByte);
   if (owner == rank_) {
+    c10::NoGradGuard no_grad;  // (a step function's masters require grad)
     auto* flags = flat.mutable_data_ptr<uint8_t>();
-    int64_t offset = aligned(count);
+    const auto views = weight_views(flat, likes_of(index));
     for (int64_t i = 0; i < count; ++i) {
-      const auto& like = like_.at(ids[i]);
-      const int64_t bytes = like.numel() * like.element_size();
       const auto found = updated.find(ids[i]);
       flags[i] = found != updated.end() ? 1 : 0;
-      if (flags[i] != 0) {
-        flat.narrow(0, offset, bytes)
-            .view(like.scalar_type())
-            .view(like.sizes())
-            .copy_(found->second);
-      }
-      offset += aligned(bytes);
+      if (flags[i] != 0) views[i].copy_(found->second);
     }
   }
   std::vector<at::Tensor> tensors{flat};
@@ -255,20 +266,13 @@ std::vector<int> GradientAverager::finish_oldest_weights(
   const auto count = static_cast<int64_t>(ids.size());
   const auto* flags = p.flat.const_data_ptr<uint8_t>();
   const bool mine = owners_.at(p.index) == rank_;
+  const auto views = weight_views(p.flat, likes_of(p.index));
   std::vector<int> changed;
   c10::NoGradGuard no_grad;
-  int64_t offset = aligned(count);
   for (int64_t i = 0; i < count; ++i) {
-    const auto& like = like_.at(ids[i]);
-    const int64_t bytes = like.numel() * like.element_size();
-    if (flags[i] != 0) {
-      changed.push_back(ids[i]);
-      if (!mine) {
-        target(ids[i]).copy_(
-            p.flat.narrow(0, offset, bytes).view(like.scalar_type()).view(like.sizes()));
-      }
-    }
-    offset += aligned(bytes);
+    if (flags[i] == 0) continue;
+    changed.push_back(ids[i]);
+    if (!mine) target(ids[i]).copy_(views[i]);
   }
   return changed;
 }

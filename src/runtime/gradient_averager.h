@@ -67,7 +67,6 @@ class GradientAverager {
   // every rank unsharded.
   int owner(int index) const { return owners_.at(index); }
   bool owns(int id) const;
-  int rank() const { return rank_; }
 
   // Refuses to train processes whose weights differ (built from different
   // seeds or checkpoints, where averaging gradients would train nothing
@@ -107,6 +106,8 @@ class GradientAverager {
     std::vector<at::Tensor> own;  // this process's sums (undefined: none), overwritten by the means
     c10::intrusive_ptr<c10d::Work> work;
   };
+  // The gradient-shaped tensors of bucket `index`'s parameters, in order.
+  std::vector<at::Tensor> likes_of(int index) const;
   // A failed collective as an error naming what it did and the likely cause.
   [[noreturn]] void fail(const std::string& doing, const std::exception& e) const;
 

@@ -214,11 +214,16 @@ void OptimizerStream::run_whole(std::vector<std::shared_ptr<CallState>> calls, c
   }
   if (averager_ && averager_->sharded() && !error) {
     // The owners' new weights to the others (each updated what it owns).
+    // A step function may change any master it has; the fused pass, the
+    // ones with a gradient.
     std::set<int> updated;
-    const bool all_owned = kind == StepKind::kSync || kind == StepKind::kAsync;
-    for (int id : all_owned ? weights_.ids_with_master() : std::vector<int>{}) updated.insert(id);
-    for (const auto& [id, g] : grads) {
-      if (weights_.master(id).defined()) updated.insert(id);
+    if (kind == StepKind::kSync || kind == StepKind::kAsync) {
+      const auto owned = weights_.ids_with_master();
+      updated.insert(owned.begin(), owned.end());
+    } else {
+      for (const auto& [id, g] : grads) {
+        if (weights_.master(id).defined()) updated.insert(id);
+      }
     }
     const Sending send{kind, version};
     try {
