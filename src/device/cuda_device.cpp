@@ -13,11 +13,13 @@
 #include <condition_variable>
 #include <cstdlib>
 #include <deque>
+#include <map>
 #include <mutex>
 #include <optional>
 #include <string>
 #include <thread>
 
+#include "device/memory_budget.h"
 #include "device/staging_ring.h"
 #include "roundpipe/device.h"
 
@@ -52,6 +54,46 @@ class CudaTimingMark final : public Event {
   at::cuda::CUDAEvent event_;
 };
 
+// The cap the process set on a device (its per-process fraction), and the
+// lower fraction the engine set in its place (Note [Device memory
+// budget]): a second engine on the device must start from the process's
+// cap, not from the fraction the first one lowered it to.
+struct CapRecord {
+  double set_by_us = 0;  // the fraction we set (0: none)
+  int64_t cap_bytes = 0;
+};
+std::mutex caps_mu;
+std::map<int, CapRecord> caps;
+
+// Reads the device's memory and, under a cap, lowers the caching
+// allocator's fraction to what the process may use (Note [Device memory
+// budget]). Returns that cap (0: none).
+int64_t take_capped_budget(c10::DeviceIndex index) {
+  size_t free_bytes = 0, total_bytes = 0;
+  c10::cuda::CUDAGuard guard(index);
+  C10_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
+  const auto total = static_cast<int64_t>(total_bytes);
+  const double fraction = c10::cuda::CUDACachingAllocator::getMemoryFraction(index);
+  std::lock_guard<std::mutex> lock(caps_mu);
+  auto& record = caps[index];
+  if (record.set_by_us == 0 || fraction != record.set_by_us) {  // the process's own cap
+    record.cap_bytes = fraction > 0 && fraction < 1
+                           ? static_cast<int64_t>(fraction * static_cast<double>(total))
+                           : 0;
+    record.set_by_us = 0;
+  }
+  if (record.cap_bytes == 0) return 0;
+  const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(index);
+  const int64_t usable = usable_device_bytes(
+      {total, static_cast<int64_t>(free_bytes), stats.reserved_bytes[0].current, record.cap_bytes});
+  const double lowered = std::max(1.0, static_cast<double>(usable)) / static_cast<double>(total);
+  if (lowered < fraction) {
+    c10::cuda::CUDACachingAllocator::setMemoryFraction(lowered, index);
+    record.set_by_us = c10::cuda::CUDACachingAllocator::getMemoryFraction(index);
+  }
+  return record.cap_bytes;
+}
+
 class CudaDevice final : public Device {
  public:
   explicit CudaDevice(int index) : index_(static_cast<c10::DeviceIndex>(index)) {
@@ -59,6 +101,7 @@ class CudaDevice final : public Device {
     // tensor; memory_stats() may be asked before any, when the engine takes
     // its default memory limit, and the allocator's stats need it set up.
     at::globalContext().lazyInitDevice(c10::DeviceType::CUDA);
+    cap_bytes_ = take_capped_budget(index_);
     for (int q = 0; q < 4; ++q) {
       // Activation uploads are on the critical path: give them priority.
       streams_[q] = c10::cuda::getStreamFromPool(q == static_cast<int>(Queue::kActUpload), index_);
@@ -197,19 +240,11 @@ class CudaDevice final : public Device {
     }
     const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(index_);
     const auto& all = stats.allocated_bytes[0];
-    // What this process may hold: the device's memory, capped by the
-    // caching allocator's per-process fraction if one is set
-    // (torch.cuda.set_per_process_memory_fraction), less what other
-    // processes and the driver hold (everything in use that our allocator
-    // has not reserved). A 24 GiB card and a big card capped to 24 GiB
-    // give the same budget.
-    const int64_t total = static_cast<int64_t>(total_bytes);
-    const int64_t reserved = stats.reserved_bytes[0].current;
-    const double fraction = c10::cuda::CUDACachingAllocator::getMemoryFraction(index_);
-    const int64_t cap = fraction > 0 && fraction < 1
-                            ? static_cast<int64_t>(fraction * static_cast<double>(total))
-                            : total;
-    const int64_t budget = std::min(cap, static_cast<int64_t>(free_bytes) + reserved);
+    // What this process may hold (Note [Device memory budget]): a 24 GiB
+    // card and a big card capped to 24 GiB give the same budget.
+    const int64_t budget =
+        usable_device_bytes({static_cast<int64_t>(total_bytes), static_cast<int64_t>(free_bytes),
+                             stats.reserved_bytes[0].current, cap_bytes_});
     return {budget, all.current, all.peak};
   }
   bool supports_pinned_memory() const override { return true; }
@@ -253,6 +288,7 @@ class CudaDevice final : public Device {
   }
 
   c10::DeviceIndex index_;
+  int64_t cap_bytes_ = 0;  // the process's cap on this device (0: none)
   std::mutex held_mu_;
   std::condition_variable held_cv_;
   std::deque<Held> held_;
