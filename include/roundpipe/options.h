@@ -127,6 +127,9 @@ struct PipelineStats {
   double call_start_wait_seconds = 0;      // new calls waiting for earlier calls
   // Fused-tail microbatches run in chunks of rows (Note [Tail row chunks]).
   int64_t tail_microbatches_in_row_chunks = 0;
+  // Parameter uploads that ran out of device memory and were retried once
+  // the device's earlier jobs had finished (Note [Upload out of memory]).
+  int64_t upload_out_of_memory_retries = 0;
 };
 
 struct ForwardBackwardResult {

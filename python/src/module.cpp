@@ -398,6 +398,7 @@ PYBIND11_MODULE(_C, m) {
              d["weight_wait_seconds"] = s.weight_wait_seconds;
              d["call_start_wait_seconds"] = s.call_start_wait_seconds;
              d["tail_microbatches_in_row_chunks"] = s.tail_microbatches_in_row_chunks;
+             d["upload_out_of_memory_retries"] = s.upload_out_of_memory_retries;
              return d;
            })
       .def("measure_weight_upload_rate", &RoundPipe::measure_weight_upload_rate,

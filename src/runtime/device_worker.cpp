@@ -84,6 +84,11 @@ void DeviceWorker::loop() {
       cv_.notify_all();
     }
     context_.finished(*job);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      ++jobs_done_;
+      cv_.notify_all();
+    }
     context_.in_flight.end();
   }
 }
@@ -96,7 +101,7 @@ void DeviceWorker::loop() {
 // for it.
 void DeviceWorker::upload_loop() {
   std::deque<std::shared_ptr<EventPtr>> recent;  // ends of the (up to) two jobs before
-  for (;;) {
+  for (int64_t jobs_before = 0;; ++jobs_before) {
     std::shared_ptr<Job> job;
     {
       std::unique_lock<std::mutex> lock(mu_);
@@ -124,7 +129,7 @@ void DeviceWorker::upload_loop() {
     recent.push_back(job->end);
     if (!job->upload_error) {
       try {
-        upload(*job);
+        upload_making_room(*job, jobs_before);
       } catch (...) {
         job->upload_error = std::current_exception();
       }
@@ -133,6 +138,35 @@ void DeviceWorker::upload_loop() {
     job->upload_done = true;
     cv_.notify_all();
   }
+}
+
+// Note [Upload out of memory]
+// A stage's parameters arrive while the stage before it on the device
+// still runs (Note [Two stages resident]); the plan budgets for both, but a
+// microbatch that needs more than its estimate (a longer row, a kernel's
+// workspace, memory another program took) can leave the arriving stage no
+// room. Such an upload waits until every earlier job on this device has
+// finished and its memory is back (the caching allocator hands memory that
+// was another stream's to this one once it has released its cached
+// blocks, which it does before failing an allocation), then tries once
+// more. Only a stage whose parameters do not fit beside nothing of ours
+// fails; that error reaches the call as before (Note [Out-of-memory redo]).
+// The wait costs the overlap of that one upload with the compute before it.
+void DeviceWorker::upload_making_room(Job& job, int64_t jobs_before) {
+  try {
+    upload(job);
+    return;
+  } catch (const c10::OutOfMemoryError&) {
+  }
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [&] { return jobs_done_ >= jobs_before; });
+  }
+  device_->record(Queue::kCompute)->synchronize();  // the earlier jobs' frees have happened
+  ROUNDPIPE_TRACE("call %lld: parameter upload of %s ran out of memory; retried alone",
+                  static_cast<long long>(job.call->id), job.describe().c_str());
+  context_.stats.count(&PipelineStats::upload_out_of_memory_retries);
+  upload(job);
 }
 
 void DeviceWorker::upload(Job& job) {

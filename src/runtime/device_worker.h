@@ -58,6 +58,7 @@ class DeviceWorker {
   void loop();
   void upload_loop();
   void upload(Job& job);
+  void upload_making_room(Job& job, int64_t jobs_before);
 
   WorkerContext& context_;
   DevicePtr device_;
@@ -68,6 +69,7 @@ class DeviceWorker {
   std::condition_variable cv_;
   std::deque<std::shared_ptr<Job>> jobs_;     // front: the running job
   std::deque<std::shared_ptr<Job>> uploads_;  // front: the next upload
+  int64_t jobs_done_ = 0;                     // jobs the worker has finished, in dispatch order
   bool stop_ = false;
   std::string trace_name_, uploader_name_;
   std::thread thread_, uploader_;

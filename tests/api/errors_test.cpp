@@ -5,6 +5,8 @@
 #include <torch/optim/adam.h>
 
 #include <atomic>
+#include <chrono>
+#include <thread>
 
 #include "test_util.h"
 
@@ -283,6 +285,36 @@ TEST(Errors, SimulatedOutOfMemoryThenASmallerPlanFits) {
   auto out =
       pipe.forward(x, RunConfig().set_execute_plan(ExecutePlan::one_layer_per_stage(4, false)));
   EXPECT_TENSOR_NEAR(out, m->forward(x), 1e-5, "after the out-of-memory error");
+}
+
+// Note [Upload out of memory]: a stage's parameters that find no room
+// while the stage before it still runs are uploaded again once it has
+// left the device. One device fits one stage of two 64x64 linears (33 KB
+// and its compute), not two; the first stage holds the device for 150 ms
+// (a slow last layer), so the second stage's upload, which the uploader starts
+// at once, runs out of memory; the forward still gives plain LibTorch's
+// output, and the retry is counted. Before the retry the call failed with
+// phase "parameter upload" (SimulatedOutOfMemoryThenASmallerPlanFits).
+struct SlowImpl : torch::nn::Cloneable<SlowImpl> {
+  void reset() override {}
+  at::Tensor forward(const at::Tensor& x) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(150));
+    return x;
+  }
+};
+TORCH_MODULE(Slow);
+
+TEST(Errors, AnUploadThatFindsNoRoomWaitsForTheStageBefore) {
+  torch::manual_seed(0);
+  torch::nn::Sequential m(torch::nn::Linear(64, 64), torch::nn::Linear(64, 64), Slow(),
+                          torch::nn::Linear(64, 64), torch::nn::Linear(64, 64));
+  RoundPipe pipe(m, RoundPipeOptions().set_devices("sim:1,mem=48KiB"));
+  const auto x = at::randn({4, 64});
+  torch::NoGradGuard no_grad;
+  const auto plan = ExecutePlan({{0, 3}, {3, 5}}, {{3, 5}, {0, 3}});
+  auto out = pipe.forward(x, RunConfig().set_num_microbatch(1).set_execute_plan(plan));
+  EXPECT_TENSOR_NEAR(out, m->forward(x), 1e-5, "forward after the retried upload");
+  EXPECT_GE(pipe.pipeline_stats().upload_out_of_memory_retries, 1);
 }
 
 // The uploader runs ahead of the worker, but only so far: a stage's
