@@ -74,11 +74,13 @@ struct HostArena::State {
     const size_t align = std::max(static_cast<size_t>(options.alignment), page);
     void* data = nullptr;
     const int rc = posix_memalign(&data, align, static_cast<size_t>(bytes));
-    TORCH_CHECK_WITH(OutOfMemoryError, rc == 0 && data != nullptr,
-                     "HostArena: cannot allocate a host memory chunk of ", bytes, " bytes (",
-                     stats.reserved_bytes,
-                     " bytes reserved already). Free host memory, or use pin_model=register "
-                     "or off to keep the model's own storage.");
+    // A plain error, not c10::OutOfMemoryError: that one means the device's
+    // memory, and makes the automatic plan smaller (Note [Out-of-memory
+    // redo]), which cannot help the host.
+    TORCH_CHECK(rc == 0 && data != nullptr, "HostArena: cannot allocate a host memory chunk of ",
+                bytes, " bytes (", stats.reserved_bytes,
+                " bytes reserved already): the host is out of memory. Free host memory, or use "
+                "pin_model=register or off to keep the model's own storage.");
     auto chunk = std::make_unique<HostArenaChunk>();
     chunk->base = static_cast<char*>(data);
     chunk->size = bytes;

@@ -33,6 +33,23 @@ void expect_error(Fn fn, const std::string& what) {
   }
 }
 
+// A host allocation that fails is the host's error, never the device's
+// out-of-memory error (which would make the automatic plan smaller).
+TEST(HostArena, AHostThatIsOutOfMemoryIsNotADeviceOutOfMemory) {
+  HostArena arena(HostArenaOptions().set_chunk_bytes(kKiB * kKiB));
+  try {
+    arena.allocate(int64_t{1} << 55);  // 32 PiB
+    ADD_FAILURE() << "no error";
+  } catch (const c10::OutOfMemoryError& e) {
+    ADD_FAILURE() << "a device out-of-memory error: " << e.what_without_backtrace();
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what_without_backtrace()).find("host is out of memory"),
+              std::string::npos)
+        << e.what_without_backtrace();
+  }
+  EXPECT_EQ(arena.allocate(1000).get() != nullptr, true);  // still usable
+}
+
 TEST(HostArena, BlocksAreTheirRequestRoundedToTheAlignment) {
   HostArena arena(HostArenaOptions().set_chunk_bytes(kKiB * kKiB).set_alignment(512));
   std::vector<c10::DataPtr> blocks;
