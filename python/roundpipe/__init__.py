@@ -29,12 +29,20 @@ def _finish_at_exit():
     found now has nobody left to catch it: it is printed, and the exit
     status stays what Python gives. See Note [Engine lifetime in Python]
     in python/src/module.cpp."""
-    for pipe in list(_live_roundpipes):
+    pipes = list(_live_roundpipes)
+    for pipe in pipes:
         try:
             pipe.synchronize()
         except BaseException as error:  # noqa: BLE001 (nobody is left to catch it)
             print(f"roundpipe: {pipe.name}: pending work failed at exit: "
                   f"{type(error).__name__}: {error}", file=sys.stderr)
+    # Then their engines go, threads joined, while the interpreter still
+    # runs: no thread of ours is left when C++ destroys its statics at exit
+    # (a thread that outlived them ended a CUDA run with "terminate called
+    # without an active exception").
+    for pipe in pipes:
+        pipe._close_at_exit()
+    del pipes
     _C.shutdown()
 
 

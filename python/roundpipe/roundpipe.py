@@ -21,6 +21,19 @@ from .timer import ModelTimer
 _optimizer_ctx = threading.local()
 # Every RoundPipe alive, so that work still in flight finishes at exit.
 _live_roundpipes: "weakref.WeakSet[RoundPipe]" = weakref.WeakSet()
+
+
+class _ClosedEngine:
+    """Stands for an engine closed at interpreter exit."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __getattr__(self, attribute):
+        raise RuntimeError(f"RoundPipe {self.name} was closed at interpreter exit "
+                           f"(its engine is gone); it cannot {attribute} now")
+
+
 # id(parameter) -> the live RoundPipe that owns it: each keeps its own
 # master copy and publishes its own updates, so a parameter in two of them
 # would be trained twice over, each undoing the other.
@@ -380,6 +393,13 @@ class RoundPipe(PassThroughToModel, nn.Module):
         weights into the model and adds gradients no step consumed into the
         parameters' ``.grad``. Call before evaluating or saving."""
         self._engine.synchronize()
+
+    def _close_at_exit(self) -> None:
+        """At interpreter exit, after synchronize(): drops the engine (its
+        threads joined on the package's reaper) while the interpreter still
+        runs; later use raises."""
+        object.__setattr__(self, "_engine", _ClosedEngine(self._engine.name))
+        _live_roundpipes.discard(self)
 
     def pipeline_stats(self) -> dict:
         """What the pipeline spent and did so far: the optimizer's updates and

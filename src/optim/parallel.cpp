@@ -121,9 +121,13 @@ void ThreadPool::run(int64_t count, const std::function<void(int64_t)>& fn) {
 }
 
 namespace {
+// Leaked on purpose: a static's destructor runs at exit, while threads of
+// engines that a program left alive (Python leaves those dropped during
+// interpreter finalization to the operating system) may still use the
+// pool; its idle workers end with the process.
 ThreadPool& pool() {
-  static ThreadPool instance(parallel_threads(), /*low_priority=*/true);
-  return instance;
+  static auto* instance = new ThreadPool(parallel_threads(), /*low_priority=*/true);
+  return *instance;
 }
 }  // namespace
 
