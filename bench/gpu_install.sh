@@ -10,4 +10,3 @@ if ! $py -c 'import roundpipe' 2>/dev/null || [ -n "${REINSTALL:-}" ]; then
   JOBS=16 PYTHON=$py scripts/install_python.sh > "$out/pip_install.log" 2>&1 || { tail -20 "$out/pip_install.log"; exit 1; }
 fi
 echo "installed after ${SECONDS}s" | tee "$out/times.txt"
-export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True

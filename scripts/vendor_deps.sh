@@ -29,3 +29,15 @@ done
 # an environment with torch and transformers may lack).
 "${PYTHON:-$root/.venv/bin/python}" -m pip download -q --no-deps --only-binary=:all: \
   --dest "$root/.deps/wheels" peft==0.21.2 accelerate psutil
+# The original RoundPipe (and what it needs beyond torch, transformers and
+# tqdm), for bench/gpu_user.sh's side-by-side runs: pure Python (its CPU
+# Adam compiles at first use with torch's ninja build).
+mkdir -p "$root/.deps/original"
+"${PYTHON:-$root/.venv/bin/python}" -m pip download -q --no-deps --only-binary=:all: \
+  --dest "$root/.deps/original" roundpipe==0.1.1 beartype py-cpuinfo
+# It calls transformers 4's masking API (create_causal_mask(input_embeds=...)):
+# transformers 4.57 and what it pins, installed beside it only.
+"${PYTHON:-$root/.venv/bin/python}" -m pip download -q --no-deps --only-binary=:all: \
+  --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 \
+  --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --dest "$root/.deps/original" \
+  "transformers<5" "huggingface_hub<1.0" "tokenizers<0.23,>=0.22"

@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# On the GPU machine, in one call: the consumer table as users get it.
+# Installs our package from source (bench/gpu_install.sh, which exports no
+# allocator setting) and the original RoundPipe from .deps/original
+# (scripts/vendor_deps.sh), then runs bench/user_train.py, the original's
+# own benchmark idiom, in the default environment, one process per run:
+# each of RUNS (";"-separated "SHAPE CAP BATCH SEQ [ENV=VALUE...]") REPEAT
+# times on ours and, where the run matches the regular expression ORIGINAL
+# (ORIGINAL=. : every run), once on the original. Prints one line
+# per run with the engine's out-of-memory retries counted from its
+# warnings; EXITS=N adds N back-to-back short processes (train,
+# synchronize, exit; then exit without synchronize) and counts any exit
+# status but 0. Logs go to $OUT (or ./bench-out).
+set -uo pipefail
+out="${OUT:-$PWD/bench-out}"; mkdir -p "$out"
+py=python3
+source bench/gpu_install.sh
+if [ -n "${ORIGINAL:-}" ]; then
+  $py -m pip install -q --no-index --no-deps --target /tmp/original .deps/original/*.whl \
+    > "$out/original_install.log" 2>&1 || echo "original: install failed"
+fi
+runs="${RUNS-1.7B 24 16 4096;1.7B 16 16 4096;1.7B 12 16 4096;4B 24 16 4096;4B 12 16 4096;llama3-3B 24 16 4096}"
+IFS=';' read -ra list <<< "$runs"
+one() {  # impl log args...
+  local impl=$1 log=$2; shift 2
+  local pypath=""; [ "$impl" = original ] && pypath=/tmp/original
+  local shape=$1 cap=$2 batch=$3 seq=$4; shift 4
+  env "$@" PYTHONPATH="$pypath" PYTHONUNBUFFERED=1 timeout "${RUN_TIMEOUT:-200}" \
+    $py bench/user_train.py "$shape" "$cap" "$batch" "$seq" "${TIMED:-4}" "${WARMUP:-3}" > "$log" 2>&1
+  local rc=$?
+  local retries; retries=$(grep -c "ran out of memory" "$log")
+  local result; result=$(grep "^RESULT" "$log" | sed 's/^RESULT //')
+  [ -z "$result" ] && result="FAILED: $(grep -E "Error|error|terminate" "$log" | tail -2 | cut -c1-300 | tr '\n' ' ')"
+  echo "$result oom_warnings=$retries exit=$rc (${SECONDS}s)"
+}
+n=0
+for run in "${list[@]}"; do
+  read -ra words <<< "$run"
+  for r in $(seq 1 "${REPEAT:-1}"); do
+    n=$((n + 1)); one ours "$out/run$n.log" "${words[@]}"
+  done
+  if [ -n "${ORIGINAL:-}" ] && [[ "$run" =~ $ORIGINAL ]]; then
+    n=$((n + 1)); one original "$out/run$n.log" "${words[@]}"
+  fi
+done | tee "$out/user_runs.txt"
+if [ -n "${EXITS:-}" ]; then
+  bad=0
+  for i in $(seq 1 "$EXITS"); do
+    for sync in 1 0; do
+      SYNC=$sync PYTHONUNBUFFERED=1 timeout 120 $py bench/exit_check.py > "$out/exit.log" 2>&1
+      rc=$?
+      if [ $rc -ne 0 ] || grep -q "terminate called" "$out/exit.log"; then
+        bad=$((bad + 1)); echo "exit run $i (synchronize=$sync): status $rc"; tail -3 "$out/exit.log"
+      fi
+    done
+  done
+  echo "exits: $((2 * EXITS)) processes, $bad with a status other than 0 (${SECONDS}s)" | tee -a "$out/user_runs.txt"
+fi
+echo "total ${SECONDS}s"

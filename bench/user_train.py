@@ -1,0 +1,161 @@
+"""The script a user brings: the original RoundPipe's own benchmark idiom
+(its benchmark/train.py), run unchanged on whichever `roundpipe` is
+importable, ours or the original (PYTHONPATH picks), in the default
+environment. One configuration per process, since the memory cap must be
+set before anything touches CUDA.
+
+  user_train.py SHAPE CAP_GIB BATCH SEQ [TIMED [WARMUP]]
+    SHAPE: 1.7B | 4B | 8B | llama3-3B | tiny;  CAP_GIB: 0 = no cap
+  LORA=16 (environment): peft LoRA of that rank on every linear layer, the
+  model inside peft.LoraModel as the original's train_lora.py wraps it.
+  LOSS=default: no loss_fn (the default), else `o.loss / num_microbatch`.
+
+What it does, as the original's benchmark/train.py does: caps the device
+with torch.cuda.set_per_process_memory_fraction (nothing touched CUDA
+before), makes the HuggingFace model on the meta device, materialises it
+on the GPU module by module with its own initialisers and moves it to the
+CPU, empty_cache(); wrap_model_to_roundpipe(model, optim_dtype=float32,
+use_sequential_preset=True, RoundPipeRunConfig(num_microbatch=4)),
+roundpipe.optim.Adam(lr=1e-5), fp16 weights; each call forward_backward(
+input_kwargs={input_ids, attention_mask (ones, as a tokenizer gives),
+labels, return_logits=False}, loss_fn=lambda o, _: o.loss / 4) and an
+asynchronous step. Prints one result line:
+  RESULT impl=... shape=... cap=... tok_s=... peak_alloc=... peak_reserved=...
+         device_used=... alloc_retries=... ooms=... losses=...
+(device_used: the device-wide use at the peak, cudaMemGetInfo, which the
+CUDA context adds to on top of the cap). The engine's own out-of-memory
+retries print warnings to stderr, which gpu_user.sh counts.
+"""
+import math
+import os
+import sys
+import time
+
+import torch
+
+shape, cap_gib = sys.argv[1], float(sys.argv[2])
+batch, seq = int(sys.argv[3]), int(sys.argv[4])
+timed = int(sys.argv[5]) if len(sys.argv) > 5 else 4
+warmup = int(sys.argv[6]) if len(sys.argv) > 6 else 3
+num_microbatch = min(4, batch)
+cuda = torch.cuda.is_available()
+if cuda and cap_gib > 0:
+    # First, before any CUDA allocation (get_device_properties allocates nothing).
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction(cap_gib * 2**30 / total, 0)
+
+import transformers  # noqa: E402
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config  # noqa: E402
+
+import roundpipe  # noqa: E402
+from roundpipe import RoundPipeRunConfig, wrap_model_to_roundpipe  # noqa: E402
+from roundpipe.optim import Adam  # noqa: E402
+
+impl = "ours" if hasattr(roundpipe, "_C") else "original"
+SHAPES = {
+    "tiny": (Qwen3Config, dict(vocab_size=1024, hidden_size=128, intermediate_size=384,
+                               num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                               head_dim=32)),
+    "1.7B": (Qwen3Config, dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                               num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
+                               head_dim=128, tie_word_embeddings=True)),
+    "4B": (Qwen3Config, dict(vocab_size=151936, hidden_size=2560, intermediate_size=9728,
+                             num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+                             head_dim=128, tie_word_embeddings=True)),
+    "8B": (Qwen3Config, dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288,
+                             num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+                             head_dim=128, tie_word_embeddings=False)),
+    "llama3-3B": (LlamaConfig, dict(vocab_size=128256, hidden_size=3072, intermediate_size=8192,
+                                    num_hidden_layers=28, num_attention_heads=24,
+                                    num_key_value_heads=8, head_dim=128, tie_word_embeddings=True)),
+}
+config_cls, fields = SHAPES[shape]
+config = config_cls(**fields, max_position_embeddings=max(seq, 4096))
+config._attn_implementation = "sdpa"  # (flash-attn is not installed on the GPU machine)
+config.use_cache = False
+config.dtype = torch.float16
+transformers.modeling_utils._init_weights = False
+torch.manual_seed(0)
+made = time.perf_counter()
+with torch.device("meta"):
+    hf_model = AutoModelForCausalLM.from_config(config)
+device = "cuda" if cuda else "cpu"
+for module in hf_model.modules():
+    module.to_empty(device=device, recurse=False)
+    if hasattr(module, "reset_parameters"):
+        module.reset_parameters()
+    else:  # (norms have no initialiser: ones, as transformers' own init)
+        for p in module.parameters(recurse=False):
+            torch.nn.init.ones_(p.data)
+    module._apply(lambda t: t.to(device="cpu", non_blocking=True), recurse=False)
+hf_model = hf_model.half()
+if cuda:
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+print(f"  model made in {time.perf_counter() - made:.1f} s", flush=True)
+
+lora_rank = int(os.environ.get("LORA", "0"))
+if lora_rank:
+    import peft
+    lora_config = peft.LoraConfig(r=lora_rank, lora_alpha=2 * lora_rank, lora_dropout=0.0,
+                                  target_modules=["q_proj", "k_proj", "v_proj", "o_proj",
+                                                  "gate_proj", "up_proj", "down_proj"])
+    hf_model = peft.LoraModel(hf_model, lora_config, "default").model
+
+model = wrap_model_to_roundpipe(
+    hf_model, optim_dtype=torch.float32, use_sequential_preset=True,
+    model_run_config=RoundPipeRunConfig(num_microbatch=num_microbatch))
+optim = Adam(model.optim_parameters(), lr=1e-5)
+
+input_ids = torch.randint(0, config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(1))
+mask = torch.ones_like(input_ids)
+kwargs = {"input_ids": input_ids, "attention_mask": mask, "labels": input_ids,
+          "return_logits": False}
+default_loss = os.environ.get("LOSS") == "default"
+losses = []
+
+
+def train_iter():
+    if default_loss:
+        loss = model.forward_backward(input_kwargs=kwargs)
+    else:
+        loss = model.forward_backward(input_kwargs=kwargs,
+                                      loss_fn=lambda outputs, _: outputs.loss / num_microbatch)
+    model.step(lambda: (optim.step(), optim.zero_grad(), None)[-1])
+    losses.append(float(loss))
+
+
+peak_used = 0
+
+
+def device_used():
+    global peak_used
+    if cuda:
+        free, total_bytes = torch.cuda.mem_get_info()
+        peak_used = max(peak_used, total_bytes - free)
+
+
+for i in range(warmup):
+    t = time.perf_counter()
+    train_iter()
+    device_used()
+    print(f"  warm-up {i + 1}: {time.perf_counter() - t:.2f} s, loss {losses[-1]:.4f}", flush=True)
+start = time.perf_counter()
+for i in range(timed):
+    train_iter()
+    device_used()
+end = time.perf_counter()
+model.synchronize()
+rate = timed * batch * seq / (end - start)
+stats = torch.cuda.memory_stats() if cuda else {}
+gib = 2**30
+segments = torch.cuda.memory._snapshot()["segments"] if cuda else []
+expandable = sum(1 for s in segments if s.get("is_expandable"))
+print(f"RESULT impl={impl} shape={shape} lora={lora_rank} cap={cap_gib:g} tokens={batch}x{seq} "
+      f"tok_s={rate:.0f} peak_alloc={stats.get('allocated_bytes.all.peak', 0) / gib:.2f} "
+      f"peak_reserved={stats.get('reserved_bytes.all.peak', 0) / gib:.2f} "
+      f"device_used={peak_used / gib:.2f} alloc_retries={stats.get('num_alloc_retries', 0)} "
+      f"ooms={stats.get('num_ooms', 0)} expandable_segments={expandable}/{len(segments)} losses={','.join(f'{x:.4f}' for x in losses)}", flush=True)
+if impl == "ours" and os.environ.get("PLAN"):
+    print("  plan: " + str(model._engine.auto_plan(True, num_microbatch, 0, None,
+                                                    batch // num_microbatch)[1]).replace("\n", "\n  "))
