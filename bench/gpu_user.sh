@@ -10,7 +10,8 @@
 # per run with the engine's out-of-memory retries counted from its
 # warnings; EXITS=N adds N back-to-back short processes (train,
 # synchronize, exit; then exit without synchronize) and counts any exit
-# status but 0. Logs go to $OUT (or ./bench-out).
+# status but 0; RESIDENT="SHAPE BATCH SEQ STEPS" adds GPU-resident peft LoRA
+# (bench/lora_bench.py), PYTEST="ARGS" a pytest run. Logs go to $OUT (or ./bench-out).
 set -uo pipefail
 out="${OUT:-$PWD/bench-out}"; mkdir -p "$out"
 py=python3
@@ -55,5 +56,12 @@ if [ -n "${EXITS:-}" ]; then
     done
   done
   echo "exits: $((2 * EXITS)) processes, $bad with a status other than 0 (${SECONDS}s)" | tee -a "$out/user_runs.txt"
+fi
+if [ -n "${RESIDENT:-}" ]; then  # "SHAPE BATCH SEQ STEPS": GPU-resident peft LoRA, no cap (the baseline)
+  timeout "${RUN_TIMEOUT:-200}" $py bench/lora_bench.py resident $RESIDENT > "$out/resident.log" 2>&1
+  echo "resident peft $RESIDENT: $(grep -v '^  ' "$out/resident.log" | grep -v Warning | tail -1) (${SECONDS}s)" | tee -a "$out/user_runs.txt"
+fi
+if [ -n "${PYTEST:-}" ]; then  # e.g. "tests/python/test_lifecycle.py -k cuda"
+  $py -m pytest -q -p no:cacheprovider $PYTEST 2>&1 | tail -5 | tee -a "$out/user_runs.txt"
 fi
 echo "total ${SECONDS}s"

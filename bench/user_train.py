@@ -151,11 +151,15 @@ stats = torch.cuda.memory_stats() if cuda else {}
 gib = 2**30
 segments = torch.cuda.memory._snapshot()["segments"] if cuda else []
 expandable = sum(1 for s in segments if s.get("is_expandable"))
+predicted, described = 0.0, ""
+if impl == "ours":  # the plan's predicted peak: its largest stage with the next one's parameters
+    import re
+    described = str(model._engine.auto_plan(True, num_microbatch, 0, None, batch // num_microbatch)[1])
+    predicted = max([float(x) for x in re.findall(r"([0-9.]+) GiB", described)] or [0])
 print(f"RESULT impl={impl} shape={shape} lora={lora_rank} cap={cap_gib:g} tokens={batch}x{seq} "
       f"tok_s={rate:.0f} peak_alloc={stats.get('allocated_bytes.all.peak', 0) / gib:.2f} "
-      f"peak_reserved={stats.get('reserved_bytes.all.peak', 0) / gib:.2f} "
+      f"peak_reserved={stats.get('reserved_bytes.all.peak', 0) / gib:.2f} predicted={predicted:.2f} "
       f"device_used={peak_used / gib:.2f} alloc_retries={stats.get('num_alloc_retries', 0)} "
       f"ooms={stats.get('num_ooms', 0)} expandable_segments={expandable}/{len(segments)} losses={','.join(f'{x:.4f}' for x in losses)}", flush=True)
-if impl == "ours" and os.environ.get("PLAN"):
-    print("  plan: " + str(model._engine.auto_plan(True, num_microbatch, 0, None,
-                                                    batch // num_microbatch)[1]).replace("\n", "\n  "))
+if os.environ.get("PLAN"):
+    print("  plan: " + described.replace("\n", "\n  "))

@@ -123,3 +123,47 @@ def test_dropping_a_roundpipe_publishes_its_pending_step(devices):
     for d, s, i in zip(dropped, synchronized, initial):
         assert torch.equal(d, s)
         assert not torch.equal(d, i)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("synchronize", ["1", "0"])
+def test_cuda_processes_back_to_back_exit_with_status_0(synchronize):
+    """Issue 31: one CUDA run in eleven ended with 'terminate called without
+    an active exception' (status 134) after synchronize(). Ten processes in a
+    row (a preset and Python layers, three async steps each), ending after
+    synchronize() or with work in flight: every one exits with 0 and prints
+    no abort."""
+    script = os.path.join(HERE, "..", "..", "bench", "exit_check.py")
+    for run in range(10):
+        result = subprocess.run([sys.executable, script], capture_output=True, text=True,
+                                timeout=300, env={**os.environ, "SYNC": synchronize})
+        context = f"run {run}: status {result.returncode}\n{result.stderr[-3000:]}"
+        assert result.returncode == 0, context
+        assert "done" in result.stdout, context
+        assert "terminate called" not in result.stderr, context
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_a_capped_gpu_leaves_room_for_the_context_of_a_real_card():
+    """Note [Device memory budget]: under a 12 GiB cap the engine lowers the
+    caching allocator's fraction to 10.5 GiB (the cap less 1.5 GiB), so that
+    what the allocator reserves stays where a real 12 GiB card has room."""
+    script = (
+        "import torch, roundpipe\n"
+        "from torch import nn\n"
+        "total = torch.cuda.get_device_properties(0).total_memory\n"
+        "torch.cuda.set_per_process_memory_fraction(12 * 2**30 / total, 0)\n"
+        "pipe = roundpipe.RoundPipe(nn.Sequential(nn.Linear(8, 8)), devices='cuda')\n"
+        "pipe2 = roundpipe.RoundPipe(nn.Sequential(nn.Linear(8, 8)), devices='cuda')\n"
+        "x = torch.empty(int(10.4 * 2**30), dtype=torch.uint8, device='cuda')\n"
+        "del x\n"
+        "torch.cuda.empty_cache()\n"
+        "try:\n"
+        "    y = torch.empty(int(10.6 * 2**30), dtype=torch.uint8, device='cuda')\n"
+        "    print('ALLOCATED')\n"
+        "except torch.OutOfMemoryError:\n"
+        "    print('REFUSED')\n")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    # 10.4 GiB fits the lowered fraction; 10.6 does not (two engines lower it once).
+    assert "REFUSED" in result.stdout, result.stdout + result.stderr[-2000:]
