@@ -345,7 +345,8 @@ class RoundPipe(PassThroughToModel, nn.Module):
             input_args = (input_args,)
         input_kwargs = {} if input_kwargs is None else dict(input_kwargs)
         user_loss = _default_loss_fn if loss_fn is None else loss_fn
-        config, value = self._engine_call(run_config, input_args, input_kwargs, fused=True)
+        config, value = self._engine_call(run_config, input_args, input_kwargs, fused=True,
+                                          whole_batch_loss=loss_fn is None)
         # The default loss_fn returns the model's loss: where the model's
         # layers promise that it adds up over rows (the presets'), the
         # engine may run a microbatch's tail in chunks of rows.
@@ -573,10 +574,11 @@ class RoundPipe(PassThroughToModel, nn.Module):
             by_id.setdefault(id(p), n)
         return {n: by_id.get(id(p), n) for n, p in self._engine.named_parameters()}
 
-    def _engine_call(self, call_config, args, kwargs, fused):
+    def _engine_call(self, call_config, args, kwargs, fused, whole_batch_loss=False):
         """The engine's input value and the call's run config resolved
         against the model's, with split and merge functions adapted to the
-        engine's one value per call."""
+        engine's one value per call. whole_batch_loss: forward_backward with
+        the default loss_fn (Note [Microbatch losses] in wrap.py)."""
         if call_config is not None and not isinstance(call_config, RoundPipeRunConfig):
             raise TypeError("roundpipe_run_config / run_config must be a RoundPipeRunConfig")
         model = self._model_run_config
@@ -586,6 +588,7 @@ class RoundPipe(PassThroughToModel, nn.Module):
         split_input = _resolve(call_config, model, "split_input")
         packed = args[0] if len(args) == 1 and isinstance(args[0], PackedMicrobatches) else None
         view.packed_input = packed is not None
+        view.whole_batch_loss = whole_batch_loss
         view.split_input = None
         if packed is not None:
             if kwargs:

@@ -46,12 +46,14 @@ class CausalLMRoundPipe(RoundPipe):
       positions get a zero attention output, as with transformers'
       ``flash_attention_2`` (its ``sdpa`` path differs there, in the logits
       at padding positions only).
-    - The loss is the whole batch's token-weighted mean (the sum over
-      labelled tokens divided by their number in the whole batch, or by
-      ``num_items_in_batch`` when given, as in transformers), whatever
-      ``num_microbatch`` is; so are its gradients. In ``forward_backward``
-      each microbatch's ``output.loss`` is its share, and the shares add up
-      to the batch's loss.
+    - Losses follow transformers and the original (Note [Microbatch losses]):
+      each microbatch's ``output.loss`` is that microbatch's mean over its
+      labelled tokens, or its sum divided by ``num_items_in_batch`` when the
+      caller gives it; ``forward`` averages the microbatch losses and
+      ``forward_backward`` returns the sum of ``loss_fn``'s values. With the
+      default ``loss_fn`` (the original has none that works for a preset),
+      ``forward_backward`` trains on the whole batch's token-weighted mean,
+      whatever ``num_microbatch`` is: each microbatch's loss is its share.
     """
 
     def __init__(self, model: nn.Module, return_logits: bool = False, loss_chunk_tokens: int = 2048,
@@ -74,9 +76,12 @@ class CausalLMRoundPipe(RoundPipe):
         out = super().forward(*args, **kwargs)
         return _keep_logits(out, logits_to_keep)
 
-    def forward_backward(self, *args, **kwargs):
-        result = super().forward_backward(*args, **kwargs)
-        if isinstance(result, tuple):
+    def forward_backward(self, input_args=(), input_kwargs=None, label=None, loss_fn=None,
+                         return_outputs=False, run_config=None):
+        result = super().forward_backward(input_args, input_kwargs, label, loss_fn, return_outputs,
+                                          run_config)
+        shares = loss_fn is None and (input_kwargs or {}).get("num_items_in_batch") is None
+        if isinstance(result, tuple) and shares:
             # The merged outputs average the microbatch shares: give them
             # the batch's loss, the shares' sum.
             loss, out = result
@@ -84,17 +89,31 @@ class CausalLMRoundPipe(RoundPipe):
                 out.loss = loss.to(out.loss.device)
         return result
 
+    # Note [Microbatch losses]
+    # As in transformers and the original, a microbatch's loss is its own
+    # mean over its labelled tokens unless num_items_in_batch is given (then
+    # its sum divided by that), so a script written for the original
+    # (loss_fn=lambda o, _: o.loss / num_microbatch) trains the same here.
+    # Given, the count is the caller's for the whole batch: forward()
+    # averages the microbatch losses, so each gets count / num_microbatch
+    # and the average is the batch's sum / count, as transformers computes
+    # it on the whole batch; forward_backward sums them, so each gets the
+    # count. The default loss_fn of forward_backward (ours; the original's
+    # returns the output, which a preset cannot backpropagate) counts the
+    # whole batch's labelled tokens itself: the losses are shares that add
+    # up to the batch's token-weighted mean, the same for any
+    # num_microbatch. Our training tools pass their count explicitly.
     def _call_extras(self, args, kwargs, view, fused):
-        """num_items_in_batch for every microbatch, so that the microbatch
-        losses combine into the whole batch's token-weighted mean: the
-        engine sums them in forward_backward (and in a packed output) and
-        averages them in forward."""
+        """num_items_in_batch for every microbatch (Note [Microbatch
+        losses])."""
         labels = kwargs.get("labels")
         if not isinstance(labels, torch.Tensor):
             return {}
         labels = _loss_labels(labels, kwargs.get("shift_labels"), kwargs.get("ignore_index", -100))
         items = kwargs.get("num_items_in_batch")
         if items is None:
+            if not getattr(view, "whole_batch_loss", False):
+                return {}  # each microbatch's own mean
             if labels.dim() != 2:
                 raise ValueError(f"labels must be [batch, sequence], got shape {tuple(labels.shape)}")
             items = _C.count_loss_tokens(labels)

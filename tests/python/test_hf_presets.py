@@ -237,7 +237,10 @@ def test_padding_and_packing_match_transformers_for_any_microbatch_count(devices
 
 
 @pytest.mark.parametrize("kind", ["left", "packed"])
-def test_forward_with_autograd_is_token_weighted_too(kind):
+def test_forward_averages_the_microbatch_means_as_the_original(kind):
+    """Note [Microbatch losses]: forward() merges the microbatches' losses by
+    averaging them, each its own mean over its labelled tokens (transformers'
+    on that microbatch), as the original does; so do its gradients."""
     inputs = masked_batch(kind)
     hf = tiny_qwen3()
     oracle = copy.deepcopy(hf)
@@ -245,9 +248,51 @@ def test_forward_with_autograd_is_token_weighted_too(kind):
     loss = pipe(**inputs).loss
     loss.backward()
     pipe.synchronize()
-    expected = oracle(**inputs).loss
+    rows = inputs["input_ids"].shape[0]
+    halves = [slice(0, (rows + 1) // 2), slice((rows + 1) // 2, rows)]
+    expected = sum(oracle(**{k: v[h] for k, v in inputs.items()}).loss for h in halves) / 2
     expected.backward()
     assert_close(loss.detach(), expected.detach(), TOL)
+    grads_close(hf, oracle)
+
+
+def test_forward_with_num_items_in_batch_is_transformers_on_the_whole_batch():
+    """With the count given, forward() gives what transformers computes on
+    the whole batch with that count (the sum over labelled tokens divided by
+    it), for 4 microbatches of a padded 8 x 32 batch."""
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(0, 96, (8, 32), generator=g)
+    mask = torch.ones_like(ids)
+    for row, length in enumerate([32, 20, 5, 31, 12, 32, 1, 17]):
+        mask[row, length:] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    inputs = dict(input_ids=ids, attention_mask=mask, labels=labels)
+    hf = tiny_qwen3()
+    oracle = copy.deepcopy(hf)
+    pipe = wrap_model_to_roundpipe(hf, devices="sim:2", model_run_config=RoundPipeRunConfig(num_microbatch=4))
+    with torch.no_grad():
+        for items in (int((labels[:, 1:] != -100).sum()), 50):
+            loss = pipe(**inputs, num_items_in_batch=items).loss
+            expected = oracle(**inputs, num_items_in_batch=items).loss
+            assert_close(loss, expected, TOL)
+
+
+def test_a_loss_fn_gets_each_microbatchs_own_mean():
+    """Issue 32: the original's idiom, loss_fn=lambda o, _: o.loss / N, trains
+    on the mean of the microbatch means (each microbatch's output.loss its
+    own mean, as transformers'), and forward_backward returns the sum of
+    loss_fn's values; on a padded batch that differs from the token-weighted
+    mean (test_microbatch_means_would_differ)."""
+    inputs = masked_batch("left")
+    hf = tiny_qwen3()
+    oracle = copy.deepcopy(hf)
+    pipe = wrap_model_to_roundpipe(hf, devices="sim:2", model_run_config=RoundPipeRunConfig(num_microbatch=2))
+    loss = pipe.forward_backward(input_kwargs=inputs, loss_fn=lambda o, _: o.loss / 2)
+    pipe.synchronize()
+    expected = sum(oracle(**{k: v[h] for k, v in inputs.items()}).loss / 2
+                   for h in (slice(0, 2), slice(2, 4)))
+    expected.backward()
+    assert_close(loss, expected.detach(), TOL)
     grads_close(hf, oracle)
 
 
