@@ -9,6 +9,8 @@ set before anything touches CUDA.
   LORA=16 (environment): peft LoRA of that rank on every linear layer, the
   model inside peft.LoraModel as the original's train_lora.py wraps it.
   LOSS=default: no loss_fn (the default), else `o.loss / num_microbatch`.
+  FP16_ACCUM=1: torch.backends.cuda.matmul.allow_fp16_accumulation = True, as
+  the original's benchmark/train.py sets it.
 
 What it does, as the original's benchmark/train.py does: caps the device
 with torch.cuda.set_per_process_memory_fraction (nothing touched CUDA
@@ -43,6 +45,9 @@ if cuda and cap_gib > 0:
     # First, before any CUDA allocation (get_device_properties allocates nothing).
     total = torch.cuda.get_device_properties(0).total_memory
     torch.cuda.set_per_process_memory_fraction(cap_gib * 2**30 / total, 0)
+
+if os.environ.get("FP16_ACCUM") == "1":  # the original's benchmark/train.py sets it (the paper's runs)
+    torch.backends.cuda.matmul.allow_fp16_accumulation = True
 
 import transformers  # noqa: E402
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config  # noqa: E402

@@ -11,6 +11,11 @@ namespace roundpipe {
 // least one dimension. Throws when it holds no such tensor.
 int64_t batch_size_of(const c10::IValue& value);
 
+// How many microbatches a value splits into when `n` are asked for: `n`, or
+// its batch size where that is smaller (as torch's pipelining splitter and
+// the original do: a batch of one long sequence is one microbatch).
+int microbatch_count(const c10::IValue& value, int n);
+
 // Chunk sizes for `batch` rows over `n` microbatches: earlier chunks larger.
 std::vector<int64_t> chunk_sizes(int64_t batch, int n);
 

@@ -120,8 +120,8 @@ class CausalLMRoundPipe(RoundPipe):
             if items == 0:
                 return {}  # no labelled token: every microbatch's loss is 0
         items = float(items)
-        if not fused and not view.pack_output:
-            items /= view.num_microbatch or len(self.devices) + 1
+        if not fused and not view.pack_output:  # (a batch of fewer rows: that many microbatches)
+            items /= min(view.num_microbatch or len(self.devices) + 1, labels.shape[0])
         return {"num_items_in_batch": items}
 
     @staticmethod

@@ -101,8 +101,18 @@ struct FusedLinearCrossEntropy : torch::autograd::Function<FusedLinearCrossEntro
         at::mm_out(rows, logits, weight);
       }
       // Accumulate the weight's gradient in float32 straight from the
-      // low-precision product (cuBLAS with a float32 output).
-      if (want_weight) at::addmm_outf(grad_weight, logits.t(), h, at::kFloat, 1, 1, grad_weight);
+      // low-precision product (cuBLAS with a float32 output). Where the
+      // caller asked cuBLAS for fp16 accumulation
+      // (torch.backends.cuda.matmul.allow_fp16_accumulation, as the paper's
+      // runs on consumer cards do), cuBLAS has no float32 output for half
+      // inputs: each chunk's product is then half, as asked, and the chunks
+      // add up in float32.
+      if (want_weight) {
+        if (h.scalar_type() == at::kHalf && at::globalContext().allowFP16AccumulationCuBLAS())
+          grad_weight.add_(at::mm(logits.t(), h));
+        else
+          at::addmm_outf(grad_weight, logits.t(), h, at::kFloat, 1, 1, grad_weight);
+      }
     }
     ctx->save_for_backward({grad_hidden, grad_weight});
     ctx->saved_data["weight_dtype"] = static_cast<int64_t>(weight.scalar_type());

@@ -177,6 +177,11 @@ std::shared_ptr<CallState> Engine::start_call(const c10::IValue& input, const Ru
   call->fused = kind == CallKind::kForwardBackward;
   call->training = kind != CallKind::kForward;
   call->n = *call->config.num_microbatch;
+  // A batch of fewer rows than num_microbatch runs as that many
+  // microbatches (the original's splitter does so); a split of the
+  // caller's or a packed input keeps its count.
+  if (!call->config.packed_input.value_or(false) && !call->config.split_input && call->n >= 1)
+    call->n = microbatch_count(input, call->n);
   call->grain = *call->config.recompute_grain;
   call->preserve_rng = *call->config.preserve_rng_state;
   call->weights_version = redo_of ? redo_of->weights_version : optimizer_.version_for_new_calls();

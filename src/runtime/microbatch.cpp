@@ -116,6 +116,11 @@ int64_t batch_size_of(const c10::IValue& value) {
   return *batch;
 }
 
+int microbatch_count(const c10::IValue& value, int n) {
+  const auto batch = find_batch_size(value);
+  return batch && *batch >= 1 && *batch < n ? static_cast<int>(*batch) : n;
+}
+
 std::vector<int64_t> chunk_sizes(int64_t batch, int n) {
   std::vector<int64_t> sizes;
   for (int i = 0; i < n; ++i) sizes.push_back(batch / n + (i < batch % n ? 1 : 0));

@@ -113,11 +113,20 @@ def test_uneven_split_and_replication(devices):
     assert_close(out, torch.arange(8.0).view(8, 1))
 
 
-def test_batch_smaller_than_microbatches_is_a_clear_error(devices):
-    pipe = RoundPipe(nn.Sequential(nn.Linear(2, 2)), devices=devices,
-                     model_run_config=RoundPipeRunConfig(num_microbatch=4))
-    with pytest.raises(RuntimeError, match="lower num_microbatch"):
-        pipe(torch.randn(2, 2))
+def test_a_batch_smaller_than_num_microbatch_is_one_microbatch_a_row(devices):
+    """Issue 32, as the original (torch's pipelining splitter): 2 rows with
+    num_microbatch=4 run as 2 microbatches, in forward and in training."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(2, 3), nn.Tanh(), nn.Linear(3, 2))
+    pipe = RoundPipe(model, devices=devices, model_run_config=RoundPipeRunConfig(num_microbatch=4))
+    x, y = torch.randn(2, 2), torch.randn(2, 2)
+    with torch.no_grad():
+        assert_close(pipe(x), model(x))
+    rows = []
+    loss = pipe.forward_backward(input_args=(x,), label=y,
+                                 loss_fn=lambda o, t: (rows.append(o.shape[0]), ((o - t) ** 2).sum())[1])
+    assert sorted(rows) == [1, 1]
+    assert_close(loss, ((model(x) - y) ** 2).sum().detach())
 
 
 def test_custom_split_and_merge(devices):
