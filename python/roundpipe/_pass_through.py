@@ -5,7 +5,7 @@ class PassThroughToModel:
     """Attributes the wrapper lacks are read from the original model (the one
     ``set_original_model`` named, else ``self._model``: ``config``,
     ``vocab_size``, ``save_pretrained``...), then from the wrapped model;
-    writes and deletes of their public attributes go to both."""
+    writes of public attributes (new ones too) and deletes go to both."""
 
     def _targets(self) -> list:
         targets = []
@@ -28,10 +28,11 @@ class PassThroughToModel:
         raise AttributeError(f"{type(self).__name__} (and the model it wraps) has no attribute {name!r}")
 
     def __setattr__(self, name: str, value) -> None:
-        if not name.startswith("_"):
+        # Public attributes go to the models too, new ones included, as in
+        # the original; the wrapper's own properties stay its own.
+        if not name.startswith("_") and not hasattr(type(self), name):
             for model in self._targets():
-                if hasattr(model, name):
-                    setattr(model, name, value)
+                setattr(model, name, value)
         object.__setattr__(self, name, value)
 
     def __delattr__(self, name: str) -> None:

@@ -409,16 +409,24 @@ class RoundPipe(PassThroughToModel, nn.Module):
         a short memory budget where the model's loss adds up over rows)."""
         return dict(self._engine.pipeline_stats())
 
-    def optim_parameters(self) -> list:
-        """The optimizer's master copies (optim_dtype) of the trainable
-        parameters, created on first use; tied parameters appear once. With
-        shard_optimizer_state, this process's share of them."""
+    def optim_parameters(self):
+        """An iterator over the optimizer's master copies (optim_dtype) of the
+        trainable parameters, created on first use (as the original, an
+        iterator, like nn.Module.parameters()); tied parameters appear once.
+        With shard_optimizer_state, this process's share of them."""
+        return iter(self._optim_list())
+
+    def optim_named_parameters(self, prefix: str = "", remove_duplicate: bool = True):
+        """An iterator over (name, master) pairs, named as in the original
+        model (``prefix`` first). A tied parameter has one master: listed
+        once, under its first name, or (remove_duplicate=False) under each
+        of its names."""
+        return iter(self._optim_named_list(prefix, remove_duplicate))
+
+    def _optim_list(self) -> list:
         return list(self._engine.optim_parameters())
 
-    def optim_named_parameters(self, prefix: str = "", remove_duplicate: bool = True) -> list:
-        """(name, master) pairs, named as in the original model (``prefix``
-        first). A tied parameter has one master: listed once, under its
-        first name, or (remove_duplicate=False) under each of its names."""
+    def _optim_named_list(self, prefix: str = "", remove_duplicate: bool = True) -> list:
         dot = prefix + "." if prefix else ""
         pairs = [(self._names.get(n, n), p) for n, p in self._engine.optim_named_parameters()]
         if remove_duplicate:
@@ -434,13 +442,13 @@ class RoundPipe(PassThroughToModel, nn.Module):
 
     def parameters(self, recurse: bool = True):
         if _in_optimizer_ctx():
-            return iter(self.optim_parameters())
+            return self.optim_parameters()
         _warn_model_parameters()
         return self._model.parameters(recurse)
 
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
         if _in_optimizer_ctx():
-            return iter([(prefix + ("." if prefix else "") + n, p) for n, p in self.optim_named_parameters()])
+            return self.optim_named_parameters(prefix)
         _warn_model_parameters()
         return self._model.named_parameters(prefix, recurse, remove_duplicate)
 

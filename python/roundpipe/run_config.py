@@ -133,17 +133,22 @@ class ModelExecutePlan:
         what the smallest device has left). One model gives a plan, several
         a list (each planned alone), none []. Raises naming the smallest
         feasible limit when none fits; verbose prints the stages with their
-        predicted times and memory. upper_threshold is the original's cap on
+        predicted times and memory. With several models and "fused", all
+        but the last get a "train" plan (they run forward() with grad, the
+        last forward_backward), as in the original. upper_threshold is the original's cap on
         stage workloads: our planner scores every candidate workload by
         simulating the schedule instead, so it has no effect."""
         if run_type not in ("fused", "train", "forward", "infer"):
             raise ValueError(f"run_type must be 'infer', 'train' or 'fused', got {run_type!r}")
         plans = []
-        for model in models:
+        for i, model in enumerate(models):
             n = num_microbatch or model.model_run_config.num_microbatch or len(model.devices) + 1
+            # As the original: in a chain for "fused", every model but the
+            # last runs forward() with grad (its backward through autograd),
+            # so it gets a training plan with a full forward plan.
+            fused = run_type == "fused" and i == len(models) - 1
             (fwd, bwd, replicas), text = model._engine.auto_plan(
-                run_type == "fused", n, 0 if min_stages is None else int(min_stages),
-                model_memory_limit)
+                fused, n, 0 if min_stages is None else int(min_stages), model_memory_limit)
             if verbose:
                 print(text)
             plans.append(ModelExecutePlan(fwd, [] if run_type == "infer" else bwd, replicas))

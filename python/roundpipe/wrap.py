@@ -373,17 +373,25 @@ class AutoRoundPipe(PassThroughToModel, nn.Module):
                 object.__setattr__(self, "_glue_masters", masters)
         return list(self._glue_masters)
 
-    def optim_named_parameters(self) -> list:
-        """(name, master) pairs: each part's RoundPipe's masters (named from
-        the model's root), then the glue's."""
+    def optim_named_parameters(self, prefix: str = "", remove_duplicate: bool = True):
+        """An iterator over (name, master) pairs: each part's RoundPipe's
+        masters (named from the model's root), then the glue's."""
+        return iter(self._optim_named_list(prefix, remove_duplicate))
+
+    def optim_parameters(self):
+        return iter(self._optim_list())
+
+    def _optim_named_list(self, prefix: str = "", remove_duplicate: bool = True) -> list:
         named = []
         for pipe in self._pipes:
             dot = pipe.name + "." if pipe.name else ""
-            named += [(dot + n, m) for n, m in pipe.optim_named_parameters()]
-        return named + [(n, m) for n, _, m in self._glue_named_masters()]
+            named += [(dot + n, m) for n, m in pipe._optim_named_list(remove_duplicate=remove_duplicate)]
+        named += [(n, m) for n, _, m in self._glue_named_masters()]
+        dot = prefix + "." if prefix else ""
+        return [(dot + n, m) for n, m in named]
 
-    def optim_parameters(self) -> list:
-        return [m for _, m in self.optim_named_parameters()]
+    def _optim_list(self) -> list:
+        return [m for _, m in self._optim_named_list()]
 
     def _publish_glue(self) -> None:
         """Waits for the last step and copies the glue's new weights in."""
@@ -411,7 +419,7 @@ class AutoRoundPipe(PassThroughToModel, nn.Module):
             step_fn = functools.partial(step_fn, *args, **kwargs)
         self._publish_glue()
         glue = self._glue_named_masters()
-        group, masters = self._process_group, self.optim_parameters()
+        group, masters = self._process_group, self._optim_list()
         grads = []
         for _, p, m in glue:
             grads.append(p.grad)

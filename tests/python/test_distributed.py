@@ -96,7 +96,7 @@ def first_step_gradients(rank=0, world=1, reduce_dtype=None, sharded=False):
     process owns, sharded), by name."""
     pipe = RoundPipe(make_model(), devices="sim:1", optim_dtype=torch.float32, reduce_dtype=reduce_dtype,
                      shard_optimizer_state=sharded)
-    named = pipe.optim_named_parameters()
+    named = list(pipe.optim_named_parameters())
     x, y = batch(0)
     shard = ROWS // world
     rows = slice(rank * shard, (rank + 1) * shard)

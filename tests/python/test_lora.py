@@ -65,7 +65,7 @@ def check_against_peft(model, devices):
     pipe = wrap_model_to_roundpipe(model, devices=devices, model_run_config=RoundPipeRunConfig(num_microbatch=2))
     assert isinstance(pipe, roundpipe.CausalLMRoundPipe)
     adapters = [n for n, p in model.named_parameters() if p.requires_grad]
-    assert len(pipe.optim_parameters()) == len(adapters) > 0  # masters for the adapters only
+    assert len(list(pipe.optim_parameters())) == len(adapters) > 0  # masters for the adapters only
     inputs = padded_batch()
     loss = pipe.forward_backward(input_kwargs=inputs)
     pipe.synchronize()

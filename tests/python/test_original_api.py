@@ -26,6 +26,8 @@ def test_model_attributes_and_the_forwarding_target(devices):
     assert not hasattr(model, "note") and not hasattr(target, "note")
     with pytest.raises(AttributeError):
         del pipe.no_such_attribute
+    pipe.written_later = 7  # a new attribute reaches the models too (issue 32)
+    assert (pipe.written_later, model.written_later, target.written_later) == (7, 7, 7)
 
 
 def test_a_parameter_in_two_live_roundpipes_is_an_error():

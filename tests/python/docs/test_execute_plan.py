@@ -2,12 +2,15 @@
 check_valid, auto(run_type, *models, ...), and automatic plans under a
 memory limit."""
 
+import copy
+
 import pytest
 import torch
-from conftest import make_model, mse
+from conftest import assert_close, make_model, mse
 from roundpipe import (
     ModelExecutePlan,
     RoundPipe,
+    RoundPipeRunConfig,
 )
 
 
@@ -61,3 +64,32 @@ def test_model_execute_plan_the_original_way():
     for p, m in zip(both, (first, second)):
         p.check_valid(m.num_layers, "train")
         assert len(p.fwd_plan) + len(p.bwd_plan) >= 2
+
+
+def test_fused_plans_of_a_chain_give_every_model_but_the_last_a_training_plan():
+    """Issue 32, as the original: auto("fused", m1, m2) plans m1 for
+    forward() with grad (a full forward plan) and m2 for forward_backward;
+    the chain then trains with those plans as without them."""
+    torch.manual_seed(0)
+    nn = torch.nn
+    model1 = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh())
+    model2 = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3))
+    ref1, ref2 = copy.deepcopy(model1), copy.deepcopy(model2)
+    first = RoundPipe(model1, devices="sim:2")
+    second = RoundPipe(model2, devices="sim:2")
+    p1, p2 = ModelExecutePlan.auto("fused", first, second)
+    p1.check_valid(first.num_layers, "train")
+    p2.check_valid(second.num_layers, "fused")
+    x, y = torch.randn(6, 4), torch.randn(6, 3)
+    hidden = first(x, roundpipe_run_config=RoundPipeRunConfig(execute_plan=p1))
+    loss = second.forward_backward(input_args=(hidden,), label=y, loss_fn=mse,
+                                   run_config=RoundPipeRunConfig(execute_plan=p2))
+    first.synchronize()
+    second.synchronize()
+    n = second.model_run_config.num_microbatch or len(second.devices) + 1
+    expected = sum(mse(ref2(ref1(xs)), ys) for xs, ys in zip(x.tensor_split(n), y.tensor_split(n)))
+    expected.backward()
+    assert_close(loss, expected.detach())
+    for p, q in zip(list(model1.parameters()) + list(model2.parameters()),
+                    list(ref1.parameters()) + list(ref2.parameters())):
+        assert_close(p.grad, q.grad)

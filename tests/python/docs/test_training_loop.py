@@ -188,6 +188,8 @@ def test_mixed_precision_masters(devices):
     model = make_model(dtype=torch.bfloat16)
     pipe = RoundPipe(model, devices=devices, optim_dtype=torch.float32)
     masters = pipe.optim_parameters()
+    assert next(masters) is not None  # an iterator, as the original's (issue 32)
+    masters = list(pipe.optim_parameters())
     assert all(m.dtype == torch.float32 for m in masters)
     assert len(masters) == len(list(model.parameters()))
     names = [n for n, _ in pipe.optim_named_parameters()]
