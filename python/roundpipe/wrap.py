@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import sys
 import threading
 import warnings
 from typing import Optional
@@ -587,7 +588,12 @@ def wrap_model_to_roundpipe(
             "and wrap it with RoundPipe()")
     common = dict(model_run_config=model_run_config, name=name)
     if preset is not None and use_sequential_preset is not False:
-        return CausalLMRoundPipe(model, **common, **roundpipe_kwargs)
+        pipe = CausalLMRoundPipe(model, **common, **roundpipe_kwargs)
+        if use_sequential_preset is None:  # as the original says it, on stderr
+            print(f'[INFO] Replace model "{pipe.name}" of type {type(model).__name__} with a sequential '
+                  "preset from roundpipe.models\n[INFO] If this is not expected, call "
+                  "wrap_model_to_roundpipe with use_sequential_preset=False", file=sys.stderr)
+        return pipe
     for key in ("return_logits", "loss_chunk_tokens", "grouped_experts", "expert_chunk_tokens"):
         if key in roundpipe_kwargs:
             raise TypeError(f"{key} applies to presets only")

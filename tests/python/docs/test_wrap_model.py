@@ -118,3 +118,18 @@ def test_the_originals_wrapping_rules(devices):
             assert "no preset for Nested" in str(e)
         else:
             raise AssertionError("a missing preset was accepted")
+
+
+def test_a_preset_chosen_by_default_says_so(capsys):
+    """As the original: use_sequential_preset=None that finds a preset prints
+    an [INFO] line naming the model's type (stderr); True chooses silently."""
+    import sys
+    import os
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from hf_models import tiny_qwen3
+
+    wrap_model_to_roundpipe(tiny_qwen3(), devices="sim:1")
+    err = capsys.readouterr().err
+    assert "[INFO] Replace model" in err and "Qwen3ForCausalLM" in err
+    wrap_model_to_roundpipe(tiny_qwen3(), devices="sim:1", use_sequential_preset=True)
+    assert "[INFO]" not in capsys.readouterr().err
