@@ -160,6 +160,31 @@ def __getattr__(name):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
+def _cut_like(packed, kwargs: dict) -> list:
+    """Keyword arguments that come with a packed input (a HuggingFace decoder
+    layer's attention mask and rotary embeddings, when automatic wrapping
+    chains its layers), one dict per microbatch: a tensor whose dim 0 is the
+    packed microbatches' rows in all is cut as they are, anything else is
+    the same for each."""
+    from torch.utils import _pytree
+
+    def rows(mb):
+        for leaf in _pytree.tree_leaves(mb):
+            if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
+                return leaf.shape[0]
+        raise ValueError("a PackedMicrobatches input with keyword arguments needs a tensor with a batch "
+                         "dimension in every microbatch")
+
+    counts = [rows(mb) for mb in packed]
+    total, parts, start = sum(counts), [], 0
+    for n in counts:
+        parts.append(_pytree.tree_map(
+            lambda v, s=start, n=n: v[s:s + n] if isinstance(v, torch.Tensor) and v.dim() > 0
+            and v.shape[0] == total else v, kwargs))
+        start += n
+    return parts
+
+
 def _packed_operator(name):
     def operator(self, *others):
         return getattr(self.merged(), name)(
@@ -599,10 +624,9 @@ class RoundPipe(PassThroughToModel, nn.Module):
         view.whole_batch_loss = whole_batch_loss
         view.split_input = None
         if packed is not None:
-            if kwargs:
-                raise ValueError("a PackedMicrobatches input cannot be combined with keyword arguments")
             view.num_microbatch = len(packed)
-            value = tuple(self._engine_input((mb,), {}) for mb in packed)
+            parts = _cut_like(packed, kwargs) if kwargs else [{}] * len(packed)
+            value = tuple(self._engine_input((mb,), kw) for mb, kw in zip(packed, parts))
         merge = _resolve(call_config, model, "merge_output")
         view.pack_output = merge is False
         automatic = merge is None or merge is False or merge is True

@@ -165,3 +165,32 @@ def test_module_list_items_chain_through_packed_microbatches(devices):
         # Glue that computes with packed outputs gets them merged.
         assert_close(packed + 1, plain.blocks[0](x) + 1, 1e-5)
         assert packed.shape == (6, 5, 32)
+
+
+def test_a_huggingface_model_wraps_automatically_and_trains_as_transformers():
+    """Issue 32: use_sequential_preset=False on a HuggingFace causal LM (its
+    decoder layers a ModuleList, each called with the hidden states packed
+    from the one before and keyword arguments: the attention mask, the
+    rotary embeddings) gives transformers' loss and gradients; keyword
+    tensors with the batch's rows are cut as the packed microbatches are."""
+    import os
+    import sys
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from hf_models import tiny_qwen3
+
+    hf = tiny_qwen3()
+    oracle = copy.deepcopy(hf)
+    pipe = wrap_model_to_roundpipe(hf, use_sequential_preset=False, devices="sim:2")
+    assert isinstance(pipe, AutoRoundPipe)
+    ids = torch.randint(0, 96, (4, 12), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, 9:] = 0
+    out = pipe(input_ids=ids, attention_mask=mask, labels=ids)
+    out.loss.backward()
+    pipe.synchronize()
+    expected = oracle(input_ids=ids, attention_mask=mask, labels=ids)
+    expected.loss.backward()
+    assert_close(out.loss.detach(), expected.loss.detach())
+    ours = dict(hf.named_parameters())
+    for name, q in oracle.named_parameters():
+        assert_close(ours[name].grad, q.grad, 1e-4)
