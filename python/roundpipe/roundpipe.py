@@ -93,10 +93,11 @@ def _in_optimizer_ctx() -> bool:
 
 
 class PackedMicrobatches(list):
-    """The per-microbatch outputs of a call with ``merge_output=False``: a
-    list with one entry per microbatch (as the original's
-    RoundPipePackedData). Passed as the only argument of a next RoundPipe,
-    its microbatches are used as they are (no merge, no split)."""
+    """One value of a call with ``merge_output=False`` per microbatch: a
+    list (as the original's RoundPipePackedData); the call returns its
+    output's structure with one of these per leaf. Passed to a next
+    RoundPipe (anywhere in its arguments), microbatch i takes element i of
+    each (no merge, no split)."""
 
     def __init__(self, outputs: list):
         super().__init__(outputs)
@@ -160,29 +161,61 @@ def __getattr__(name):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def _cut_like(packed, kwargs: dict) -> list:
-    """Keyword arguments that come with a packed input (a HuggingFace decoder
+def _is_packed(value) -> bool:
+    return isinstance(value, PackedMicrobatches)
+
+
+def _packed_microbatches(args: tuple, kwargs: dict):
+    """The microbatches of a call whose arguments hold packed outputs of an
+    earlier call (merge_output=False), as (args, kwargs) pairs, or None when
+    they hold none. As in the original, each packed value stands for one
+    leaf (or a whole output): microbatch i takes its element i. Other
+    tensors whose dim 0 is the packed rows in all (a HuggingFace decoder
     layer's attention mask and rotary embeddings, when automatic wrapping
-    chains its layers), one dict per microbatch: a tensor whose dim 0 is the
-    packed microbatches' rows in all is cut as they are, anything else is
-    the same for each."""
+    chains its layers) are cut as those rows are; anything else is the
+    same for every microbatch."""
     from torch.utils import _pytree
 
-    def rows(mb):
-        for leaf in _pytree.tree_leaves(mb):
+    leaves = [v for v in _pytree.tree_leaves((args, kwargs), is_leaf=_is_packed) if _is_packed(v)]
+    if not leaves:
+        return None
+    n = len(leaves[0])
+    if any(len(v) != n for v in leaves):
+        raise ValueError(f"packed inputs of different microbatch counts: {sorted({len(v) for v in leaves})}")
+
+    def rows(i):
+        for leaf in _pytree.tree_leaves([v[i] for v in leaves]):
             if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
                 return leaf.shape[0]
-        raise ValueError("a PackedMicrobatches input with keyword arguments needs a tensor with a batch "
-                         "dimension in every microbatch")
+        return None
 
-    counts = [rows(mb) for mb in packed]
-    total, parts, start = sum(counts), [], 0
-    for n in counts:
-        parts.append(_pytree.tree_map(
-            lambda v, s=start, n=n: v[s:s + n] if isinstance(v, torch.Tensor) and v.dim() > 0
-            and v.shape[0] == total else v, kwargs))
-        start += n
+    counts = [rows(i) for i in range(n)]
+    total = sum(counts) if all(c is not None for c in counts) else None
+    parts, start = [], 0
+    for i in range(n):
+        def take(v, i=i, s=start):
+            if _is_packed(v):
+                return v[i]
+            if total is not None and isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == total:
+                return v[s:s + counts[i]]
+            return v
+        parts.append(_pytree.tree_map(take, (args, kwargs), is_leaf=_is_packed))
+        start += counts[i] or 0
     return parts
+
+
+def _pack_leaves(microbatches: list):
+    """merge_output=False, as the original: the output's structure with one
+    PackedMicrobatches per leaf (that leaf of every microbatch); an output
+    that is one tensor (or other leaf) is one PackedMicrobatches."""
+    from torch.utils import _pytree
+
+    flat = [_pytree.tree_flatten(m) for m in microbatches]
+    spec = flat[0][1]
+    if spec.is_leaf() or any(f[1] != spec for f in flat):
+        return PackedMicrobatches(microbatches)
+    return _pytree.tree_unflatten(
+        [PackedMicrobatches([f[0][j] for f in flat]) for j in range(len(flat[0][0]))], spec)
 
 
 def _packed_operator(name):
@@ -596,7 +629,7 @@ class RoundPipe(PassThroughToModel, nn.Module):
 
     def _user_output(self, out, config):
         if config.pack_output:
-            return PackedMicrobatches([self._user_microbatch_output(o) for o in out])
+            return _pack_leaves([self._user_microbatch_output(o) for o in out])
         return self._user_microbatch_output(out)
 
     # ------------------------------------------------------------ internals
@@ -619,14 +652,13 @@ class RoundPipe(PassThroughToModel, nn.Module):
             "requires_grad", "output_device", "preserve_rng_state", "recompute_grain",
             "num_microbatch", "execute_plan")})
         split_input = _resolve(call_config, model, "split_input")
-        packed = args[0] if len(args) == 1 and isinstance(args[0], PackedMicrobatches) else None
+        packed = _packed_microbatches(args, kwargs)
         view.packed_input = packed is not None
         view.whole_batch_loss = whole_batch_loss
         view.split_input = None
         if packed is not None:
             view.num_microbatch = len(packed)
-            parts = _cut_like(packed, kwargs) if kwargs else [{}] * len(packed)
-            value = tuple(self._engine_input((mb,), kw) for mb, kw in zip(packed, parts))
+            value = tuple(self._engine_input(tuple(a), dict(k)) for a, k in packed)
         merge = _resolve(call_config, model, "merge_output")
         view.pack_output = merge is False
         automatic = merge is None or merge is False or merge is True

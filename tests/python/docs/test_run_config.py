@@ -68,3 +68,47 @@ def test_the_execute_plan_is_copied():
     config = RoundPipeRunConfig(execute_plan=plan)
     plan.fwd_plan.append(range(2, 3))
     assert config.execute_plan is not plan and config.execute_plan.fwd_plan == [range(0, 2)]
+
+
+def test_merge_output_false_packs_each_leaf_of_a_tuple_output(devices):
+    """As the original: a tuple output with merge_output=False is a tuple of
+    packed values, one per leaf (each a list over the microbatches); a next
+    RoundPipe takes them anywhere in its arguments, microbatch i taking
+    element i of each, and gradients flow back through both."""
+    torch.manual_seed(0)
+
+    class Split(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(4, 3), torch.nn.Linear(4, 2)
+
+        def forward(self, x):
+            return self.a(x), self.b(x)
+
+    class Join(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.out = torch.nn.Linear(5, 1)
+
+        def forward(self, a, b):
+            return self.out(torch.cat([a, b], -1))
+
+    split, join = Split(), Join()
+    ref_split, ref_join = copy.deepcopy(split), copy.deepcopy(join)
+    first = RoundPipe(split, devices=devices,
+                      model_run_config=RoundPipeRunConfig(num_microbatch=2, merge_output=False))
+    second = RoundPipe(join, devices=devices, model_run_config=RoundPipeRunConfig(num_microbatch=2))
+    x = torch.randn(6, 4)
+    a, b = first(x)
+    assert isinstance(a, list) and isinstance(b, list) and len(a) == len(b) == 2
+    assert [t.shape for t in a] == [torch.Size([3, 3])] * 2 and b[1].shape == torch.Size([3, 2])
+    out = second(a, b)
+    out.sum().backward()
+    first.synchronize()
+    second.synchronize()
+    expected = ref_join(*ref_split(x))
+    expected.sum().backward()
+    assert_close(out.detach(), expected.detach())
+    for p, q in zip(list(split.parameters()) + list(join.parameters()),
+                    list(ref_split.parameters()) + list(ref_join.parameters())):
+        assert_close(p.grad, q.grad)
