@@ -309,9 +309,9 @@ def _keep_logits(out, logits_to_keep):
 
 # ---------------------------------------------------------------- auto-split
 
-def _param_bytes(module: nn.Module) -> int:
+def _param_bytes(module: nn.Module, recurse: bool = True) -> int:
     seen, total = set(), 0
-    for p in list(module.parameters()) + list(module.buffers()):
+    for p in list(module.parameters(recurse=recurse)) + list(module.buffers(recurse=recurse)):
         if id(p) not in seen:
             seen.add(id(p))
             total += p.numel() * p.element_size()
@@ -501,25 +501,36 @@ def _wrap_whole(module, path, pipes, kwargs, configs):
 
 
 def _auto_wrap(module, lower, upper, skip, pipes, kwargs, configs, path=""):
-    """Gives each large part of `module` a RoundPipe, first match wins:
-    skipped modules stay as they are; an nn.Sequential becomes one
-    multi-layer RoundPipe; a ModuleList's items become one each, chained as
-    in the original: every item but the last returns its microbatches
-    unmerged (merge_output=False, unless override_config says otherwise),
-    which the next item takes as they are (glue code that computes with
-    them gets them merged: PackedMicrobatches); a module of at most `upper`
-    bytes (or without children to descend into) one single-layer RoundPipe;
-    else its children are visited. Parts under `lower` bytes stay on the
-    CPU. `configs`: id(module) -> its RoundPipeRunConfig (override_config)."""
-    size = _param_bytes(module)
-    if size < lower or _skipped(module, path, skip):
+    """Gives parts of `module` RoundPipes by the original's rules, first
+    match wins: skipped modules stay as they are; an nn.Sequential becomes
+    one multi-layer RoundPipe; a module with a forward of its own whose own
+    parameters and buffers reach `lower` bytes, or whose whole size is at
+    most `upper`, one single-layer RoundPipe (below `lower` in all, and
+    with no config of the caller's, with num_microbatch=1: too small to
+    pipeline); a ModuleList's items one each, chained as in the original:
+    every item but the last returns its microbatches unmerged
+    (merge_output=False, unless override_config says otherwise), which the
+    next item takes as they are (glue code that computes with them gets
+    them merged: PackedMicrobatches); else its children are visited, the
+    module's own forward staying on the CPU. `configs`: id(module) -> its
+    RoundPipeRunConfig (override_config)."""
+    if _skipped(module, path, skip):
         return
     join = lambda name: f"{path}.{name}" if path else name  # noqa: E731
     if isinstance(module, nn.Sequential):
         _wrap_whole(module, path, pipes, kwargs, configs)
         return
+    size = _param_bytes(module)
+    own = _param_bytes(module, recurse=False)
+    has_forward = type(module).forward is not nn.Module.forward
+    if has_forward and (own >= lower or size <= upper):
+        if size < lower and id(module) not in configs:
+            base = kwargs.get("model_run_config") or RoundPipeRunConfig()
+            configs = {**configs, id(module): dataclasses.replace(base, num_microbatch=1)}
+        _wrap_whole(module, path, pipes, kwargs, configs)
+        return
     if isinstance(module, nn.ModuleList):
-        items = [(n, c) for n, c in module.named_children() if not _skipped(c, join(n), skip)]
+        items = list(module.named_children())
         for i, (name, child) in enumerate(items):
             chained = dict(configs)
             if i + 1 < len(items) and id(child) not in configs:
@@ -527,11 +538,7 @@ def _auto_wrap(module, lower, upper, skip, pipes, kwargs, configs, path=""):
                 chained[id(child)] = dataclasses.replace(base, merge_output=False)
             _wrap_whole(child, join(name), pipes, kwargs, chained)
         return
-    children = [(n, c) for n, c in module.named_children() if _param_bytes(c) > 0]
-    if size <= upper or not children:
-        _wrap_whole(module, path, pipes, kwargs, configs)
-        return
-    for name, child in children:
+    for name, child in module.named_children():
         _auto_wrap(child, lower, upper, skip, pipes, kwargs, configs, join(name))
 
 

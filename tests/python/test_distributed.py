@@ -109,11 +109,13 @@ def first_step_gradients(rank=0, world=1, reduce_dtype=None, sharded=False):
 
 def train_automatic(rank=0, world=1, is_async=False):
     """NotSequential through automatic wrapping: its blocks each a
-    RoundPipe, its first layer glue on the CPU; loss.backward() and step()
+    RoundPipe, its first layer glue on the CPU (skipped: as a small module
+    it would be a RoundPipe of one microbatch); loss.backward() and step()
     on this rank's shard. Returns the weights and the parts' count."""
     model = NotSequential()
     pipe = roundpipe.wrap_model_to_roundpipe(model, devices="sim:1", optim_dtype=torch.float32,
-                                             lower_threshold=600, upper_threshold=2000)
+                                             lower_threshold=600, upper_threshold=2000,
+                                             skip_modules=["inner"])  # (left on the CPU: glue)
     opt = roundpipe.optim.Adam(pipe.optim_parameters(), lr=LR, eps=ADAM_EPS)
     shard = ROWS // world
     for step in range(STEPS):

@@ -46,7 +46,9 @@ def test_auto_split_matches_plain(devices):
                                       upper_threshold=150 * 1024)
     assert isinstance(wrapped, AutoRoundPipe)
     names = sorted(p.name for p in wrapped.pipes)
-    assert names == ["blocks.0", "blocks.1", "blocks.2", "blocks.3", "embed", "head"], names
+    # (norm, under lower_threshold, is a RoundPipe of one microbatch, as in the original)
+    assert names == ["blocks.0", "blocks.1", "blocks.2", "blocks.3", "embed", "head", "norm"], names
+    assert next(p for p in wrapped.pipes if p.name == "norm").model_run_config.num_microbatch == 1
     ids = torch.randint(0, 50, (6, 10))
     with torch.no_grad():
         assert_close(wrapped(ids), plain(ids))
