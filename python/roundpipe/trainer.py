@@ -222,7 +222,7 @@ def evaluate(pipe, data: Sequence[Example], batch_size: int, num_microbatch: Opt
             rows = b["input_ids"].shape[0]
             wanted = num_microbatch or pipe.model_run_config.num_microbatch or len(pipe.devices) + 1
             config = RoundPipeRunConfig(num_microbatch=min(rows, wanted))
-            out = pipe(**b, num_items_in_batch=total, roundpipe_run_config=config)
+            out = pipe(**b, num_items_in_batch=total, return_logits=False, roundpipe_run_config=config)
             loss += float(out.loss)
     return loss
 

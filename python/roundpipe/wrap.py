@@ -35,10 +35,13 @@ class CausalLMRoundPipe(RoundPipe):
 
     Call it like the HuggingFace model: ``model(input_ids, attention_mask=None,
     labels=None, position_ids=None, return_logits=None,
-    num_items_in_batch=None)`` returns a ``CausalLMOutputWithPast``. Without
-    ``return_logits`` (default: the wrap's ``return_logits``, False) a call
-    with labels computes the loss chunk by chunk without materialising the
-    [tokens, vocab] logits.
+    num_items_in_batch=None)`` returns a ``CausalLMOutputWithPast``: with
+    labels, the loss and the logits, as transformers and the original
+    (``return_logits`` defaults to True there). ``return_logits=False`` (per
+    call, or the wrap's) computes the loss chunk by chunk without
+    materialising the [tokens, vocab] logits; ``forward_backward`` with the
+    default ``loss_fn`` and no ``return_outputs``, where no logits can be
+    seen, does so by itself.
 
     - Padding (``attention_mask``, left or right) and packed documents
       (``position_ids`` restarting at 0 for each, no mask: what
@@ -57,7 +60,7 @@ class CausalLMRoundPipe(RoundPipe):
       whatever ``num_microbatch`` is: each microbatch's loss is its share.
     """
 
-    def __init__(self, model: nn.Module, return_logits: bool = False, loss_chunk_tokens: int = 2048,
+    def __init__(self, model: nn.Module, return_logits: Optional[bool] = None, loss_chunk_tokens: int = 2048,
                  grouped_experts: bool = True, expert_chunk_tokens: int = 4096, **kwargs):
         hf, parameters, lora = _peft_view(model)
         dtypes = {p.dtype for n, p in parameters.items() if ".lora_" not in n}
@@ -66,10 +69,13 @@ class CausalLMRoundPipe(RoundPipe):
                              "convert the model with .to(dtype) first")
         if any(p.device.type != "cpu" for p in model.parameters()):
             raise ValueError("load the model on the CPU (RoundPipe moves layers to the GPUs itself)")
+        # None: the original's default (logits returned), skipped where unseen.
+        logits_default = True if return_logits is None else bool(return_logits)
         layers = _C.preset_layers(hf.config.to_json_string(), dtypes.pop(), parameters,
-                                  bool(return_logits), int(loss_chunk_tokens), lora, bool(grouped_experts),
+                                  logits_default, int(loss_chunk_tokens), lora, bool(grouped_experts),
                                   int(expert_chunk_tokens))
         super().__init__(model, _layers=layers, **kwargs)
+        object.__setattr__(self, "_logits_by_default", return_logits is None)
 
     def forward(self, *args, logits_to_keep=0, **kwargs):
         """As the HuggingFace model's: ``logits_to_keep`` = k > 0 keeps the
@@ -79,6 +85,10 @@ class CausalLMRoundPipe(RoundPipe):
 
     def forward_backward(self, input_args=(), input_kwargs=None, label=None, loss_fn=None,
                          return_outputs=False, run_config=None):
+        if (loss_fn is None and not return_outputs and self._logits_by_default
+                and "return_logits" not in (input_kwargs or {})):
+            # Nobody sees the logits: the loss in chunks, without them.
+            input_kwargs = dict(input_kwargs or {}, return_logits=False)
         result = super().forward_backward(input_args, input_kwargs, label, loss_fn, return_outputs,
                                           run_config)
         shares = loss_fn is None and (input_kwargs or {}).get("num_items_in_batch") is None
@@ -565,7 +575,9 @@ def wrap_model_to_roundpipe(
       never wrapped
     - override_config: {module: RoundPipeRunConfig} for that module's
       RoundPipe (the original's); {name: value} sets model.config.name
-    - preset options in roundpipe_kwargs: return_logits (False),
+    - preset options in roundpipe_kwargs: return_logits (None: logits
+      with the loss, as the original's True, except in forward_backward
+      calls that cannot show them; False: never with labels),
       loss_chunk_tokens (2048), grouped_experts (True: a mixture of experts
       as grouped matrix products, False: one per expert),
       expert_chunk_tokens (4096: a microbatch of more tokens runs its

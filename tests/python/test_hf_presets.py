@@ -86,6 +86,33 @@ def test_loss_and_gradients_match_transformers(devices, name, pad):
         assert_close(ours[n].grad, q.grad, 1e-4)
 
 
+def test_labels_give_the_loss_and_the_logits_by_default():
+    """As transformers and the original (return_logits defaults to True): a
+    call with labels returns both; forward_backward with the default loss_fn
+    and no outputs to return, where no logits can be seen, computes the loss
+    in chunks without them (the same loss); return_logits=False at the wrap
+    keeps them out of every call."""
+    hf = tiny_qwen3()
+    oracle = copy.deepcopy(hf)
+    pipe = wrap_model_to_roundpipe(hf, devices="sim:2", model_run_config=RoundPipeRunConfig(num_microbatch=1))
+    ids, mask, labels = batch(pad=True)
+    with torch.no_grad():
+        out = pipe(ids, attention_mask=mask, labels=labels)
+        ref = oracle(input_ids=ids, attention_mask=mask, labels=labels)
+    keep = mask.bool()
+    assert out.logits is not None
+    assert_close(out.logits[keep], ref.logits[keep], 1e-4)
+    assert_close(out.loss, ref.loss, TOL)
+    loss, merged = pipe.forward_backward(input_kwargs=dict(input_ids=ids, attention_mask=mask, labels=labels),
+                                         return_outputs=True)
+    assert merged.logits is not None and merged.logits.shape == ref.logits.shape
+    assert_close(pipe.forward_backward(input_kwargs=dict(input_ids=ids, attention_mask=mask, labels=labels)),
+                 ref.loss, TOL)
+    lean = wrap_model_to_roundpipe(tiny_qwen3(), devices="sim:1", return_logits=False)
+    with torch.no_grad():
+        assert lean(ids, attention_mask=mask, labels=labels).logits is None
+
+
 @pytest.mark.parametrize("name", ["qwen3", "llama-tied-rope-scaling"])
 def test_logits_with_return_logits(devices, name):
     hf = MODELS[name]()
