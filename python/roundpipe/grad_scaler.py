@@ -61,7 +61,9 @@ class GradScaler:
         so the trajectory does not depend on timing). ``is_async=False``:
         from the latest step's, waiting for it (pair it with
         ``step(..., is_async=False)``). ``new_scale`` (a float or a
-        one-element tensor) replaces the scale."""
+        one-element tensor) replaces the scale: async, from the next
+        ``update()`` on, as in the original (this one advances it as
+        usual); not async, at once."""
         if new_scale is not None:
             new_scale = float(new_scale.item() if isinstance(new_scale, torch.Tensor) else new_scale)
         self._impl.update(new_scale, bool(is_async))

@@ -1,5 +1,7 @@
 #include "roundpipe/optim/grad_scaler.h"
 
+#include <utility>
+
 #include <ATen/ops/isfinite.h>
 #include <ATen/ops/mul.h>
 #include <c10/core/GradMode.h>
@@ -104,6 +106,15 @@ void GradScaler::update(std::optional<double> new_scale, bool is_async) {
   // The finding this update applies: the step before the latest one, or
   // (not async) the latest one, once that step has run.
   const int64_t apply = is_async ? updates_ - 1 : updates_;
+  // An earlier async update(new_scale) is due now; an async new one waits
+  // for the next update(); a synchronous one applies now.
+  const auto due = std::exchange(pending_scale_, std::nullopt);
+  if (new_scale && is_async) {
+    pending_scale_ = new_scale;
+    new_scale = due;
+  } else if (!new_scale) {
+    new_scale = due;
+  }
   if (new_scale) {
     scales_.push_back(*new_scale);
     applied_ = std::max(applied_, apply + 1);  // replaced, not applied later

@@ -30,7 +30,7 @@ Engine::Engine(std::vector<LayerPtr> layers, RoundPipeOptions options)
                 ? make_devices(options_.devices.empty() ? default_device_spec() : options_.devices)
                 : options_.device_list),
       weights_(layers_, options_.pin_model, pool_.at(0)->supports_pinned_memory(), name_),
-      timings_(num_layers()),
+      timings_(num_layers(), options_.verbose),
       instances_(layers_),
       auto_plan_(name_, options_, pool_, layers_, weights_, timings_, commits_),
       stage_context_{

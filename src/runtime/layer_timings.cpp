@@ -17,8 +17,9 @@ double LayerTimings::Smoothed::value() const {
   return n > 0 ? average / (1 - std::pow(kRate, n)) : 0;
 }
 
-LayerTimings::LayerTimings(int num_layers)
-    : times_(3 * num_layers),
+LayerTimings::LayerTimings(int num_layers, bool verbose)
+    : verbose_(verbose),
+      times_(3 * num_layers),
       output_bytes_(num_layers),
       kept_per_output_byte_(num_layers),
       kept_samples_(num_layers),
@@ -30,6 +31,11 @@ void LayerTimings::add(int layer, Kind kind, double seconds) {
   auto& t = times_.at(3 * layer + kind);
   if (t.samples++ == 0) return;  // warm-up: allocator, kernels, caches
   t.average = kRate * t.average + (1 - kRate) * seconds;
+  if (verbose_) {
+    static const char* const kNames[] = {"fwd", "re", "bwd"};
+    std::fprintf(stderr, "Layer %d %s  new record: %.3f ms  new estimate: %.3f ms\n", layer,
+                 kNames[kind], seconds * 1e3, t.value() * 1e3);
+  }
 }
 
 void LayerTimings::add_output_bytes(int layer, int64_t bytes) {

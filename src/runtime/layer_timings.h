@@ -16,7 +16,10 @@ class LayerTimings {
  public:
   enum Kind { kForward = 0, kRecompute = 1, kBackward = 2 };
 
-  explicit LayerTimings(int num_layers);
+  // verbose: each measurement prints the original's timing line to stderr
+  // (ModelTimer.VERBOSE): "Layer N fwd|re|bwd  new record: X ms  new
+  // estimate: Y ms".
+  explicit LayerTimings(int num_layers, bool verbose = false);
   // One measurement (seconds, one microbatch). Thread-safe.
   void add(int layer, Kind kind, double seconds);
   // The bytes of a layer's output for one microbatch (largest seen).
@@ -53,6 +56,7 @@ class LayerTimings {
     double average = 0;
     double value() const;
   };
+  bool verbose_ = false;
   mutable std::mutex mu_;
   std::vector<Smoothed> times_;  // [layer * 3 + kind]
   std::vector<int64_t> output_bytes_;

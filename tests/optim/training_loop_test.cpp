@@ -367,8 +367,12 @@ TEST(GradScalerApi, UnscaleOnceThenStepAndASynchronousUpdate) {
   EXPECT_FALSE(s.step({at::full({1}, std::numeric_limits<double>::infinity())}, [] {}));
   s.update(std::nullopt, /*is_async=*/false);
   EXPECT_EQ(s.get_scale(), 4.0);
-  s.update(2.0);
+  s.update(2.0, /*is_async=*/false);  // a synchronous new scale: at once
   EXPECT_EQ(s.get_scale(), 2.0);
+  s.update(3.0);  // async, as the original: from the next update() on
+  EXPECT_EQ(s.get_scale(), 2.0);
+  s.update();
+  EXPECT_EQ(s.get_scale(), 3.0);
 }
 
 // GradScaler: an injected inf skips exactly that step, and the scale follows

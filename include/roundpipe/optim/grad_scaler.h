@@ -76,7 +76,10 @@ class GradScaler {
   // Advances the scale: async (the default), from the finding of the step
   // before the latest one, so the trajectory does not depend on timing;
   // not async, from the latest step's (waiting for it: pair with a
-  // synchronous RoundPipe step). `new_scale` replaces the scale instead.
+  // synchronous RoundPipe step). `new_scale` replaces the scale instead:
+  // not async, at once; async, as the original, from the next update() on
+  // (this one advances the scale as usual), so that, like a scale changed
+  // by an overflow, it lags one iteration whatever the timing.
   void update(std::optional<double> new_scale = std::nullopt, bool is_async = true);
 
   double get_scale() const;
@@ -104,6 +107,7 @@ class GradScaler {
   int64_t growth_tracker_ = 0;
   int64_t updates_ = 0;
   int64_t applied_ = 0;  // findings of steps before this one have been applied (or skipped)
+  std::optional<double> pending_scale_;  // an async update(new_scale), due at the next update()
   // unscale() ran for step `unscaled_step_` (the next step()), finding `unscaled_finite_`.
   int64_t unscaled_step_ = -1;
   bool unscaled_finite_ = true;

@@ -108,4 +108,11 @@ def test_grad_scaler_clipping_recipe_and_the_original_api():
     assert s.get_scale() == 2.0
     assert s._impl.step([torch.tensor([1.0])], lambda: None) is True
     s.update(new_scale=torch.tensor(4.0))
+    # async, as the original: the new scale applies from the next update() on
+    assert s.get_scale() == 2.0
+    assert s._impl.step([torch.tensor([1.0])], lambda: None) is True
+    s.update()
     assert s.get_scale() == 4.0
+    assert s._impl.step([torch.tensor([1.0])], lambda: None) is True
+    s.update(new_scale=0.5, is_async=False)  # synchronous: at once
+    assert s.get_scale() == 0.5

@@ -21,3 +21,11 @@ def test_the_timer_switch_logs_the_measured_layers(capfd):
     pipe.synchronize()
     err = capfd.readouterr().err
     assert "plan for" in err and "forward" in err, err
+    # The original's per-layer lines (issue 32): each measurement of a
+    # layer's forward, recompute and backward, its time and the estimate.
+    import re
+    lines = re.findall(r"^Layer (\d+) (fwd|re|bwd)  new record: ([0-9.]+) ms  new estimate: ([0-9.]+) ms$",
+                       err, re.MULTILINE)
+    assert lines, err
+    assert {kind for _, kind, _, _ in lines} >= {"fwd", "bwd"}, err
+    assert {int(layer) for layer, _, _, _ in lines} == set(range(pipe.num_layers)), err
