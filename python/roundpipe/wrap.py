@@ -123,7 +123,7 @@ class CausalLMRoundPipe(RoundPipe):
         labels = _loss_labels(labels, kwargs.get("shift_labels"), kwargs.get("ignore_index", -100))
         items = kwargs.get("num_items_in_batch")
         if items is None:
-            if not getattr(view, "whole_batch_loss", False):
+            if not view.whole_batch_loss:
                 return {}  # each microbatch's own mean
             if labels.dim() != 2:
                 raise ValueError(f"labels must be [batch, sequence], got shape {tuple(labels.shape)}")
