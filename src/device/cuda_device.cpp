@@ -68,11 +68,21 @@ std::map<int, CapRecord> caps;
 // Reads the device's memory and, under a cap, lowers the caching
 // allocator's fraction to what the process may use (Note [Device memory
 // budget]). Returns that cap (0: none).
-int64_t take_capped_budget(c10::DeviceIndex index) {
+// The device's memory now, with `cap_bytes` as the process's cap.
+DeviceMemoryReading read_device_memory(c10::DeviceIndex index, int64_t cap_bytes) {
   size_t free_bytes = 0, total_bytes = 0;
-  c10::cuda::CUDAGuard guard(index);
-  C10_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
-  const auto total = static_cast<int64_t>(total_bytes);
+  {
+    c10::cuda::CUDAGuard guard(index);
+    C10_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
+  }
+  const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(index);
+  return {static_cast<int64_t>(total_bytes), static_cast<int64_t>(free_bytes),
+          stats.reserved_bytes[0].current, cap_bytes};
+}
+
+int64_t take_capped_budget(c10::DeviceIndex index) {
+  auto reading = read_device_memory(index, 0);
+  const auto total = reading.total_bytes;
   const double fraction = c10::cuda::CUDACachingAllocator::getMemoryFraction(index);
   std::lock_guard<std::mutex> lock(caps_mu);
   auto& record = caps[index];
@@ -83,9 +93,8 @@ int64_t take_capped_budget(c10::DeviceIndex index) {
     record.set_by_us = 0;
   }
   if (record.cap_bytes == 0) return 0;
-  const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(index);
-  const int64_t usable = usable_device_bytes(
-      {total, static_cast<int64_t>(free_bytes), stats.reserved_bytes[0].current, record.cap_bytes});
+  reading.cap_bytes = record.cap_bytes;
+  const int64_t usable = usable_device_bytes(reading);
   const double lowered = std::max(1.0, static_cast<double>(usable)) / static_cast<double>(total);
   if (lowered < fraction) {
     c10::cuda::CUDACachingAllocator::setMemoryFraction(lowered, index);
@@ -233,18 +242,10 @@ class CudaDevice final : public Device {
   std::unique_lock<std::mutex> compute_lock() override { return {}; }
 
   DeviceMemoryStats memory_stats() const override {
-    size_t free_bytes = 0, total_bytes = 0;
-    {
-      c10::cuda::CUDAGuard guard(index_);
-      C10_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
-    }
-    const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(index_);
-    const auto& all = stats.allocated_bytes[0];
     // What this process may hold (Note [Device memory budget]): a 24 GiB
     // card and a big card capped to 24 GiB give the same budget.
-    const int64_t budget =
-        usable_device_bytes({static_cast<int64_t>(total_bytes), static_cast<int64_t>(free_bytes),
-                             stats.reserved_bytes[0].current, cap_bytes_});
+    const int64_t budget = usable_device_bytes(read_device_memory(index_, cap_bytes_));
+    const auto all = c10::cuda::CUDACachingAllocator::getDeviceStats(index_).allocated_bytes[0];
     return {budget, all.current, all.peak};
   }
   bool supports_pinned_memory() const override { return true; }
