@@ -10,7 +10,8 @@
 # per run with the engine's out-of-memory retries counted from its
 # warnings; EXITS=N adds N back-to-back short processes (train,
 # synchronize, exit; then exit without synchronize) and counts any exit
-# status but 0; RESIDENT="SHAPE BATCH SEQ STEPS" adds GPU-resident peft LoRA
+# status but 0; SCRIPTS="SCRIPT SHAPE CAP ARGS...;..." runs the original's
+# benchmark scripts (our copies) on ours and the original; RESIDENT="SHAPE BATCH SEQ STEPS" adds GPU-resident peft LoRA
 # (bench/lora_bench.py), PYTEST="ARGS" a pytest run. Logs go to $OUT (or ./bench-out).
 set -uo pipefail
 out="${OUT:-$PWD/bench-out}"; mkdir -p "$out"
@@ -44,6 +45,25 @@ for run in "${list[@]}"; do
     n=$((n + 1)); one original "$out/run$n.log" "${words[@]}"
   fi
 done | tee "$out/user_runs.txt"
+if [ -n "${SCRIPTS:-}" ]; then  # "SCRIPT SHAPE CAP ARGS...;...": the original's benchmark scripts
+  # (our copies, tests/python/original_scripts) on ours and, with ORIGINAL set, on the original
+  IFS=';' read -ra scripts <<< "$SCRIPTS"
+  for s in "${scripts[@]}"; do
+    read -ra w <<< "$s"
+    dir="/tmp/model-${w[1]}"; [ -d "$dir" ] || $py bench/shapes.py "${w[1]}" "$dir"
+    for impl in ours original; do
+      [ "$impl" = original ] && [ -z "${ORIGINAL:-}" ] && continue
+      pypath=""; [ "$impl" = original ] && pypath=/tmp/original
+      n=$((n + 1)); log="$out/script$n.log"
+      PYTHONPATH="$pypath" PYTHONUNBUFFERED=1 timeout "${RUN_TIMEOUT:-300}" $py tests/python/original_scripts/run_script.py \
+        "${w[2]}" "tests/python/original_scripts/${w[0]}" "$dir" "${w[@]:3}" > "$log" 2>&1
+      rc=$?
+      echo "$impl ${w[0]} ${w[1]} cap=${w[2]} args=${w[*]:3}: $(grep -h '^Thoughput' "$log") $(grep -h '^MEMORY' "$log")" \
+        "oom_warnings=$(grep -c 'ran out of memory' "$log") exit=$rc (${SECONDS}s)"
+      [ $rc -ne 0 ] && grep -E "Error|error" "$log" | tail -2 | cut -c1-300
+    done
+  done | tee -a "$out/user_runs.txt"
+fi
 if [ -n "${EXITS:-}" ]; then
   bad=0
   for i in $(seq 1 "$EXITS"); do

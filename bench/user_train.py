@@ -50,32 +50,17 @@ if os.environ.get("FP16_ACCUM") == "1":  # the original's benchmark/train.py set
     torch.backends.cuda.matmul.allow_fp16_accumulation = True
 
 import transformers  # noqa: E402
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
 
 import roundpipe  # noqa: E402
 from roundpipe import RoundPipeRunConfig, wrap_model_to_roundpipe  # noqa: E402
 from roundpipe.optim import Adam  # noqa: E402
 
 impl = "ours" if hasattr(roundpipe, "_C") else "original"
-SHAPES = {
-    "tiny": (Qwen3Config, dict(vocab_size=1024, hidden_size=128, intermediate_size=384,
-                               num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                               head_dim=32)),
-    "1.7B": (Qwen3Config, dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144,
-                               num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
-                               head_dim=128, tie_word_embeddings=True)),
-    "4B": (Qwen3Config, dict(vocab_size=151936, hidden_size=2560, intermediate_size=9728,
-                             num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
-                             head_dim=128, tie_word_embeddings=True)),
-    "8B": (Qwen3Config, dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288,
-                             num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
-                             head_dim=128, tie_word_embeddings=False)),
-    "llama3-3B": (LlamaConfig, dict(vocab_size=128256, hidden_size=3072, intermediate_size=8192,
-                                    num_hidden_layers=28, num_attention_heads=24,
-                                    num_key_value_heads=8, head_dim=128, tie_word_embeddings=True)),
-}
-config_cls, fields = SHAPES[shape]
-config = config_cls(**fields, max_position_embeddings=max(seq, 4096))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from shapes import make_config  # noqa: E402
+
+config = make_config(shape, seq)
 config._attn_implementation = "sdpa"  # (flash-attn is not installed on the GPU machine)
 config.use_cache = False
 config.dtype = torch.float16

@@ -130,6 +130,10 @@ struct PipelineStats {
   // Parameter uploads that ran out of device memory and were retried once
   // the device's earlier jobs had finished (Note [Upload out of memory]).
   int64_t upload_out_of_memory_retries = 0;
+  // Calls redone and microbatches retried after the device ran out of
+  // memory (Note [Out-of-memory redo]); each also prints a warning. A plan
+  // that fits the first time keeps it at 0.
+  int64_t out_of_memory_recoveries = 0;
 };
 
 struct ForwardBackwardResult {

@@ -206,10 +206,15 @@ void translate(std::exception_ptr p) {
         std::rethrow_exception(e.cause);
       } catch (const PythonError& original) {
         PyException_SetCause(exc.ptr(), original.exception.get().inc_ref().ptr());
+      } catch (const PythonOutOfMemoryError& original) {
+        PyException_SetCause(exc.ptr(), original.exception.get().inc_ref().ptr());
       } catch (...) {
       }
     }
     PyErr_SetObject(cls.ptr(), exc.ptr());
+  } catch (const PythonOutOfMemoryError& e) {
+    py::object exc = e.exception.get();
+    PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(exc.ptr())), exc.ptr());
   } catch (const PythonError& e) {
     // Raised again as itself (e.g. from a step function).
     py::object exc = e.exception.get();
@@ -399,6 +404,7 @@ PYBIND11_MODULE(_C, m) {
              d["call_start_wait_seconds"] = s.call_start_wait_seconds;
              d["tail_microbatches_in_row_chunks"] = s.tail_microbatches_in_row_chunks;
              d["upload_out_of_memory_retries"] = s.upload_out_of_memory_retries;
+             d["out_of_memory_recoveries"] = s.out_of_memory_recoveries;
              return d;
            })
       .def("measure_weight_upload_rate", &RoundPipe::measure_weight_upload_rate,

@@ -150,6 +150,25 @@ void keep_thread_state() {
 PythonError::PythonError(const py::error_already_set& error)
     : std::runtime_error(describe_python_error(error)), exception(error.value()) {}
 
+bool is_torch_out_of_memory(const py::error_already_set& error) {
+  static const auto* type = new py::object(py::module_::import("torch").attr("OutOfMemoryError"));
+  return error.matches(*type);
+}
+
+namespace {
+std::string describe_and_clear_frames(const py::error_already_set& error) {
+  std::string what = describe_python_error(error);
+  if (error.trace()) py::module_::import("traceback").attr("clear_frames")(error.trace());
+  error.value().attr("__traceback__") = py::none();
+  return what;
+}
+}  // namespace
+
+PythonOutOfMemoryError::PythonOutOfMemoryError(const py::error_already_set& error)
+    : c10::OutOfMemoryError(c10::SourceLocation{__func__, __FILE__, __LINE__},
+                            describe_and_clear_frames(error)),
+      exception(error.value()) {}
+
 py::object PyRef::get() const {
   return obj_ ? *obj_ : py::none();
 }

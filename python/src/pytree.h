@@ -48,12 +48,28 @@ class PythonError : public std::runtime_error {
   PyRef exception;
 };
 
+// A torch.OutOfMemoryError raised in Python code an engine thread ran (a
+// layer of the caller's, a loss function): a c10::OutOfMemoryError to the
+// engine, so that it recovers as from its own (Note [Out-of-memory redo]),
+// carrying the Python exception for the caller. Its traceback's frames are
+// cleared, or their locals (the tensors that filled the device) would stay
+// alive through the retry.
+class PythonOutOfMemoryError : public c10::OutOfMemoryError {
+ public:
+  explicit PythonOutOfMemoryError(const py::error_already_set& error);  // with the GIL held
+  PyRef exception;
+};
+
+// True for a torch.OutOfMemoryError (with the GIL held).
+bool is_torch_out_of_memory(const py::error_already_set& error);
+
 // Gives the calling (engine) thread a Python thread state that lives as long
 // as the thread, so that taking the GIL there does not create and delete one
 // every time.
 void keep_thread_state();
 
-// Runs `f` with the GIL held; a Python exception leaves as PythonError.
+// Runs `f` with the GIL held; a Python exception leaves as PythonError (a
+// torch.OutOfMemoryError as PythonOutOfMemoryError).
 template <typename F>
 decltype(auto) with_gil(F&& f) {
   keep_thread_state();
@@ -61,6 +77,7 @@ decltype(auto) with_gil(F&& f) {
   try {
     return f();
   } catch (py::error_already_set& e) {
+    if (is_torch_out_of_memory(e)) throw PythonOutOfMemoryError(e);
     throw PythonError(e);
   }
 }

@@ -128,18 +128,38 @@ PlanEstimate AutoPlan::estimate(bool fused, int num_microbatches, int min_stages
 // keeps ~37 GB), so calls run in layer grain, which holds one layer's
 // activations at a time. Once measured, stage grain is taken where its plan
 // fits the limit and is predicted no slower; else layer grain.
+//
+// A caller's "stage" (the original's benchmark/train.py passes it) is kept
+// where the plan can size it: its first call, before the activations are
+// measured, runs in layer grain too, and later calls in stage grain on
+// stages that fit; where no stage-grain plan fits the limit, layer grain.
+// The grain decides what is kept and recomputed, never the results (the
+// recompute replays the forward's random streams), so this is invisible
+// but for memory: an unmeasured stage-grain plan ran out of memory on the
+// first calls of every capped run.
 AutoPlan::Choice AutoPlan::choose(bool fused, int n, int min_stages,
                                   std::optional<double> memory_limit_gib,
                                   std::optional<RecomputeGrain> grain, int tail_rows) const {
-  RecomputeGrain chosen = grain.value_or(RecomputeGrain::kLayer);
-  auto plan =
-      estimate(fused, n, min_stages, memory_limit_gib, chosen, /*grow_tail=*/!grain, tail_rows);
+  const bool activations_measured = timings_.complete() && all_layers_meterable_;
   bool layer_grain_only = false;
   {
     std::lock_guard<std::mutex> lock(mu_);
     layer_grain_only = shrink_.layer_grain_only;
   }
-  if (!grain && !layer_grain_only && timings_.complete() && all_layers_meterable_) {
+  const bool stage_asked = grain == RecomputeGrain::kStage && all_layers_meterable_;
+  if (stage_asked && activations_measured) {
+    try {
+      return {estimate(fused, n, min_stages, memory_limit_gib, RecomputeGrain::kStage),
+              RecomputeGrain::kStage};
+    } catch (const c10::Error&) {
+      // No stage-grain plan fits the limit: layer grain.
+    }
+  }
+  const bool plan_chooses = !grain || stage_asked;
+  RecomputeGrain chosen = plan_chooses ? RecomputeGrain::kLayer : *grain;
+  auto plan = estimate(fused, n, min_stages, memory_limit_gib, chosen,
+                       /*grow_tail=*/plan_chooses, tail_rows);
+  if (!grain && !layer_grain_only && activations_measured) {
     try {
       auto stage = estimate(fused, n, min_stages, memory_limit_gib, RecomputeGrain::kStage);
       if (stage.iteration <= plan.iteration) {

@@ -441,6 +441,7 @@ bool Engine::undo_for_redo(CallState& call, const StageError& error, int attempt
 
 void Engine::shrink_after_out_of_memory(const CallState& call, const std::string& stage,
                                         const std::string& device, const char* recovery) {
+  stats_.count(&PipelineStats::out_of_memory_recoveries);
   if (call.config.execute_plan) return;  // the caller's plan is theirs to change
   auto_plan_.shrink_after_out_of_memory(call.plan, call.grain, call.grain_chosen);
   TORCH_WARN(name_, ": ", stage, " ran out of memory on ", device, "; ", recovery,

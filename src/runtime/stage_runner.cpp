@@ -12,6 +12,7 @@
 #include <map>
 #include <optional>
 #include <sstream>
+#include <string_view>
 #include <unordered_map>
 
 #include "roundpipe/errors.h"
@@ -929,6 +930,12 @@ void run_stage_job(const StageContext& ctx, Job& job, DeviceWorker& worker) {
     }
     if (runner.microbatch >= 0) msg << ", microbatch " << runner.microbatch;
     msg << ", phase " << runner.phase << ": " << what;
+    if (oom && std::string_view(runner.phase) == "loss") {
+      msg << "\nThe loss function runs on a whole microbatch's output; a loss over full logits "
+             "takes several times their size. Use more microbatches (num_microbatch), or a loss "
+             "that never holds the logits (a preset's own: labels in input_kwargs, "
+             "loss_fn=lambda o, _: o.loss / num_microbatch).";
+    }
     call.fail(StageError(msg.str(), job.describe(), runner.layer, runner.microbatch, runner.phase,
                          worker.device().name(), oom, std::current_exception()));
   };

@@ -1,5 +1,7 @@
 """Errors raised in layers and loss functions, bad input, attribute
 pass-through, OptimizerCtx, recompute helpers, and GradScaler."""
+import copy
+
 import pytest
 import torch
 from conftest import make_model, mse
@@ -52,6 +54,34 @@ def test_loss_fn_error_has_loss_phase(devices):
     with pytest.raises(StageError) as info:
         pipe.forward_backward(input_args=(torch.randn(4, 4),), label=None, loss_fn=loss_fn)
     assert info.value.phase == "loss" and isinstance(info.value.__cause__, KeyError)
+
+
+def test_an_out_of_memory_error_raised_in_python_is_recovered_from(devices):
+    # A torch.OutOfMemoryError from Python code the engine runs (here the
+    # loss function, as a loss over full logits raises it on a card) is an
+    # out-of-memory error to the engine: the microbatch is retried or the
+    # call redone (Note [Out-of-memory redo]), with plain PyTorch's results.
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    plain = copy.deepcopy(model)
+    pipe = RoundPipe(model, devices=devices, model_run_config=RoundPipeRunConfig(num_microbatch=2))
+    x, y = torch.randn(6, 4), torch.randn(6, 2)
+    raised = []
+
+    def loss_fn(out, label):
+        if not raised:
+            raised.append(1)
+            raise torch.OutOfMemoryError("CUDA out of memory (raised by the test)")
+        return mse(out, label)
+
+    loss = pipe.forward_backward(input_args=(x,), label=y, loss_fn=loss_fn)
+    pipe.synchronize()
+    expected = sum(mse(plain(a), b) for a, b in zip(x.chunk(2), y.chunk(2)))
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach(), rtol=1e-5, atol=1e-6)
+    for p, q in zip(model.parameters(), plain.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+    assert pipe.pipeline_stats()["out_of_memory_recoveries"] == 1
 
 
 def test_step_fn_error_reaches_caller(devices):

@@ -1,0 +1,554 @@
+// The automatic plan under memory pressure, against plain LibTorch: a call
+// that runs out of memory is redone or its microbatch retried with the
+// results of one that never failed (Note [Out-of-memory redo]); the grain
+// (Note [Automatic grain]), the tail's layers with grad (Note [Tail grain])
+// and its row chunks (Note [Tail row chunks]) follow the budget.
+#include <ATen/CPUGeneratorImpl.h>
+#include <torch/nn/functional/loss.h>
+
+#include "api/oracle.h"
+
+namespace roundpipe::testing {
+namespace {
+
+// Throws an out-of-memory error (as a card would) the next `injected_ooms`
+// times it runs where `inject_when` says, then computes as a Linear.
+enum class InjectWhen {
+  kForward,   // any forward (a forward stage's, first)
+  kWithGrad,  // a forward with grad: the fused tail's or a backward stage's
+  kBackward,  // its backward (after the loss has gone back)
+};
+std::atomic<int> injected_ooms{0};
+std::atomic<InjectWhen> inject_when{InjectWhen::kForward};
+bool take_injected_oom() {
+  if (injected_ooms.fetch_sub(1) > 0) return true;
+  injected_ooms = 0;
+  return false;
+}
+void throw_injected_oom() {
+  TORCH_CHECK_WITH(OutOfMemoryError, false, "injected: the device ran out of memory");
+}
+struct OomInjectorImpl : torch::nn::Cloneable<OomInjectorImpl> {
+  torch::nn::Linear inner{nullptr};
+  OomInjectorImpl() { reset(); }
+  void reset() override { inner = register_module("inner", torch::nn::Linear(12, 12)); }
+  at::Tensor forward(const at::Tensor& x) {
+    const auto when = inject_when.load();
+    const bool with_grad = c10::GradMode::is_enabled();
+    if ((when == InjectWhen::kForward || (when == InjectWhen::kWithGrad && with_grad)) &&
+        take_injected_oom()) {
+      throw_injected_oom();
+    }
+    auto y = inner(x);
+    if (when == InjectWhen::kBackward && y.requires_grad()) {
+      y.register_hook([](const at::Tensor& g) {
+        if (take_injected_oom()) throw_injected_oom();
+        return g;
+      });
+    }
+    return y;
+  }
+};
+TORCH_MODULE(OomInjector);
+
+torch::nn::Sequential oom_model() {
+  torch::manual_seed(3);
+  namespace nn = torch::nn;
+  return nn::Sequential(nn::Linear(nn::LinearOptions(6, 12).bias(false)),
+                        nn::BatchNorm1d(nn::BatchNormOptions(12).eps(0.1)), nn::Dropout(0.3),
+                        OomInjector(), nn::Tanh(), nn::Linear(12, 4));
+}
+
+class OutOfMemoryRedoTest : public ::testing::TestWithParam<std::string> {};
+
+// Note [Out-of-memory redo], Note [Out-of-memory retry of a microbatch]: a
+// call that runs out of memory (once, or twice in a row) in a forward stage,
+// the fused tail or a background backward is redone or retried smaller, and
+// its loss, gradients, random streams (dropout) and buffer updates
+// (BatchNorm) are those of a call that never failed: plain LibTorch's.
+TEST_P(OutOfMemoryRedoTest, TheRedoneCallMatchesACallThatNeverFailed) {
+  const auto& backend = GetParam();
+  const c10::Device dev = oracle_device(backend);
+  struct Case {
+    InjectWhen when;
+    int ooms;
+    std::optional<RecomputeGrain> grain;
+    const char* what;
+  };
+  const std::vector<Case> cases = {
+      {InjectWhen::kForward, 1, std::nullopt, "a forward stage, once"},
+      {InjectWhen::kForward, 2, std::nullopt, "a forward stage, twice"},
+      {InjectWhen::kWithGrad, 1, RecomputeGrain::kStage, "the tail or a recompute, stage grain"},
+      {InjectWhen::kWithGrad, 1, RecomputeGrain::kLayer, "the tail or a recompute, layer grain"},
+      {InjectWhen::kBackward, 1, RecomputeGrain::kStage, "a backward, stage grain"},
+  };
+  for (const auto& c : cases) {
+    SCOPED_TRACE(::testing::Message() << backend << ", " << c.what);
+    auto model = oom_model();
+    auto oracle = oom_model();
+    oracle->to(dev);
+    RoundPipe pipe(model, RoundPipeOptions().set_devices(backend));
+    const int n = 2;
+    const auto x = at::randn({8, 6}, at::detail::createCPUGenerator(11));
+    const auto y = at::randn({8, 4}, at::detail::createCPUGenerator(12));
+    RunConfig config;
+    config.set_num_microbatch(n);
+    if (c.grain) config.set_recompute_grain(*c.grain);
+    torch::manual_seed(5);
+    inject_when = c.when;
+    injected_ooms = c.ooms;
+    auto result = pipe.forward_backward(x, y, mse_loss, false, config);
+    pipe.synchronize();
+    EXPECT_EQ(injected_ooms.load(), 0) << "the injected errors were not all raised";
+    injected_ooms = 0;
+
+    torch::manual_seed(5);
+    const auto outs = oracle_microbatches(oracle, x.to(dev), n, draw_call_seed(), dev);
+    const auto ys = microbatches_of(y, n);
+    at::Tensor loss = at::zeros({}, at::TensorOptions().device(dev));
+    for (int m = 0; m < n; ++m) loss = loss + mse_loss(outs[m], ys[m].to(dev));
+    loss.backward();
+    EXPECT_TENSOR_NEAR(result.loss, loss, kTol, "loss");
+    expect_same_state(model, oracle, /*grads=*/true);
+  }
+}
+
+// The same for forward(): a training forward that runs out of memory is
+// redone before its output returns; its backward (through autograd) retries
+// a microbatch by layer.
+TEST_P(OutOfMemoryRedoTest, ATrainingForwardAndItsBackwardRecoverToo) {
+  const auto& backend = GetParam();
+  const c10::Device dev = oracle_device(backend);
+  for (auto when : {InjectWhen::kForward, InjectWhen::kWithGrad}) {
+    SCOPED_TRACE(::testing::Message()
+                 << backend << (when == InjectWhen::kForward ? ", forward" : ", recompute"));
+    auto model = oom_model();
+    auto oracle = oom_model();
+    oracle->to(dev);
+    RoundPipe pipe(model, RoundPipeOptions().set_devices(backend));
+    const int n = 2;
+    const auto x = at::randn({8, 6}, at::detail::createCPUGenerator(11));
+    const auto w = at::randn({8, 4}, at::detail::createCPUGenerator(12));
+    const auto config =
+        RunConfig().set_num_microbatch(n).set_recompute_grain(RecomputeGrain::kStage);
+    torch::manual_seed(5);
+    inject_when = when;
+    injected_ooms = 1;
+    auto out = pipe.forward(x, config);
+    (out * w).sum().backward();
+    pipe.synchronize();
+    EXPECT_EQ(injected_ooms.load(), 0) << "the injected error was not raised";
+    injected_ooms = 0;
+
+    torch::manual_seed(5);
+    auto ref = at::cat(oracle_microbatches(oracle, x.to(dev), n, draw_call_seed(), dev), 0);
+    (ref * w.to(dev)).sum().backward();
+    EXPECT_TENSOR_NEAR(out, ref, kTol, "output");
+    expect_same_state(model, oracle, /*grads=*/true);
+  }
+}
+
+// Simulated devices charge compute as a card does (Note [Simulated device
+// memory]): over a grid of widths, budgets, grains and microbatch counts,
+// training with the automatic plan never fails for memory (a plan that
+// does is redone smaller) and gives plain LibTorch's losses and gradients.
+TEST(AutomaticPlanUnderABudget, TrainsWithinTheBudgetOverAGrid) {
+  const std::vector<int64_t> widths = {64, 160};
+  const std::vector<std::optional<RecomputeGrain>> grains = {std::nullopt, RecomputeGrain::kStage,
+                                                             RecomputeGrain::kLayer};
+  for (int64_t width : widths) {
+    // The largest layer's parameters; budgets of 8 and 24 of them (until
+    // activations are measured the plan keeps half the limit for them, and
+    // a one-layer backward stage holds three layers' bytes).
+    const int64_t layer_bytes = (width * width + width) * 4;
+    for (int64_t budget : {8 * layer_bytes, 24 * layer_bytes}) {
+      for (const auto& grain : grains) {
+        for (int n : {1, 3}) {
+          SCOPED_TRACE(::testing::Message()
+                       << "width " << width << ", budget " << budget << " bytes, grain "
+                       << (grain ? (*grain == RecomputeGrain::kStage ? "stage" : "layer") : "auto")
+                       << ", " << n << " microbatches");
+          auto make = [&] {
+            torch::manual_seed(9);
+            namespace nn = torch::nn;
+            return nn::Sequential(nn::Linear(8, width), nn::Tanh(), nn::Linear(width, width),
+                                  nn::Tanh(), nn::Linear(width, width), nn::Tanh(),
+                                  nn::Linear(width, 4));
+          };
+          auto model = make(), oracle = make();
+          RoundPipe pipe(model,
+                         RoundPipeOptions().set_devices("sim:2,mem=" + std::to_string(budget)));
+          RunConfig config;
+          config.set_num_microbatch(n);
+          if (grain) config.set_recompute_grain(*grain);
+          at::Tensor oracle_loss = at::zeros({});
+          for (int call = 0; call < 3; ++call) {
+            const auto x = at::randn({6, 8}, at::detail::createCPUGenerator(30 + call));
+            const auto y = at::randn({6, 4}, at::detail::createCPUGenerator(40 + call));
+            const auto loss = pipe.forward_backward(x, y, mse_loss, false, config).loss;
+            const auto expected = plain_microbatch_loss(oracle, x, y, n, c10::Device(c10::kCPU));
+            EXPECT_TENSOR_NEAR(loss, expected, kTol, "loss of call " << call);
+            expected.backward();
+          }
+          pipe.synchronize();
+          for (int d = 0; d < 2; ++d)
+            EXPECT_LE(pipe.devices().at(d)->memory_stats().peak_bytes, budget);
+          expect_same_state(model, oracle, /*grads=*/true);
+        }
+      }
+    }
+  }
+}
+
+// Each out-of-memory redo shrinks later plans (Note [Out-of-memory redo]);
+// many in a row stop at one layer per stage, and the calls after them still
+// run (they used to fail: the shrunk limit, or stage count, had no plan).
+TEST(OutOfMemoryRedo, ManyShrinksStopAtOneLayerPerStage) {
+  for (bool with_limit : {false, true}) {
+    SCOPED_TRACE(with_limit ? "a model_memory_limit of 1 MiB" : "no memory limit");
+    auto model = oom_model();
+    auto oracle = oom_model();
+    auto options = RoundPipeOptions().set_devices("sim:1");
+    if (with_limit) options.set_model_memory_limit_gib(1.0 / 1024);
+    RoundPipe pipe(model, options);
+    const auto config = RunConfig().set_num_microbatch(2);
+    inject_when = InjectWhen::kForward;
+    // 5 redos a call (one fewer than fail a call), 0.75^40 of 1 MiB is
+    // 10 bytes: far below one layer per stage.
+    for (int call = 0; call < 9; ++call) {
+      SCOPED_TRACE(::testing::Message() << "call " << call);
+      injected_ooms = call < 8 ? 5 : 0;
+      const auto x = at::randn({8, 6}, at::detail::createCPUGenerator(50 + call));
+      const auto y = at::randn({8, 4}, at::detail::createCPUGenerator(60 + call));
+      torch::manual_seed(5);
+      at::Tensor loss;
+      ASSERT_NO_THROW(loss = pipe.forward_backward(x, y, mse_loss, false, config).loss);
+      pipe.synchronize();  // its backward's recomputes draw no more injected errors
+      EXPECT_EQ(injected_ooms.load(), 0) << "the injected errors were not all raised";
+      torch::manual_seed(5);
+      const auto outs = oracle_microbatches(oracle, x, 2, draw_call_seed(), c10::Device(c10::kCPU));
+      const auto ys = microbatches_of(y, 2);
+      at::Tensor expected = at::zeros({});
+      for (int m = 0; m < 2; ++m) expected = expected + mse_loss(outs[m], ys[m]);
+      expected.backward();
+      EXPECT_TENSOR_NEAR(loss, expected, kTol, "loss");
+    }
+    injected_ooms = 0;
+    pipe.synchronize();
+    expect_same_state(model, oracle, /*grads=*/true);
+  }
+}
+
+TEST(OutOfMemoryRedo, APlanOfTheCallersIsNotChangedAndTheErrorSaysOutOfMemory) {
+  auto model = oom_model();
+  RoundPipe pipe(model, RoundPipeOptions().set_devices("sim:1"));
+  inject_when = InjectWhen::kForward;
+  injected_ooms = 1;
+  const auto config = RunConfig().set_num_microbatch(2).set_execute_plan(
+      ExecutePlan::single_stage(pipe.num_layers(), /*fused=*/true));
+  try {
+    pipe.forward_backward(at::randn({4, 6}), at::randn({4, 4}), mse_loss, false, config);
+    ADD_FAILURE() << "no error";
+  } catch (const StageError& e) {
+    EXPECT_TRUE(e.out_of_memory) << e.what();
+    EXPECT_EQ(e.layer, 3) << e.what();
+  }
+  injected_ooms = 0;
+  // The engine still works, and the failed call left nothing behind.
+  EXPECT_NO_THROW(
+      pipe.forward_backward(at::randn({4, 6}), at::randn({4, 4}), mse_loss, false, config));
+  EXPECT_NO_THROW(pipe.synchronize());
+}
+
+// Counts the forwards that run with grad outside a recompute: in the fused
+// tail, every layer's in stage grain, only the last one's in layer grain
+// (the others run without grad, then are recomputed).
+std::atomic<int> grad_forwards{0};
+struct GradProbeImpl : torch::nn::Cloneable<GradProbeImpl> {
+  torch::nn::Linear inner{nullptr};
+  GradProbeImpl() { reset(); }
+  void reset() override { inner = register_module("inner", torch::nn::Linear(4, 4)); }
+  at::Tensor forward(const at::Tensor& x) {
+    if (c10::GradMode::is_enabled() && !doing_recompute()) ++grad_forwards;
+    return inner(x);
+  }
+};
+TORCH_MODULE(GradProbe);
+
+// Note [Automatic grain]: without a grain of the caller's, calls run in
+// layer grain until the layers' activations are measured, then in stage
+// grain where it fits (a simulated device without a budget: always).
+TEST(AutomaticGrain, LayerGrainUntilActivationsAreMeasuredThenStageGrainWhereItFits) {
+  torch::manual_seed(0);
+  torch::nn::Sequential m{GradProbe(), GradProbe(), GradProbe()};
+  RoundPipe pipe(m, RoundPipeOptions().set_devices("sim:1"));
+  const int n = 2;
+  const auto x = at::randn({4, 4}), y = at::randn({4, 4});
+  auto grad_forwards_of_one_call = [&](const RunConfig& config) {
+    grad_forwards = 0;
+    pipe.forward_backward(x, y, mse_loss, false, config);
+    pipe.synchronize();
+    return grad_forwards.load();
+  };
+  const auto config = RunConfig().set_num_microbatch(n);
+  EXPECT_EQ(grad_forwards_of_one_call(config), n) << "the first call runs in layer grain";
+  int last = 0;
+  for (int call = 0; call < 4; ++call) last = grad_forwards_of_one_call(config);
+  const auto plan = pipe.default_plan(true);
+  ASSERT_GE(plan.backward.at(0).size(), 2) << plan.to_string();
+  EXPECT_EQ(last, plan.backward.at(0).size() * n) << "measured: stage grain, " << plan.to_string();
+  // A grain the caller sets is kept.
+  const auto layer = RunConfig().set_num_microbatch(n).set_recompute_grain(RecomputeGrain::kLayer);
+  EXPECT_EQ(grad_forwards_of_one_call(layer), n);
+}
+
+// A layer that keeps 16 x its output for its backward (a wide hidden
+// activation), counting its forwards with grad outside a recompute.
+struct WideProbeImpl : torch::nn::Cloneable<WideProbeImpl> {
+  torch::nn::Linear up{nullptr}, down{nullptr};
+  WideProbeImpl() { reset(); }
+  void reset() override {
+    up = register_module("up", torch::nn::Linear(4, 32));
+    down = register_module("down", torch::nn::Linear(32, 4));
+  }
+  at::Tensor forward(const at::Tensor& x) {
+    if (c10::GradMode::is_enabled() && !doing_recompute()) ++grad_forwards;
+    return down(torch::tanh(up(x)));
+  }
+};
+TORCH_MODULE(WideProbe);
+
+// Note [Tail grain]: where the automatic plan runs in layer grain because
+// stage grain does not fit, the fused tail still runs as many of its last
+// layers with grad as the budget holds (more than one, fewer than all,
+// somewhere between a small and a large budget), with plain LibTorch's
+// losses and gradients.
+TEST(TailGrain, TheTailRunsAsManyLayersWithGradAsTheBudgetHolds) {
+  const int layers = 8, n = 2;
+  const auto x = at::randn({1024, 4}, at::detail::createCPUGenerator(1));
+  const auto y = at::randn({1024, 4}, at::detail::createCPUGenerator(2));
+  std::vector<int> seen;
+  for (int64_t budget_kib : {320, 448, 576, 704, 2048}) {
+    SCOPED_TRACE(::testing::Message() << budget_kib << " KiB");
+    auto make = [&] {
+      torch::manual_seed(4);
+      torch::nn::Sequential m;
+      for (int l = 0; l < layers; ++l) m->push_back(WideProbe());
+      return m;
+    };
+    auto model = make(), oracle = make();
+    // The plan gets 3/4 of the device: what it does not meter (transients
+    // whose lifetime depends on the copy thread's timing, the likely cause
+    // of one CI run's overflow by a microbatch's activation at 448 KiB)
+    // varies, and once the fused tail's backward has left gradients of an
+    // earlier microbatch an out-of-memory error there fails the call (Note
+    // [Out-of-memory redo]).
+    RoundPipe pipe(model, RoundPipeOptions()
+                              .set_verbose(true)
+                              .set_model_memory_limit_gib(budget_kib * 0.75 / (1 << 20))
+                              .set_devices("sim:1,mem=" + std::to_string(budget_kib) + "KiB"));
+    const auto config = RunConfig().set_num_microbatch(n);
+    int last = 0;
+    for (int call = 0; call < 5; ++call) {
+      grad_forwards = 0;
+      const auto loss = pipe.forward_backward(x, y, mse_loss, false, config).loss;
+      pipe.synchronize();
+      last = grad_forwards.load();
+      const auto expected = plain_microbatch_loss(oracle, x, y, n, c10::Device(c10::kCPU));
+      EXPECT_TENSOR_NEAR(loss, expected, kTol, "loss of call " << call);
+      expected.backward();
+    }
+    expect_same_state(model, oracle, /*grads=*/true);
+    EXPECT_LE(pipe.devices().at(0)->memory_stats().peak_bytes, budget_kib * 1024);
+    seen.push_back(last / n);
+  }
+  EXPECT_TRUE(std::any_of(seen.begin(), seen.end(), [&](int k) { return k > 1 && k < layers; }))
+      << "no budget ran part of the tail with grad: " << ::testing::PrintToString(seen);
+}
+
+// Note [Automatic grain]: a caller's "stage" grain (the original's
+// benchmark/train.py passes it) runs its first call in layer grain, before
+// the activations are measured, and later calls in stage grain on stages
+// that fit: no budget runs out of memory, the results are plain
+// LibTorch's, and some budget runs more than one tail layer with grad.
+TEST(AutomaticGrain, ACallersStageGrainRunsOnStagesSizedFromMeasuredActivations) {
+  const int layers = 8, n = 2;
+  const auto x = at::randn({1024, 4}, at::detail::createCPUGenerator(1));
+  const auto y = at::randn({1024, 4}, at::detail::createCPUGenerator(2));
+  std::vector<int> seen;
+  for (int64_t budget_kib : {448, 704, 2048}) {
+    SCOPED_TRACE(::testing::Message() << budget_kib << " KiB");
+    auto make = [&] {
+      torch::manual_seed(4);
+      torch::nn::Sequential m;
+      for (int l = 0; l < layers; ++l) m->push_back(WideProbe());
+      return m;
+    };
+    auto model = make(), oracle = make();
+    // (3/4 of the device to the plan, as in TailGrain above.)
+    RoundPipe pipe(model, RoundPipeOptions()
+                              .set_model_memory_limit_gib(budget_kib * 0.75 / (1 << 20))
+                              .set_devices("sim:1,mem=" + std::to_string(budget_kib) + "KiB"));
+    const auto config =
+        RunConfig().set_num_microbatch(n).set_recompute_grain(RecomputeGrain::kStage);
+    int last = 0;
+    for (int call = 0; call < 4; ++call) {
+      grad_forwards = 0;
+      const auto loss = pipe.forward_backward(x, y, mse_loss, false, config).loss;
+      pipe.synchronize();
+      last = grad_forwards.load();
+      if (call == 0) EXPECT_EQ(last, n) << "the first call runs in layer grain";
+      const auto expected = plain_microbatch_loss(oracle, x, y, n, c10::Device(c10::kCPU));
+      EXPECT_TENSOR_NEAR(loss, expected, kTol, "loss of call " << call);
+      expected.backward();
+    }
+    expect_same_state(model, oracle, /*grads=*/true);
+    EXPECT_EQ(pipe.pipeline_stats().out_of_memory_recoveries, 0);
+    EXPECT_LE(pipe.devices().at(0)->memory_stats().peak_bytes, budget_kib * 1024);
+    seen.push_back(last / n);
+  }
+  EXPECT_TRUE(std::any_of(seen.begin(), seen.end(), [](int k) { return k > 1; }))
+      << "stage grain never ran: " << ::testing::PrintToString(seen);
+}
+
+// WideProbe that splits its input by rows (Note [Tail row chunks]), and
+// counts its recomputes and the rows it ran with grad.
+std::atomic<int> recomputes{0};
+struct RowSplitProbeImpl : torch::nn::Cloneable<RowSplitProbeImpl>, SplitsInputRows {
+  torch::nn::Linear up{nullptr}, down{nullptr};
+  RowSplitProbeImpl() { reset(); }
+  void reset() override {
+    up = register_module("up", torch::nn::Linear(4, 32));
+    down = register_module("down", torch::nn::Linear(32, 4));
+  }
+  at::Tensor forward(const at::Tensor& x) {
+    if (c10::GradMode::is_enabled()) ++(doing_recompute() ? recomputes : grad_forwards);
+    // An out-of-memory error at the inject_at-th forward with grad (or
+    // backward) since `probe_count` was reset.
+    const auto when = inject_when.load();
+    if (when == InjectWhen::kWithGrad && c10::GradMode::is_enabled() &&
+        ++probe_count == inject_at && take_injected_oom())
+      throw_injected_oom();
+    auto y = down(torch::tanh(up(x)));
+    if (when == InjectWhen::kBackward && y.requires_grad()) {
+      y.register_hook([](const at::Tensor& g) {
+        if (++probe_count == inject_at && take_injected_oom()) throw_injected_oom();
+        return g;
+      });
+    }
+    return y;
+  }
+  static inline std::atomic<int> probe_count{0};
+  static inline int inject_at = 0;
+  std::vector<c10::IValue> split_input_rows(const c10::IValue& input,
+                                            const std::vector<int64_t>& rows) const override {
+    std::vector<c10::IValue> chunks;
+    int64_t first = 0;
+    for (int64_t n : rows) {
+      chunks.emplace_back(input.toTensor().narrow(0, first, n));
+      first += n;
+    }
+    return chunks;
+  }
+};
+TORCH_MODULE(RowSplitProbe);
+
+// What both TailRowChunks tests train: 8 RowSplitProbes on 1024 rows, in 2
+// microbatches, with a loss that adds up over rows (a sum divided by a
+// fixed count); and the plain LibTorch loss of the same call.
+struct RowChunksCase {
+  static constexpr int kLayers = 8, kMicrobatches = 2, kRows = 1024;
+  const at::Tensor x = at::randn({kRows, 4}, at::detail::createCPUGenerator(1));
+  const at::Tensor y = at::randn({kRows, 4}, at::detail::createCPUGenerator(2));
+  const LossFn loss_fn = [](const c10::IValue& out, const c10::IValue& label) {
+    return (out.toTensor() - label.toTensor()).pow(2).sum() / (kRows * 4.0);
+  };
+  static torch::nn::Sequential model() {
+    torch::manual_seed(4);
+    torch::nn::Sequential m;
+    for (int l = 0; l < kLayers; ++l) m->push_back(RowSplitProbe());
+    return m;
+  }
+  at::Tensor plain_loss(torch::nn::Sequential& oracle) const {
+    at::Tensor loss = at::zeros({});
+    const auto xs = microbatches_of(x, kMicrobatches), ys = microbatches_of(y, kMicrobatches);
+    for (int m = 0; m < kMicrobatches; ++m) loss = loss + loss_fn(oracle->forward(xs[m]), ys[m]);
+    return loss;
+  }
+};
+
+// Note [Tail row chunks]: where the loss adds up over rows and the layers
+// split their rows, a budget that holds only some of the tail's layers'
+// activations runs the tail in chunks of rows instead: no layer is
+// recomputed, the results are plain LibTorch's, the device stays within
+// its budget; without loss_sums_over_rows, the same budget recomputes.
+TEST(TailRowChunks, ChunksOfRowsReplaceRecomputeWhereTheLossAddsUp) {
+  const RowChunksCase c;
+  for (bool sums : {true, false}) {
+    SCOPED_TRACE(sums ? "loss_sums_over_rows" : "a loss of unknown form");
+    auto model = RowChunksCase::model(), oracle = RowChunksCase::model();
+    RoundPipe pipe(model, RoundPipeOptions().set_verbose(true).set_devices("sim:1,mem=448KiB"));
+    const auto config =
+        RunConfig().set_num_microbatch(RowChunksCase::kMicrobatches).set_loss_sums_over_rows(sums);
+    int last_recomputes = 0;
+    for (int call = 0; call < 4; ++call) {
+      recomputes = 0;
+      const auto loss = pipe.forward_backward(c.x, c.y, c.loss_fn, false, config).loss;
+      pipe.synchronize();
+      last_recomputes = recomputes.load();
+      const auto expected = c.plain_loss(oracle);
+      EXPECT_TENSOR_NEAR(loss, expected, kTol, "loss of call " << call);
+      expected.backward();
+    }
+    expect_same_state(model, oracle, /*grads=*/true);
+    EXPECT_LE(pipe.devices().at(0)->memory_stats().peak_bytes, 448 * 1024);
+    const auto chunked = pipe.pipeline_stats().tail_microbatches_in_row_chunks;
+    if (sums) {
+      EXPECT_GT(chunked, 0) << "the tail never ran in chunks of rows";
+      EXPECT_EQ(last_recomputes, 0) << "the last call still recomputed layers";
+    } else {
+      EXPECT_EQ(chunked, 0);
+      EXPECT_GT(last_recomputes, 0) << "the budget is too large to show the difference";
+    }
+  }
+}
+
+// An out-of-memory error in a later chunk of rows (its forward, or its
+// backward after earlier chunks left gradients) is retried, and the
+// results are still plain LibTorch's (Note [Out-of-memory retry of a
+// microbatch]).
+TEST(TailRowChunks, RunningOutOfMemoryInAChunkIsRetried) {
+  const RowChunksCase c;
+  for (auto when : {InjectWhen::kWithGrad, InjectWhen::kBackward}) {
+    SCOPED_TRACE(when == InjectWhen::kWithGrad ? "forward" : "backward");
+    auto model = RowChunksCase::model(), oracle = RowChunksCase::model();
+    RoundPipe pipe(model, RoundPipeOptions().set_devices("sim:1,mem=448KiB"));
+    const auto config =
+        RunConfig().set_num_microbatch(RowChunksCase::kMicrobatches).set_loss_sums_over_rows(true);
+    for (int call = 0; call < 3; ++call) {
+      const bool inject = call == 2;  // once the tail runs in chunks
+      if (inject) {
+        ASSERT_GT(pipe.pipeline_stats().tail_microbatches_in_row_chunks, 0);
+        inject_when = when;
+        RowSplitProbeImpl::probe_count = 0;
+        RowSplitProbeImpl::inject_at = 2 * RowChunksCase::kLayers + 3;  // the third chunk's
+        injected_ooms = 1;
+      }
+      const auto loss = pipe.forward_backward(c.x, c.y, c.loss_fn, false, config).loss;
+      pipe.synchronize();
+      if (inject) EXPECT_EQ(injected_ooms.load(), 0) << "the injected error was not raised";
+      injected_ooms = 0;
+      inject_when = InjectWhen::kForward;
+      const auto expected = c.plain_loss(oracle);
+      EXPECT_TENSOR_NEAR(loss, expected, kTol, "loss of call " << call);
+      expected.backward();
+    }
+    expect_same_state(model, oracle, /*grads=*/true);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(AllBackends, OutOfMemoryRedoTest, ::testing::ValuesIn(backends()),
+                         [](const auto& info) { return backend_test_name(info.param); });
+
+}  // namespace
+}  // namespace roundpipe::testing
