@@ -11,7 +11,7 @@
 # warnings; EXITS=N adds N back-to-back short processes (train,
 # synchronize, exit; then exit without synchronize) and counts any exit
 # status but 0; SCRIPTS="SCRIPT SHAPE CAP ARGS...;..." runs the original's
-# benchmark scripts (our copies) on ours and the original; RESIDENT="SHAPE BATCH SEQ STEPS" adds GPU-resident peft LoRA
+# benchmark scripts (our copies) on ours and the original (SCRIPT_IMPLS picks); RESIDENT="SHAPE BATCH SEQ STEPS" adds GPU-resident peft LoRA
 # (bench/lora_bench.py), PYTEST="ARGS" a pytest run. Logs go to $OUT (or ./bench-out).
 set -uo pipefail
 out="${OUT:-$PWD/bench-out}"; mkdir -p "$out"
@@ -51,7 +51,7 @@ if [ -n "${SCRIPTS:-}" ]; then  # "SCRIPT SHAPE CAP ARGS...;...": the original's
   for s in "${scripts[@]}"; do
     read -ra w <<< "$s"
     dir="/tmp/model-${w[1]}"; [ -d "$dir" ] || $py bench/shapes.py "${w[1]}" "$dir"
-    for impl in ours original; do
+    for impl in ${SCRIPT_IMPLS:-ours original}; do
       [ "$impl" = original ] && [ -z "${ORIGINAL:-}" ] && continue
       pypath=""; [ "$impl" = original ] && pypath=/tmp/original
       n=$((n + 1)); log="$out/script$n.log"
