@@ -1,9 +1,23 @@
 """Dynamic loss scaling for RoundPipe's asynchronous optimizer thread."""
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from . import _C
+
+
+# unscale_() calls made outside a step function: run at the start of the next
+# one, where the gradients have reached the optimizers (the original runs
+# them on its optimizer thread, in order with the steps).
+_unscales_asked_outside = []
+
+
+def run_unscales_asked_outside() -> None:
+    while _unscales_asked_outside:
+        scaler, optimizer = _unscales_asked_outside.pop(0)
+        scaler._impl.unscale(scaler._grads(optimizer))
 
 
 class GradScaler:
@@ -21,6 +35,7 @@ class GradScaler:
                  growth_interval=2000, enabled=True):
         self._impl = _C.GradScaler(float(init_scale), float(growth_factor), float(backoff_factor),
                                    int(growth_interval), bool(enabled))
+        self._warned_outside = False
 
     def scale(self, outputs):
         """The loss (or each of an iterable of losses) times the current
@@ -35,17 +50,27 @@ class GradScaler:
         return [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
-        """Unscales the optimizer's gradients now, inside the step function
-        (for example before clipping them); the step's ``step()`` does not
-        unscale them again. At most once per step."""
+        """Unscales the optimizer's gradients, for example before clipping
+        them; the step's ``step()`` does not unscale them again. At most once
+        per step. Inside the step function: now. From the main thread (the
+        original queues it on the optimizer thread and waits): the gradients
+        reach the optimizer only inside the next step function, so they are
+        unscaled there, before anything else the step function does; to
+        inspect or clip them, do it in the step function."""
         from .roundpipe import inside_step_function
 
-        if not inside_step_function():
-            raise RuntimeError(
-                "GradScaler.unscale_() runs inside the step function given to RoundPipe.step() (the "
-                "gradients reach the optimizer's copies only there), e.g. "
-                "def step_fn(): scaler.unscale_(opt); clip_grad_norm_(...); scaler.step(opt)")
-        self._impl.unscale(self._grads(optimizer))
+        if inside_step_function():
+            self._impl.unscale(self._grads(optimizer))
+            return
+        if not self._warned_outside:
+            self._warned_outside = True
+            warnings.warn(
+                "GradScaler.unscale_() outside the step function: the gradients are unscaled on "
+                "the optimizer thread at the start of the next step function (they reach the "
+                "optimizer only there), so clipping or reading them here sees none; do that in the "
+                "step function: def step_fn(): scaler.unscale_(opt); clip_grad_norm_(...); "
+                "scaler.step(opt)", stacklevel=2)
+        _unscales_asked_outside.append((self, optimizer))
 
     def step(self, optimizer: torch.optim.Optimizer, *args, **kwargs):
         """Unscales the optimizer's gradients (unless ``unscale_`` did), and

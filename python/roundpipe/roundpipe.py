@@ -77,8 +77,11 @@ def in_step_function(step_fn):
     """`step_fn`, marked while it runs as a step function (on whatever
     thread runs it): GradScaler.unscale_ is only meaningful there."""
     def run():
+        from .grad_scaler import run_unscales_asked_outside
+
         _step_function.depth = getattr(_step_function, "depth", 0) + 1
         try:
+            run_unscales_asked_outside()
             return step_fn()
         finally:
             _step_function.depth -= 1

@@ -71,10 +71,7 @@ def test_grad_scaler_clipping_recipe_and_the_original_api():
     for p, q in zip(model.parameters(), ref.parameters()):
         assert_adam_weights_close(p, q, steps=3, lr=1e-2)
 
-    # unscale_ outside the step function, or twice in one step, is an error
-    # naming the rule.
-    with pytest.raises(RuntimeError, match="inside the step function"):
-        scaler.unscale_(opt)
+    # unscale_ twice in one step is an error naming the rule.
     errors = []
 
     def twice():
@@ -89,6 +86,34 @@ def test_grad_scaler_clipping_recipe_and_the_original_api():
     pipe.step(twice, is_async=False)
     scaler.update()
     assert len(errors) == 1 and "already been called in this step" in errors[0]
+
+    # From the main thread (the docs: "executed on the optimizer thread and
+    # synchronized"): the step is the one unscale_ in the step function
+    # gives, with a warning that the gradients are not visible here.
+    for clip in (False, True):  # the step of `twice` above (2 microbatches, unclipped), then this one
+        ref_opt.zero_grad()
+        if clip:
+            mse(ref(x), y).backward()
+        else:
+            sum(mse(ref(a), b) for a, b in zip(x.chunk(2), y.chunk(2))).backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(list(ref.parameters()), 0.05)
+        ref_opt.step()
+    pipe.forward_backward(input_args=(x,), label=y, loss_fn=lambda o, t: scaler.scale(mse(o, t)),
+                          run_config=RoundPipeRunConfig(num_microbatch=1))
+    with pytest.warns(UserWarning, match="outside the step function"):
+        scaler.unscale_(opt)
+
+    def clip_then_step():
+        torch.nn.utils.clip_grad_norm_(list(pipe.optim_parameters()), 0.05)
+        scaler.step(opt)  # unscales first (asked for above), not twice
+        opt.zero_grad()
+
+    pipe.step(clip_then_step, is_async=False)
+    scaler.update()
+    pipe.synchronize()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert_adam_weights_close(p, q, steps=5, lr=1e-2)
 
     s = roundpipe.GradScaler(init_scale=8.0, growth_interval=5)
     assert s.is_enabled() and not roundpipe.GradScaler(enabled=False).is_enabled()
