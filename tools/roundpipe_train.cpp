@@ -69,6 +69,10 @@ int main(int argc, char** argv) {
   app.add_option("--checkpoint-dir", a.checkpoint_dir,
                  "training checkpoint directory (default: OUTPUT.ckpt)");
   app.add_flag("--resume", a.resume, "resume from the training checkpoint if there is one");
+  app.add_option("--allow-resume-change", a.allow_resume_change,
+                 "settings --resume may find changed, comma-separated (steps, epochs, lr, "
+                 "lr-schedule, warmup-steps, warmup-ratio, weight-decay, max-grad-norm, "
+                 "reduce-dtype); any other change is refused");
   app.add_flag("--overwrite", a.overwrite,
                "replace a model already in --output and an earlier run's training checkpoint");
   bool debug = false;

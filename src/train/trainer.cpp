@@ -27,6 +27,9 @@
 #include <thread>
 
 #include "io/atomic_directory.h"
+#include "train/output_dir.h"
+#include "train/hf_cache.h"
+#include "train/run_settings.h"
 
 namespace roundpipe::train {
 namespace {
@@ -53,8 +56,8 @@ extern "C" void on_stop_signal(int signal) {
     return;
   }
   static const char message[] =
-      "\nroundpipe-train: stopping after the current step and saving a training checkpoint "
-      "(send the signal again to quit at once)\n";
+      "\nroundpipe-train: stopping after the current step (a training checkpoint is saved "
+      "unless it was the last; send the signal again to quit at once)\n";
   [[maybe_unused]] auto written = ::write(STDERR_FILENO, message, sizeof(message) - 1);
 }
 
@@ -83,99 +86,6 @@ class StopSignals {
   struct sigaction previous_int_ {};
   struct sigaction previous_term_ {};
 };
-
-// ---------------------------------------------------------------- paths
-
-// Where a run writes, checked before it trains.
-struct OutputPaths {
-  std::string output;      // the HuggingFace checkpoint at the end
-  std::string checkpoint;  // training checkpoints (resume)
-  bool has_checkpoint = false;
-  int64_t checkpoint_step = -1;
-};
-
-int64_t step_of(const std::map<std::string, std::string>& extra, const std::string& where) {
-  const auto it = extra.find("step");
-  TORCH_CHECK(it != extra.end(), where, " was not written by roundpipe-train (no step)");
-  const std::string& text = it->second;
-  size_t used = 0;
-  int64_t step = -1;
-  try {
-    step = std::stoll(text, &used);
-  } catch (const std::exception&) {
-    used = 0;
-  }
-  TORCH_CHECK(!text.empty() && used == text.size() && step >= 0, where,
-              ": the step must be a whole number >= 0, got '", text, "'");
-  return step;
-}
-
-// The step of the roundpipe-train checkpoint in `dir`, -1 when there is
-// none (no directory, or an empty one); an error for anything else.
-int64_t existing_checkpoint_step(const std::string& dir) {
-  const fs::path source(readable_directory(dir));
-  if (!fs::exists(source) || fs::is_empty(source)) return -1;
-  TORCH_CHECK(fs::exists(source / "checkpoint.json"), dir,
-              " exists and is not a RoundPipe training checkpoint (no checkpoint.json): choose "
-              "another --checkpoint-dir, or move that directory away");
-  return step_of(checkpoint_extra(dir), dir);
-}
-
-// A directory can be written to: made if missing, a file created and removed.
-void check_writable(const fs::path& dir, const std::string& what) {
-  std::error_code ec;
-  fs::create_directories(dir, ec);
-  TORCH_CHECK(!ec, "cannot create ", what, " ", dir.string(), ": ", ec.message());
-  const fs::path probe = dir / (".roundpipe-probe-" + std::to_string(::getpid()));
-  { std::ofstream(probe) << "probe"; }
-  const bool ok = fs::exists(probe);
-  fs::remove(probe, ec);
-  TORCH_CHECK(ok, "cannot write to ", what, " ", dir.string(),
-              ": check its permissions and free space");
-}
-
-// `writer`: this process writes (data parallel: rank 0); the others only
-// read the step of a checkpoint to resume from.
-OutputPaths prepare_outputs(const TrainOptions& args, bool writer) {
-  OutputPaths paths;
-  paths.output = normalized_directory(args.output);
-  paths.checkpoint = normalized_directory(args.checkpoint_dir.empty() ? paths.output + ".ckpt"
-                                                                      : args.checkpoint_dir);
-  TORCH_CHECK(paths.checkpoint != paths.output,
-              "--checkpoint-dir and --output name the same directory; give them different ones");
-  if (!writer) {
-    paths.checkpoint_step = args.resume ? existing_checkpoint_step(paths.checkpoint) : -1;
-    paths.has_checkpoint = paths.checkpoint_step >= 0;
-    return paths;
-  }
-  const int removed =
-      remove_stale_temporaries(paths.output) + remove_stale_temporaries(paths.checkpoint);
-  if (removed > 0) {
-    std::printf("removed %d temporary director%s left by interrupted runs\n", removed,
-                removed == 1 ? "y" : "ies");
-  }
-  // The model output: other files there are kept; an earlier model is
-  // replaced only when asked to.
-  if (fs::exists(paths.output) && !args.overwrite && !args.resume) {
-    for (const auto& entry : fs::directory_iterator(paths.output)) {
-      const auto name = entry.path().filename().string();
-      TORCH_CHECK(name != "config.json" && !models::is_weight_file(name), "--output ", paths.output,
-                  " already holds a model (", name,
-                  "): pass --overwrite to replace it, or choose another directory");
-    }
-  }
-  paths.checkpoint_step = existing_checkpoint_step(paths.checkpoint);
-  paths.has_checkpoint = paths.checkpoint_step >= 0;
-  TORCH_CHECK(!paths.has_checkpoint || args.resume || args.overwrite, paths.checkpoint,
-              " holds a training checkpoint (step ", paths.checkpoint_step,
-              ") of an earlier run: pass --resume to continue it, or --overwrite to start over "
-              "(it is replaced at the first save)");
-  check_writable(paths.output, "--output");
-  const fs::path checkpoint(paths.checkpoint);
-  check_writable(checkpoint.has_parent_path() ? checkpoint.parent_path() : fs::path("."),
-                 "the directory of the training checkpoint");
-  return paths;
-}
 
 }  // namespace
 
@@ -209,6 +119,27 @@ bool all_finite(const std::vector<at::Tensor>& tensors) {
 
 void check(bool ok, const char* option, const std::string& accepted, const std::string& got) {
   TORCH_CHECK(ok, option, " must be ", accepted, ", got ", got);
+}
+
+}  // namespace
+
+namespace {
+
+// The sizes against the data (before the model loads): a step needs
+// batch-size x grad-accum examples, and a microbatch at least one row of
+// each process's share of a batch.
+void check_sizes(const TrainOptions& a, int64_t train_examples, int processes) {
+  const int64_t step_examples = a.batch_size * a.grad_accum;
+  TORCH_CHECK(a.batch_size <= train_examples && step_examples <= train_examples,
+              "--batch-size ", a.batch_size,
+              a.grad_accum > 1 ? " x --grad-accum " + std::to_string(a.grad_accum) : std::string(),
+              " needs ", step_examples, " examples a step, more than the ", train_examples,
+              " training examples there are: lower it (or give more data)");
+  const int64_t rows = a.batch_size / std::max(processes, 1);
+  TORCH_CHECK(a.microbatches <= rows, "--microbatches ", a.microbatches, " is more than the ",
+              rows, " examples of a batch", processes > 1 ? " per process" : "",
+              ": a microbatch needs at least one; give --microbatches ", rows,
+              " or fewer (or a larger --batch-size)");
 }
 
 }  // namespace
@@ -273,8 +204,10 @@ void validate(const TrainOptions& a) {
   }
 }
 
-TrainSummary run_training(const TrainOptions& args) {
-  validate(args);
+TrainSummary run_training(const TrainOptions& given) {
+  validate(given);
+  TrainOptions args = given;
+  args.model = resolve_model_path(given.model);  // Note [Model names]
   // Data parallel under torchrun: every process trains on its share of
   // each batch; rank 0 prints and writes. Two groups: the gradients' (the
   // optimizer thread's collectives) and this loop's (losses, stops,
@@ -300,7 +233,56 @@ TrainSummary run_training(const TrainOptions& args) {
   auto say = [&](const char* format, auto... values) {
     if (leader) std::printf(format, values...);
   };
+  // The model's configuration and the data first, then the sizes against
+  // them: a run that cannot train fails before it writes or loads anything.
+  const int64_t vocab_size =
+      roundpipe::models::CausalLMConfig::from_json_file(
+          args.model.empty() ? args.config : (fs::path(args.model) / "config.json").string())
+          .vocab_size;
+  // Data: a token file or JSONL, or a built-in task (with held-out
+  // examples for its accuracy).
+  std::shared_ptr<const Dataset> train;
+  std::shared_ptr<const Dataset> eval_data;
+  std::vector<Example> held_out;
+  if (!args.data.empty()) {
+    auto all = open_dataset(args.data, args.seq_len, vocab_size, args.model);
+    if (args.eval_fraction > 0) {
+      // The last examples of a shuffle by seed are held out.
+      std::vector<int64_t> order(all->size());
+      std::iota(order.begin(), order.end(), 0);
+      std::shuffle(order.begin(), order.end(), std::mt19937_64(args.seed + 7919));
+      const auto count =
+          std::max<int64_t>(1, std::llround(args.eval_fraction * static_cast<double>(all->size())));
+      TORCH_CHECK(count < all->size(), "--eval-fraction ", args.eval_fraction, " holds out all ",
+                  all->size(), " examples of ", args.data, ": give a smaller fraction");
+      eval_data = subset(all, {order.end() - count, order.end()});
+      order.resize(order.size() - count);
+      std::sort(order.begin(), order.end());
+      train = subset(all, std::move(order));
+    } else {
+      train = all;
+    }
+  } else {
+    TORCH_CHECK(vocab_size >= roundpipe::train::ByteTokenizer::kVocab,
+                "the built-in tasks use the byte-level tokenizer: the model needs vocab >= 259");
+    auto make = [&](int64_t count, uint64_t seed) {
+      return args.task == "addition" ? roundpipe::train::addition_task(count, args.digits, seed)
+                                     : roundpipe::train::reversal_task(count, args.length, seed);
+    };
+    train = in_memory(make(args.train_examples, args.seed + 1));
+    held_out = make(args.eval_examples, args.seed + 1000003);
+  }
+  if (!args.eval_data.empty()) {
+    eval_data = open_dataset(args.eval_data, args.seq_len, vocab_size, args.model);
+  } else if (!eval_data && !held_out.empty()) {
+    eval_data = in_memory(held_out);
+  }
+  check_sizes(args, train->size(), processes);
   const OutputPaths paths = prepare_outputs(args, leader);
+  if (args.resume && paths.has_checkpoint) {
+    check_resume_settings(paths.checkpoint_extra, args, paths.checkpoint,
+                          [&](const std::string& line) { say("%s\n", line.c_str()); });
+  }
   StopSignals signals;
   TrainSummary summary;
   torch::manual_seed(args.seed);
@@ -359,44 +341,6 @@ TrainSummary run_training(const TrainOptions& args) {
       args.dtype.c_str(), pipe.devices().size(), pipe.devices().at(0)->name().c_str(),
       std::chrono::duration<double>(Clock::now() - start_load).count());
 
-  // Data: a token file or JSONL, or a built-in task (with held-out
-  // examples for its accuracy).
-  std::shared_ptr<const Dataset> train;
-  std::shared_ptr<const Dataset> eval_data;
-  std::vector<Example> held_out;
-  if (!args.data.empty()) {
-    auto all = open_dataset(args.data, args.seq_len, config.vocab_size, args.model);
-    if (args.eval_fraction > 0) {
-      // The last examples of a shuffle by seed are held out.
-      std::vector<int64_t> order(all->size());
-      std::iota(order.begin(), order.end(), 0);
-      std::shuffle(order.begin(), order.end(), std::mt19937_64(args.seed + 7919));
-      const auto count =
-          std::max<int64_t>(1, std::llround(args.eval_fraction * static_cast<double>(all->size())));
-      TORCH_CHECK(count < all->size(), "--eval-fraction ", args.eval_fraction, " holds out all ",
-                  all->size(), " examples of ", args.data, ": give a smaller fraction");
-      eval_data = subset(all, {order.end() - count, order.end()});
-      order.resize(order.size() - count);
-      std::sort(order.begin(), order.end());
-      train = subset(all, std::move(order));
-    } else {
-      train = all;
-    }
-  } else {
-    TORCH_CHECK(config.vocab_size >= roundpipe::train::ByteTokenizer::kVocab,
-                "the built-in tasks use the byte-level tokenizer: the model needs vocab >= 259");
-    auto make = [&](int64_t count, uint64_t seed) {
-      return args.task == "addition" ? roundpipe::train::addition_task(count, args.digits, seed)
-                                     : roundpipe::train::reversal_task(count, args.length, seed);
-    };
-    train = in_memory(make(args.train_examples, args.seed + 1));
-    held_out = make(args.eval_examples, args.seed + 1000003);
-  }
-  if (!args.eval_data.empty()) {
-    eval_data = open_dataset(args.eval_data, args.seq_len, config.vocab_size, args.model);
-  } else if (!eval_data && !held_out.empty()) {
-    eval_data = in_memory(held_out);
-  }
   // A step adds the gradients of grad_accum batches of batch_size examples.
   const int64_t step_examples = args.batch_size * args.grad_accum;
   const int64_t steps_per_epoch = std::max<int64_t>(1, train->size() / step_examples);
@@ -569,8 +513,9 @@ TrainSummary run_training(const TrainOptions& args) {
     // Data parallel: every process holds the same state; rank 0 writes it.
     // Sharded: every process writes its share (save_checkpoint).
     if (leader || sharded) {
-      roundpipe::save_checkpoint(paths.checkpoint, pipe, &adam, scaler.get(),
-                                 {{"step", std::to_string(steps_done)}});
+      roundpipe::save_checkpoint(
+          paths.checkpoint, pipe, &adam, scaler.get(),
+          {{"step", std::to_string(steps_done)}, {kSettingsKey, settings_json(args)}});
     }
     last_good_checkpoint = steps_done;
     // Every update has run: the lines up to the checkpoint go to the file
@@ -772,6 +717,10 @@ TrainSummary run_training(const TrainOptions& args) {
               paths.checkpoint + "; continue with --resume",
           signals.received() != 0 ? signals.received() : SIGTERM, paths.checkpoint);
     }
+    if (stop && last) {
+      say("the signal came after the last step: finishing the run (saving the model) instead "
+          "of a training checkpoint\n");
+    }
     if (args.checkpoint_every > 0 && (step + 1) % args.checkpoint_every == 0 && !last) {
       save_training_checkpoint(step + 1);
     }
@@ -831,8 +780,9 @@ TrainSummary run_training(const TrainOptions& args) {
                 "); with sharded optimizer state only the periodic checkpoints in ",
                 paths.checkpoint, " are kept (rank 0 cannot write the others' shares alone)");
     try {
-      roundpipe::save_checkpoint(paths.checkpoint, pipe, &adam, scaler.get(),
-                                 {{"step", std::to_string(total_steps)}});
+      roundpipe::save_checkpoint(
+          paths.checkpoint, pipe, &adam, scaler.get(),
+          {{"step", std::to_string(total_steps)}, {kSettingsKey, settings_json(args)}});
     } catch (const std::exception& second) {
       TORCH_CHECK(false, "cannot save the trained model to ", paths.output, " (", why,
                   ") nor a training checkpoint to ", paths.checkpoint, " (", error_message(second),
@@ -841,7 +791,12 @@ TrainSummary run_training(const TrainOptions& args) {
     TORCH_CHECK(false, "cannot save the trained model to ", paths.output, " (", why,
                 "); it is kept as a training checkpoint in ", paths.checkpoint);
   }
-  std::printf("saved a HuggingFace checkpoint to %s\n", paths.output.c_str());
+  copy_tokenizer_files(args.model, paths.output);
+  if (args.lora_rank > 0 && !args.merge) {
+    std::printf("saved the LoRA adapter (peft's format) to %s\n", paths.output.c_str());
+  } else {
+    std::printf("saved a HuggingFace checkpoint to %s\n", paths.output.c_str());
+  }
   return summary;
 }
 

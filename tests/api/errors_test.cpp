@@ -403,10 +403,14 @@ TORCH_MODULE(ReshapingBuffer);
 TEST(Errors, AFailedBufferCommitIsReportedAndStopsLaterForwardsOfItsLayer) {
   torch::manual_seed(0);
   torch::nn::Sequential m(torch::nn::Linear(4, 4), ReshapingBuffer(), torch::nn::Linear(4, 2));
-  // Stage grain: the wrong shape first shows in the commit (in layer grain
-  // the tail's recompute, which restores the buffers, meets it first).
+  // Stage grain on a plan of the caller's (the automatic plan runs a first
+  // call in layer grain, Note [Automatic grain]): the wrong shape first
+  // shows in the commit (in layer grain the tail's recompute, which
+  // restores the buffers, meets it first).
   RoundPipe pipe(m, RoundPipeOptions().set_devices("sim:1").set_model_run_config(
-                        RunConfig().set_recompute_grain(RecomputeGrain::kStage)));
+                        RunConfig()
+                            .set_recompute_grain(RecomputeGrain::kStage)
+                            .set_execute_plan(ExecutePlan::single_stage(3, /*fused=*/true))));
   auto x = at::randn({4, 4});
   auto y = at::randn({4, 2});
   pipe.forward_backward(x, y, mse_loss);  // its commit fails in the background

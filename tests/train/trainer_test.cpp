@@ -20,25 +20,12 @@
 #include <regex>
 #include <sstream>
 
-#include "test_util.h"
+#include "train/train_test_util.h"
 
 namespace roundpipe::testing {
 namespace {
 
 namespace fs = std::filesystem;
-
-std::string temp(const std::string& name) {
-  return (process_temp_dir() / ("train_" + name)).string();
-}
-
-train::TrainOptions tiny(const std::string& name) {
-  train::TrainOptions o;
-  o.config = std::string(ROUNDPIPE_SOURCE_DIR) + "/configs/qwen3-tiny/config.json";
-  o.devices = "sim:2";
-  o.output = temp(name);
-  o.log_every = 100;
-  return o;
-}
 
 TEST(Trainer, LearnsTheReverseTask) {
   auto o = tiny("learn");
@@ -83,16 +70,6 @@ void expect_same_weights(const std::string& a_dir, const std::string& b_dir, dou
   ASSERT_EQ(a.size(), b.size());
   for (size_t i = 0; i < a.size(); ++i)
     EXPECT_TENSOR_NEAR(b[i].second, a[i].second, tol, a[i].first);
-}
-
-template <typename Fn>
-std::string error_of(Fn&& fn) {
-  try {
-    fn();
-  } catch (const std::exception& e) {
-    return error_message(e);
-  }
-  return "(no error)";
 }
 
 // Saving a checkpoint waits for the async step without publishing it, so
@@ -222,6 +199,7 @@ TEST(Trainer, AnEarlierRunsCheckpointNeedsResumeOrOverwrite) {
   auto past = o;
   past.resume = true;
   past.steps = 1;
+  past.allow_resume_change = "steps";  // (Note [Resume settings])
   EXPECT_HAS(error_of([&] { train::run_training(past); }), "nothing is left to train");
   auto meta = o.output + ".ckpt/checkpoint.json";
   std::stringstream text;

@@ -43,6 +43,9 @@ struct TrainOptions {
   int64_t warmup_steps = 0;
   double warmup_ratio = 0;
   bool resume = false, sync_step = false;
+  // Settings --resume may find changed (comma-separated: "steps,lr"); any
+  // other change is refused (Note [Resume settings]).
+  std::string allow_resume_change;
   // LoRA (lora_rank > 0): adapters on lora_targets ("all-linear" or
   // projection names, comma-separated) and on lora_target_parameters (the
   // experts' stacked weights, peft's target_parameters: e.g.
