@@ -8,7 +8,8 @@ namespace roundpipe {
 
 // Called from a layer's forward: keeps `data` (which must not require grad)
 // for this layer and microbatch, once per layer per microbatch. A no-op when
-// the layer runs outside RoundPipe or in a recompute.
+// the layer runs outside RoundPipe, in a recompute, or in an inference call
+// (no backward follows: the original's "no-op without gradients").
 void save_for_recompute(const c10::IValue& data);
 // Whether the current layer call is a recompute in a backward stage.
 bool doing_recompute();

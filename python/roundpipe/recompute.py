@@ -7,8 +7,9 @@ from . import _C
 
 def save_for_recompute(*data) -> None:
     """Keeps `data` (no tensor in it may require grad) for this layer and
-    microbatch, once per layer per microbatch. A no-op outside RoundPipe or
-    in a recompute."""
+    microbatch, once per layer per microbatch. A no-op outside RoundPipe,
+    in a recompute, or in an inference call (without gradients no
+    recompute follows)."""
     _C.save_for_recompute(tuple(data))
 
 

@@ -15,12 +15,13 @@ thread_local LayerCallScope* current_layer_call = nullptr;
 }  // namespace
 
 LayerCallScope::LayerCallScope(RecomputeStore& store, int layer, int microbatch, bool recompute,
-                               c10::Device device)
+                               c10::Device device, bool training)
     : store(store),
       layer(layer),
       microbatch(microbatch),
       recompute(recompute),
       device(device),
+      training(training),
       previous_(current_layer_call) {
   current_layer_call = this;
 }
@@ -33,8 +34,9 @@ LayerCallScope::~LayerCallScope() {
 
 void save_for_recompute(const c10::IValue& data) {
   auto* lc = detail::current_layer_call;
-  // Outside RoundPipe (the same module run plainly) there is no recompute.
-  if (lc == nullptr || lc->recompute) return;
+  // Outside RoundPipe (the same module run plainly), or in an inference
+  // call, there is no recompute.
+  if (lc == nullptr || lc->recompute || !lc->training) return;
   for (const auto& t : flatten_tensors(data)) {
     TORCH_CHECK(!t.defined() || !t.requires_grad(),
                 "save_for_recompute(): data must not require grad (detach it)");

@@ -19,11 +19,14 @@ struct RecomputeStore {
 };
 
 // Marks the calling thread as running `layer` for `microbatch` of a call
-// (a recompute or not) on `device`, until the scope ends.
+// (a recompute or not) on `device`, until the scope ends. `training`: the
+// call has a backward, so a recompute may follow; in an inference call
+// save_for_recompute() does nothing (the original's "a no-op when gradient
+// computation is not enabled").
 class LayerCallScope {
  public:
   LayerCallScope(RecomputeStore& store, int layer, int microbatch, bool recompute,
-                 c10::Device device);
+                 c10::Device device, bool training = true);
   ~LayerCallScope();
   LayerCallScope(const LayerCallScope&) = delete;
   LayerCallScope& operator=(const LayerCallScope&) = delete;
@@ -33,6 +36,7 @@ class LayerCallScope {
   const int microbatch;
   const bool recompute;
   const c10::Device device;
+  const bool training;
 
  private:
   LayerCallScope* previous_;

@@ -225,7 +225,8 @@ struct StageRunner {
   c10::IValue run_layer(int l, const c10::IValue& x, bool recompute) {
     layer = l;
     phase = recompute ? "recompute" : "forward";
-    LayerCallScope scope(call.recompute, l, microbatch, recompute, device.torch_device());
+    LayerCallScope scope(call.recompute, l, microbatch, recompute, device.torch_device(),
+                         call.training);
     const bool with_grad = c10::GradMode::is_enabled();
     // The first few forwards with grad are metered: what the layer still
     // holds after one is what it keeps for its backward (the planner's

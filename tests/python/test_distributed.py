@@ -464,7 +464,7 @@ def test_cpp_roundpipe_train_checkpoint_of_2_processes_resumes_with_3(tmp_path):
     """Rank 0 writes the training checkpoint every process holds; another
     process count resumes it (the state is the same on every process)."""
     run_cpp_train(tmp_path / "dp", 2, "--checkpoint-every", "2", steps=3)
-    run_cpp_train(tmp_path / "dp", 3, "--resume", steps=4)
+    run_cpp_train(tmp_path / "dp", 3, "--resume", "--allow-resume-change", "steps", steps=4)
     run_cpp_train(tmp_path / "alone", 1, steps=4)
     assert_same_training(tmp_path / "dp", tmp_path / "alone", steps=4)
 
@@ -479,7 +479,7 @@ def test_cpp_roundpipe_train_sharded_checkpoint_resumes_with_another_process_cou
     shares = sorted(n for n in os.listdir(checkpoint) if n.startswith("master-rank"))
     assert shares == ["master-rank00000-of-00002.safetensors", "master-rank00001-of-00002.safetensors"]
     run_cpp_train(tmp_path / "dp", 3, "--shard-optimizer-state", "--resume", "--checkpoint-every", "1",
-                  steps=4)
+                  "--allow-resume-change", "steps", steps=4)
     assert sorted(n for n in os.listdir(checkpoint) if n.startswith("optimizer-rank"))[-1] == \
         "optimizer-rank00002-of-00003.safetensors"
     run_cpp_train(tmp_path / "alone", 1, steps=4)

@@ -108,10 +108,6 @@ def test_save_for_recompute_is_called_at_most_once_per_layers_forward():
     model.synchronize()
 
 
-@pytest.mark.xfail(strict=True, reason="the page: 'If gradient computation is not currently enabled, "
-                   "this function is a no-op'; ours still stores the data under torch.no_grad(), so a "
-                   "second call in the same layer raises StageError (RuntimeError: save_for_recompute() "
-                   "called twice in layer 1 for microbatch 0)")
 def test_without_gradients_save_for_recompute_is_a_no_op():
     class SavesTwice(nn.Module):
         def forward(self, x):

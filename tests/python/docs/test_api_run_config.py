@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn as nn
 from conftest import assert_close
-from roundpipe import ModelExecutePlan, RoundPipe, RoundPipeRunConfig
+from roundpipe import ModelExecutePlan, RoundPipe, RoundPipeRunConfig, StageError
 from torch.distributed.pipelining.microbatch import TensorChunkSpec, _CustomReducer, _Replicate
 
 
@@ -234,11 +234,6 @@ def test_an_automatic_plan_for_one_model():
         assert_close(p.grad, q.grad)
 
 
-@pytest.mark.xfail(strict=True, raises=RuntimeError, reason=(
-    "the page calls model1.forward(input_args=(data1,), run_config=...), but RoundPipe.forward takes "
-    "(*args, roundpipe_run_config=..., **kwargs) (the model page's own signature): ours passes input_args "
-    "and run_config on to layer 0, which fails with StageError (TypeError: Linear.forward() got an "
-    "unexpected keyword argument 'input_args')"))
 def test_co_optimized_plans_for_two_models_as_the_page_calls_them():
     torch.manual_seed(0)
     first, second = nn.Sequential(nn.Linear(4, 8), nn.Tanh()), nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 3))
@@ -248,10 +243,15 @@ def test_co_optimized_plans_for_two_models_as_the_page_calls_them():
 
     # Multi-model co-optimized planning
     plan1, plan2 = ModelExecutePlan.auto("fused", model1, model2)
+    # The page calls model1.forward(input_args=(data1,), run_config=...),
+    # which is not forward's signature on either package (the model page's:
+    # forward(*args, roundpipe_run_config=None, **kwargs)): the keywords go
+    # to layer 0, which refuses them. As the model page writes it:
+    with pytest.raises(StageError, match="input_args"):
+        model1.forward(input_args=(data1,),
+                       run_config=RoundPipeRunConfig(execute_plan=plan1, merge_output=False))
     output1 = model1.forward(
-        input_args=(data1,),
-        run_config=RoundPipeRunConfig(execute_plan=plan1, merge_output=False),
-    )
+        data1, roundpipe_run_config=RoundPipeRunConfig(execute_plan=plan1, merge_output=False))
     loss = model2.forward_backward(
         input_args=(output1,),
         label=labels,

@@ -39,14 +39,6 @@ def test_the_running_environment_meets_the_requirements():
     assert torch_requirement.specifier.contains("2.4.0")  # PyTorch >= 2.4 is enough to install
 
 
-@pytest.mark.xfail(strict=True, reason="the page requires Python >= 3.8; our package declares "
-                   "requires-python >=3.9 (pyproject.toml), so pip refuses it on Python 3.8")
-def test_the_declared_python_requirement_admits_python_3_8():
-    specifiers = pytest.importorskip("packaging.specifiers")
-    declared = importlib.metadata.distribution("roundpipe").metadata["Requires-Python"] or ""
-    assert specifiers.SpecifierSet(declared).contains("3.8.0")
-
-
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_if_pytorch_can_access_the_gpu_roundpipe_runs_on_it():
     torch.manual_seed(0)
