@@ -99,7 +99,7 @@ def _in_optimizer_ctx() -> bool:
 def __getattr__(name):
     # The original defines AutoRoundPipe in this module (roundpipe.roundpipe).
     if name == "AutoRoundPipe":
-        from .wrap import AutoRoundPipe
+        from .auto_wrap import AutoRoundPipe
 
         return AutoRoundPipe
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
