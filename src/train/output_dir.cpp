@@ -56,11 +56,16 @@ OutputLock::OutputLock(const std::string& lock_file, const std::string& what) {
 }
 
 OutputLock::~OutputLock() {
+  release();
+}
+
+void OutputLock::release() {
   if (fd_ < 0) return;
   // Emptied on the way out: a PID left in the file names a run that died
   // holding the lock (taken_over_from), not one that finished.
   [[maybe_unused]] const int truncated = ::ftruncate(fd_, 0);
   ::close(fd_);  // (closing releases the lock)
+  fd_ = -1;
 }
 
 OutputLock::OutputLock(OutputLock&& other) noexcept
@@ -68,7 +73,7 @@ OutputLock::OutputLock(OutputLock&& other) noexcept
 
 OutputLock& OutputLock::operator=(OutputLock&& other) noexcept {
   if (this != &other) {
-    this->~OutputLock();
+    release();
     fd_ = std::exchange(other.fd_, -1);
     taken_over_from_ = other.taken_over_from_;
   }
@@ -117,31 +122,10 @@ void check_writable(const fs::path& dir, const std::string& what) {
               ": check its permissions and free space");
 }
 
-}  // namespace
-
-// `writer`: this process writes (data parallel: rank 0); the others only
-// read the step of a checkpoint to resume from.
-OutputPaths prepare_outputs(const TrainOptions& args, bool writer) {
-  OutputPaths paths;
-  paths.output = normalized_directory(args.output);
-  paths.checkpoint = normalized_directory(args.checkpoint_dir.empty() ? paths.output + ".ckpt"
-                                                                      : args.checkpoint_dir);
-  TORCH_CHECK(paths.checkpoint != paths.output,
-              "--checkpoint-dir and --output name the same directory; give them different ones");
-  if (!writer) {
-    paths.checkpoint_step = args.resume ? existing_checkpoint_step(paths.checkpoint) : -1;
-    paths.has_checkpoint = paths.checkpoint_step >= 0;
-    if (paths.has_checkpoint) paths.checkpoint_extra = checkpoint_extra(paths.checkpoint);
-    return paths;
-  }
-  // Before anything is read or removed (Note [One writer per output]).
-  {
-    std::error_code ec;
-    fs::create_directories(paths.output, ec);
-    TORCH_CHECK(!ec, "cannot create --output ", paths.output, ": ", ec.message());
-  }
-  paths.output_lock = OutputLock((fs::path(paths.output) / kLockName).string(),
-                                 "--output " + paths.output);
+// The writer's checks once it holds the output's lock: the checkpoint's
+// own lock, a model or an earlier run's checkpoint that is not to be
+// replaced, and that both places can be written.
+void check_outputs(const TrainOptions& args, OutputPaths& paths) {
   if (!args.checkpoint_dir.empty()) {
     paths.checkpoint_lock =
         OutputLock(paths.checkpoint + ".lock", "--checkpoint-dir " + paths.checkpoint);
@@ -160,7 +144,7 @@ OutputPaths prepare_outputs(const TrainOptions& args, bool writer) {
   }
   // The model output: other files there are kept; an earlier model is
   // replaced only when asked to.
-  if (fs::exists(paths.output) && !args.overwrite && !args.resume) {
+  if (!args.overwrite && !args.resume) {
     for (const auto& entry : fs::directory_iterator(paths.output)) {
       const auto name = entry.path().filename().string();
       if (name == kLockName) continue;
@@ -180,16 +164,62 @@ OutputPaths prepare_outputs(const TrainOptions& args, bool writer) {
   const fs::path checkpoint(paths.checkpoint);
   check_writable(checkpoint.has_parent_path() ? checkpoint.parent_path() : fs::path("."),
                  "the directory of the training checkpoint");
+}
+
+}  // namespace
+
+// `writer`: this process writes (data parallel: rank 0); the others only
+// read the step of a checkpoint to resume from.
+OutputPaths prepare_outputs(const TrainOptions& args, bool writer) {
+  OutputPaths paths;
+  paths.output = normalized_directory(args.output);
+  paths.checkpoint = normalized_directory(args.checkpoint_dir.empty() ? paths.output + ".ckpt"
+                                                                      : args.checkpoint_dir);
+  TORCH_CHECK(paths.checkpoint != paths.output,
+              "--checkpoint-dir and --output name the same directory; give them different ones");
+  if (!writer) {
+    paths.checkpoint_step = args.resume ? existing_checkpoint_step(paths.checkpoint) : -1;
+    paths.has_checkpoint = paths.checkpoint_step >= 0;
+    if (paths.has_checkpoint) paths.checkpoint_extra = checkpoint_extra(paths.checkpoint);
+    return paths;
+  }
+  // Before anything is read or removed (Note [One writer per output]).
+  const bool created = !fs::exists(paths.output);
+  {
+    std::error_code ec;
+    fs::create_directories(paths.output, ec);
+    TORCH_CHECK(!ec, "cannot create --output ", paths.output, ": ", ec.message());
+  }
+  const auto lock_file = (fs::path(paths.output) / kLockName).string();
+  paths.output_lock = OutputLock(lock_file, "--output " + paths.output);
+  try {
+    check_outputs(args, paths);
+  } catch (...) {
+    // A start that fails leaves nothing: the folder it made (holding only
+    // the lock) goes again; one that was there stays.
+    if (created) {
+      std::error_code ec;
+      fs::remove(lock_file, ec);
+      paths.output_lock.release();
+      fs::remove(paths.output, ec);  // (only if empty)
+    }
+    throw;
+  }
   return paths;
 }
 
 int copy_tokenizer_files(const std::string& model_dir, const std::string& output) {
   if (model_dir.empty()) return 0;
-  static const char* const kNames[] = {
-      "tokenizer.json",    "tokenizer_config.json", "special_tokens_map.json",
-      "added_tokens.json", "chat_template.jinja",   "chat_template.json",
-      "vocab.json",        "merges.txt",            "tokenizer.model",
-      "generation_config.json"};
+  static const char* const kNames[] = {"tokenizer.json",
+                                       "tokenizer_config.json",
+                                       "special_tokens_map.json",
+                                       "added_tokens.json",
+                                       "chat_template.jinja",
+                                       "chat_template.json",
+                                       "vocab.json",
+                                       "merges.txt",
+                                       "tokenizer.model",
+                                       "generation_config.json"};
   int copied = 0;
   for (const char* name : kNames) {
     const fs::path from = fs::path(model_dir) / name;

@@ -33,6 +33,8 @@ class OutputLock {
   // The PID an earlier holder left in the file where this lock took over a
   // stale one (that process died without releasing it), else 0.
   int taken_over_from() const { return taken_over_from_; }
+  // Lets go of the lock now (the destructor does it otherwise).
+  void release();
 
  private:
   int fd_ = -1;

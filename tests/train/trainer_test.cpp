@@ -187,6 +187,7 @@ TEST(Trainer, AnEarlierRunsCheckpointNeedsResumeOrOverwrite) {
   again.checkpoint_dir = o.output + ".ckpt";
   EXPECT_HAS(error_of([&] { train::run_training(again); }),
              "holds a training checkpoint (step 2) of an earlier run: pass --resume");
+  EXPECT_FALSE(fs::exists(again.output)) << "a failed start leaves nothing";
   // Something that is not a checkpoint of ours is never written over.
   auto foreign = tiny("foreign");
   foreign.checkpoint_dir = foreign.output + ".mine";
