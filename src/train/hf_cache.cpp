@@ -45,14 +45,14 @@ std::string resolve_model_path(const std::string& model) {
   if (model.empty() || fs::is_directory(model)) return model;
   const fs::path cache = huggingface_hub_cache();
   const auto slash = model.find('/');
-  const bool hub_name = model.find('/', slash == std::string::npos ? 0 : slash + 1) ==
-                            std::string::npos &&
-                        model.front() != '.' && model.front() != '/';
+  const bool hub_name =
+      model.find('/', slash == std::string::npos ? 0 : slash + 1) == std::string::npos &&
+      model.front() != '.' && model.front() != '/';
   TORCH_CHECK(hub_name, "--model ", model, ": no such directory");
   std::vector<fs::path> candidates;
   if (slash != std::string::npos) {
-    candidates.push_back(cache / ("models--" + model.substr(0, slash) + "--" +
-                                  model.substr(slash + 1)));
+    candidates.push_back(cache /
+                         ("models--" + model.substr(0, slash) + "--" + model.substr(slash + 1)));
   } else {
     std::error_code ec;
     const std::string suffix = "--" + model;

@@ -81,21 +81,22 @@ void check_resume_settings(const std::map<std::string, std::string>& extra,
   }
   const auto it = extra.find(kSettingsKey);
   if (it == extra.end()) {
-    note(where + " records no training settings (an older roundpipe-train wrote it): they "
-                 "are not compared");
+    note(where +
+         " records no training settings (an older roundpipe-train wrote it): they "
+         "are not compared");
     return;
   }
   const auto recorded = json::parse(it->second, nullptr, /*allow_exceptions=*/false);
   TORCH_CHECK(recorded.is_object() && recorded.contains("fixed") && recorded.contains("changeable"),
-              where, ": its recorded training settings are unreadable; resume it with the "
+              where,
+              ": its recorded training settings are unreadable; resume it with the "
               "roundpipe-train that wrote it, or start over with --overwrite");
   const auto fixed = fixed_settings(args);
   for (const auto& [name, was] : recorded["fixed"].items()) {
     const auto now = fixed.contains(name) ? fixed[name] : json();
     TORCH_CHECK(now == was, "--resume: ", name, " was ", was.dump(), " in the run that wrote ",
                 where, " and is ", now.dump(), " now; a resumed run must train on the same ",
-                "examples and model, so give the same ", name,
-                " (or start over with --overwrite)");
+                "examples and model, so give the same ", name, " (or start over with --overwrite)");
   }
   for (const auto& [name, was] : recorded["changeable"].items()) {
     const auto now = changeable.contains(name) ? changeable[name] : json();

@@ -27,8 +27,8 @@
 #include <thread>
 
 #include "io/atomic_directory.h"
-#include "train/output_dir.h"
 #include "train/hf_cache.h"
+#include "train/output_dir.h"
 #include "train/run_settings.h"
 
 namespace roundpipe::train {
@@ -130,14 +130,14 @@ namespace {
 // each process's share of a batch.
 void check_sizes(const TrainOptions& a, int64_t train_examples, int processes) {
   const int64_t step_examples = a.batch_size * a.grad_accum;
-  TORCH_CHECK(a.batch_size <= train_examples && step_examples <= train_examples,
-              "--batch-size ", a.batch_size,
+  TORCH_CHECK(a.batch_size <= train_examples && step_examples <= train_examples, "--batch-size ",
+              a.batch_size,
               a.grad_accum > 1 ? " x --grad-accum " + std::to_string(a.grad_accum) : std::string(),
               " needs ", step_examples, " examples a step, more than the ", train_examples,
               " training examples there are: lower it (or give more data)");
   const int64_t rows = a.batch_size / std::max(processes, 1);
-  TORCH_CHECK(a.microbatches <= rows, "--microbatches ", a.microbatches, " is more than the ",
-              rows, " examples of a batch", processes > 1 ? " per process" : "",
+  TORCH_CHECK(a.microbatches <= rows, "--microbatches ", a.microbatches, " is more than the ", rows,
+              " examples of a batch", processes > 1 ? " per process" : "",
               ": a microbatch needs at least one; give --microbatches ", rows,
               " or fewer (or a larger --batch-size)");
 }

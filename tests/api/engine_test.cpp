@@ -47,9 +47,6 @@ ExecutePlan plan_named(const std::string& name, int L, bool fused, const RoundPi
   return asymmetric_plan(L, fused);
 }
 
-
-
-
 class EngineTest : public ::testing::TestWithParam<std::tuple<std::string, ModelKind>> {};
 
 TEST_P(EngineTest, MatchesPlainLibTorch) {

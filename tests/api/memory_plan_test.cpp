@@ -318,6 +318,14 @@ struct WideProbeImpl : torch::nn::Cloneable<WideProbeImpl> {
 };
 TORCH_MODULE(WideProbe);
 
+// `layers` WideProbes, the same each time.
+torch::nn::Sequential wide_probes(int layers) {
+  torch::manual_seed(4);
+  torch::nn::Sequential m;
+  for (int l = 0; l < layers; ++l) m->push_back(WideProbe());
+  return m;
+}
+
 // Note [Tail grain]: where the automatic plan runs in layer grain because
 // stage grain does not fit, the fused tail still runs as many of its last
 // layers with grad as the budget holds (more than one, fewer than all,
@@ -330,13 +338,7 @@ TEST(TailGrain, TheTailRunsAsManyLayersWithGradAsTheBudgetHolds) {
   std::vector<int> seen;
   for (int64_t budget_kib : {320, 448, 576, 704, 2048}) {
     SCOPED_TRACE(::testing::Message() << budget_kib << " KiB");
-    auto make = [&] {
-      torch::manual_seed(4);
-      torch::nn::Sequential m;
-      for (int l = 0; l < layers; ++l) m->push_back(WideProbe());
-      return m;
-    };
-    auto model = make(), oracle = make();
+    auto model = wide_probes(layers), oracle = wide_probes(layers);
     // The plan gets 3/4 of the device: what it does not meter (transients
     // whose lifetime depends on the copy thread's timing, the likely cause
     // of one CI run's overflow by a microbatch's activation at 448 KiB)
@@ -378,13 +380,7 @@ TEST(AutomaticGrain, ACallersStageGrainRunsOnStagesSizedFromMeasuredActivations)
   std::vector<int> seen;
   for (int64_t budget_kib : {448, 704, 2048}) {
     SCOPED_TRACE(::testing::Message() << budget_kib << " KiB");
-    auto make = [&] {
-      torch::manual_seed(4);
-      torch::nn::Sequential m;
-      for (int l = 0; l < layers; ++l) m->push_back(WideProbe());
-      return m;
-    };
-    auto model = make(), oracle = make();
+    auto model = wide_probes(layers), oracle = wide_probes(layers);
     // (3/4 of the device to the plan, as in TailGrain above.)
     RoundPipe pipe(model, RoundPipeOptions()
                               .set_model_memory_limit_gib(budget_kib * 0.75 / (1 << 20))

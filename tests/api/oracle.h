@@ -19,8 +19,9 @@ inline uint64_t draw_call_seed() {
 }
 
 // The oracle: plain LibTorch, one device, microbatch m seeded per rng.h.
-inline std::vector<at::Tensor> oracle_microbatches(torch::nn::Sequential& model, const at::Tensor& x,
-                                            int n, uint64_t call_seed, c10::Device device) {
+inline std::vector<at::Tensor> oracle_microbatches(torch::nn::Sequential& model,
+                                                   const at::Tensor& x, int n, uint64_t call_seed,
+                                                   c10::Device device) {
   auto gen = at::globalContext().defaultGenerator(device);
   std::vector<at::Tensor> outs;
   const auto xs = microbatches_of(x, n);
@@ -34,7 +35,8 @@ inline std::vector<at::Tensor> oracle_microbatches(torch::nn::Sequential& model,
   return outs;
 }
 
-inline void expect_same_state(torch::nn::Sequential& ours, torch::nn::Sequential& oracle, bool grads) {
+inline void expect_same_state(torch::nn::Sequential& ours, torch::nn::Sequential& oracle,
+                              bool grads) {
   auto p = ours->parameters(), q = oracle->parameters();
   ASSERT_EQ(p.size(), q.size());
   for (size_t i = 0; i < p.size(); ++i) {

@@ -195,7 +195,7 @@ TEST(ModelNames, AHubNameResolvesThroughTheLocalCache) {
   const std::string saved = before ? before : "";
   ::setenv("HF_HUB_CACHE", cache.c_str(), 1);
   EXPECT_EQ(train::resolve_model_path("Org/Tiny"), snapshot);
-  EXPECT_EQ(train::resolve_model_path("Tiny"), snapshot);  // one match for a bare name
+  EXPECT_EQ(train::resolve_model_path("Tiny"), snapshot);    // one match for a bare name
   EXPECT_EQ(train::resolve_model_path(snapshot), snapshot);  // a directory is itself
   auto error = error_of([] { train::resolve_model_path("Qwen3-1.7B"); });
   EXPECT_HAS(error, "not in the HuggingFace cache " + cache);
