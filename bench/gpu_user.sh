@@ -12,7 +12,8 @@
 # synchronize, exit; then exit without synchronize) and counts any exit
 # status but 0; SCRIPTS="SCRIPT SHAPE CAP ARGS...;..." runs the original's
 # benchmark scripts (our copies) on ours and the original (SCRIPT_IMPLS picks); RESIDENT="SHAPE BATCH SEQ STEPS" adds GPU-resident peft LoRA
-# (bench/lora_bench.py), PYTEST="ARGS" a pytest run. Logs go to $OUT (or ./bench-out).
+# (bench/lora_bench.py), PYTEST="ARGS" a pytest run, HOST_PROBE="PART STEPS;..." the host
+# memory probe (bench/host_memory_probe.py) beside them. Logs go to $OUT (or ./bench-out).
 set -uo pipefail
 out="${OUT:-$PWD/bench-out}"; mkdir -p "$out"
 py=python3
@@ -20,6 +21,18 @@ source bench/gpu_install.sh
 if [ -n "${ORIGINAL:-}" ]; then
   $py -m pip install -q --no-index --no-deps --target /tmp/original .deps/original/*.whl \
     > "$out/original_install.log" 2>&1 || echo "original: install failed"
+fi
+if [ -n "${HOST_PROBE:-}" ]; then  # "PART STEPS;...": bench/host_memory_probe.py under each cache setting,
+  # in the background (CPU only, beside the GPU runs); the table is printed at the end
+  IFS=';' read -ra probes <<< "$HOST_PROBE"
+  for p in "${probes[@]}"; do
+    read -ra pw <<< "$p"
+    IFS=';' read -ra envs <<< "${HOST_PROBE_ENVS:-X=0;ONEDNN_PRIMITIVE_CACHE_CAPACITY=8;LRU_CACHE_CAPACITY=8;ONEDNN_PRIMITIVE_CACHE_CAPACITY=8 LRU_CACHE_CAPACITY=8}"
+    for env in "${envs[@]}"; do
+      ( env $env OMP_NUM_THREADS=2 PYTHONPATH="" timeout 500 $py bench/host_memory_probe.py "${pw[@]}" \
+          > "$out/probe_${pw[0]}_$(echo "$env" | tr ' =' '__').log" 2>&1 ) &
+    done
+  done
 fi
 runs="${RUNS-1.7B 24 16 4096;1.7B 16 16 4096;1.7B 12 16 4096;4B 24 16 4096;4B 12 16 4096;llama3-3B 24 16 4096}"
 IFS=';' read -ra list <<< "$runs"
@@ -33,9 +46,23 @@ one() {  # impl log args...
   local retries; retries=$(grep -c "ran out of memory" "$log")
   local result; result=$(grep "^RESULT" "$log" | sed 's/^RESULT //')
   [ -z "$result" ] && result="FAILED: $(grep -E "Error|error|terminate" "$log" | tail -2 | cut -c1-300 | tr '\n' ' ')"
-  echo "$result oom_warnings=$retries exit=$rc (${SECONDS}s)"
+  echo "$result oom_warnings=$retries unknown_size_warnings=$(grep -c 'unknown size' "$log") exit=$rc (${SECONDS}s)"
+  grep -A40 "^  plan:" "$log" | head -40
 }
 n=0
+if [ -n "${CONCURRENT:-}" ]; then  # each repeat's runs at once, on one GPU: memory and out-of-memory
+  # counts hold (each process has its own cap), throughputs do not
+  for r in $(seq 1 "${REPEAT:-1}"); do
+    pids=(); i=0
+    for run in "${list[@]}"; do
+      read -ra words <<< "$run"; i=$((i + 1))
+      one ours "$out/c${r}_$i.log" "${words[@]}" > "$out/c${r}_$i.res" & pids+=($!)
+    done
+    wait "${pids[@]}"
+    for j in $(seq 1 $i); do echo "repeat $r: $(head -1 "$out/c${r}_$j.res")"; done
+  done | tee "$out/user_runs.txt"
+  list=()
+fi
 for run in "${list[@]}"; do
   read -ra words <<< "$run"
   for r in $(seq 1 "${REPEAT:-1}"); do
@@ -44,7 +71,7 @@ for run in "${list[@]}"; do
   if [ -n "${ORIGINAL:-}" ] && [[ "$run" =~ $ORIGINAL ]]; then
     n=$((n + 1)); one original "$out/run$n.log" "${words[@]}"
   fi
-done | tee "$out/user_runs.txt"
+done | tee -a "$out/user_runs.txt"
 if [ -n "${SCRIPTS:-}" ]; then  # "SCRIPT SHAPE CAP ARGS...;...": the original's benchmark scripts
   # (our copies, tests/python/original_scripts) on ours and, with ORIGINAL set, on the original
   IFS=';' read -ra scripts <<< "$SCRIPTS"
@@ -83,5 +110,12 @@ if [ -n "${RESIDENT:-}" ]; then  # "SHAPE BATCH SEQ STEPS": GPU-resident peft Lo
 fi
 if [ -n "${PYTEST:-}" ]; then  # e.g. "tests/python/test_lifecycle.py -k cuda"
   $py -m pytest -q -p no:cacheprovider $PYTEST 2>&1 | tail -5 | tee -a "$out/user_runs.txt"
+fi
+if [ -n "${HOST_PROBE:-}" ]; then
+  wait
+  for f in "$out"/probe_*.log; do echo "$(basename "$f"): $(grep -h '^cpu:' "$f") $(grep -h '^GROWTH' "$f")" \
+    "rss by step: $(grep -h '^RSS' "$f" | sed 's/.*mib=//' | tr '\n' ' ')"; done \
+    | tee -a "$out/user_runs.txt"
+  lscpu | grep -E "Model name|Flags" | cut -c1-400 >> "$out/user_runs.txt"
 fi
 echo "total ${SECONDS}s"

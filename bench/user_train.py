@@ -57,6 +57,8 @@ from roundpipe import RoundPipeRunConfig, wrap_model_to_roundpipe  # noqa: E402
 from roundpipe.optim import Adam  # noqa: E402
 
 impl = "ours" if hasattr(roundpipe, "_C") else "original"
+if os.environ.get("ORACLE") == "1":  # the documented semantics in plain transformers + torch
+    impl = "oracle"
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from shapes import make_config  # noqa: E402
 
@@ -92,10 +94,66 @@ if lora_rank:
                                                   "gate_proj", "up_proj", "down_proj"])
     hf_model = peft.LoraModel(hf_model, lora_config, "default").model
 
-model = wrap_model_to_roundpipe(
-    hf_model, optim_dtype=torch.float32, use_sequential_preset=True,
-    model_run_config=RoundPipeRunConfig(num_microbatch=num_microbatch))
-optim = Adam(model.optim_parameters(), lr=1e-5)
+
+
+class ResidentOracle:
+    """What the original's docs say a call does, GPU-resident: per
+    microbatch, loss_fn(output) backpropagated as is (fp16 gradients, added
+    up in float32); Adam (lr 1e-5) on float32 masters, copied back to the
+    fp16 weights; the step one call behind (call k runs on the weights of
+    update k - 1: calls 1 and 2 on the initial weights)."""
+
+    def __init__(self, module):
+        # The rotary tables are buffers that to_empty left unset (the presets
+        # compute their own from the config): made again here.
+        for name, sub in list(module.named_modules()):
+            if hasattr(sub, "inv_freq"):
+                parent = module.get_submodule(name.rsplit(".", 1)[0]) if "." in name else module
+                setattr(parent, name.rsplit(".", 1)[-1], type(sub)(config=module.config))
+        self.module = module.to(device)
+        self.params = [p for p in self.module.parameters() if p.requires_grad]
+        self.masters = [p.detach().float().clone().requires_grad_() for p in self.params]
+        self.optim = torch.optim.Adam(self.masters, lr=1e-5)
+        self.pending = None
+
+    def forward_backward(self, input_kwargs, loss_fn=None):
+        kw = {k: v.to(device) if torch.is_tensor(v) else v for k, v in input_kwargs.items()
+              if k != "return_logits"}
+        grads = [torch.zeros_like(m) for m in self.masters]
+        total = 0.0
+        for piece in zip(*(kw[k].chunk(num_microbatch) for k in ("input_ids", "attention_mask", "labels"))):
+            out = self.module(input_ids=piece[0], attention_mask=piece[1], labels=piece[2])
+            loss = loss_fn(out, None) if loss_fn else out.loss
+            loss.backward()
+            total += float(loss)
+            for g, p in zip(grads, self.params):
+                g += p.grad.float()
+                p.grad = None
+        if self.pending is not None:  # the previous call's update, now
+            for m, g in zip(self.masters, self.pending):
+                m.grad = g
+            self.optim.step()
+            self.optim.zero_grad()
+            with torch.no_grad():
+                for p, m in zip(self.params, self.masters):
+                    p.copy_(m)
+        self.pending = grads
+        return total
+
+    def step(self, fn):
+        pass
+
+    def synchronize(self):
+        torch.cuda.synchronize() if cuda else None
+
+
+if impl == "oracle":
+    model = ResidentOracle(hf_model)
+else:
+    model = wrap_model_to_roundpipe(
+        hf_model, optim_dtype=torch.float32, use_sequential_preset=True,
+        model_run_config=RoundPipeRunConfig(num_microbatch=num_microbatch))
+    optim = Adam(model.optim_parameters(), lr=1e-5)
 
 input_ids = torch.randint(0, config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(1))
 mask = torch.ones_like(input_ids)
@@ -111,7 +169,7 @@ def train_iter():
     else:
         loss = model.forward_backward(input_kwargs=kwargs,
                                       loss_fn=lambda outputs, _: outputs.loss / num_microbatch)
-    model.step(lambda: (optim.step(), optim.zero_grad(), None)[-1])
+    model.step(lambda: (optim.step(), optim.zero_grad(), None)[-1])  # (the oracle steps in its next call)
     losses.append(float(loss))
 
 

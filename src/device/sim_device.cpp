@@ -10,6 +10,7 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <cstdlib>
 #include <deque>
 #include <memory>
 #include <mutex>
@@ -163,6 +164,11 @@ class SimQueue {
 // device it was charged to. What such a thread allocates for the host (a
 // download's destination, a buffer snapshot) is made inside a
 // HostAllocationScope and charged to nothing.
+// Every device allocation and free is also reported to the thread's memory
+// reporter (c10::reportMemoryUsageToProfiler), as the CUDA caching allocator
+// reports its own: that is what the engine's AllocationMeter reads on any
+// device. A device without a budget is charged too, with no limit: its
+// memory_stats() then say what it used.
 struct SimMemory {
   std::string name;
   std::atomic<int64_t> in_use{0};
@@ -189,7 +195,7 @@ thread_local std::shared_ptr<SimMemory> charged_memory;  // the device this thre
 thread_local int host_allocation_depth = 0;
 
 // LibTorch's CPU allocator, with the allocations of threads bound to a
-// budgeted simulated device charged to it.
+// simulated device charged (and reported) to it.
 // Every allocation keeps LibTorch's own CPU allocation and deleter, with
 // data == context, so that LibTorch's raw_allocate / raw_deallocate (which
 // some CPU kernels use for scratch memory) work through it; a charged one
@@ -217,9 +223,12 @@ class ChargingCpuAllocator final : public c10::Allocator {
     const auto device = inner.device();
     void* data = inner.release_context();  // now ours to free with inner_delete_
     if (charge && data != nullptr) {
-      std::lock_guard<std::mutex> lock(mu_);
-      charges_[data] = Charge{memory, bytes};
-      charged_count_.fetch_add(1);
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        charges_[data] = Charge{memory, bytes};
+        charged_count_.fetch_add(1);
+      }
+      c10::reportMemoryUsageToProfiler(data, bytes, 0, 0, device);
     }
     return {data, data, &release, device};
   }
@@ -248,7 +257,10 @@ class ChargingCpuAllocator final : public c10::Allocator {
           self->charged_count_.fetch_sub(1);
         }
       }
-      if (memory) memory->in_use.fetch_sub(bytes);
+      if (memory) {
+        memory->in_use.fetch_sub(bytes);
+        c10::reportMemoryUsageToProfiler(data, -bytes, 0, 0, c10::Device(c10::kCPU));
+      }
     }
     self->inner_delete_(data);
   }
@@ -268,6 +280,31 @@ void install_charging_allocator() {
   });
 }
 
+// Note [Host kernel caches]
+// On a CPU with AVX-512, LibTorch runs bfloat16 matmuls and attention
+// through oneDNN, which keeps what it makes for each shape in two caches of
+// 1,024 entries each: oneDNN's primitive cache (the compiled kernels) and
+// the ideep LRU cache of LibTorch's mkldnn ops (the objects around them).
+// Packed rows of varying length make new shapes every step, so a process
+// training on simulated devices grew by some 700 MiB over its first ~1,000
+// steps and then levelled off (issue 33). bench/host_memory_probe.py on the
+// GPU machine's CPU (a tiny Qwen3 in bfloat16, rows of 8-128 tokens, growth
+// from step 40 to 400): both caches at 1,024 entries +658 MiB (1,333 ->
+// 1,991); oneDNN's at 128 and ideep's at 8 +38 MiB (951 -> 989, at the same
+// 47 ms a step); both at 8 +20 MiB but 105 ms a step (kernels compiled
+// again within each step). The first simulated device sets oneDNN's at 128
+// (a step's kernels) and ideep's at 8, unless the process set them. The caches read their capacity
+// at their first use, so a process that ran such a kernel before keeps what it had then.
+void limit_host_kernel_caches() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    const bool onednn_set = std::getenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY") != nullptr ||
+                            std::getenv("DNNL_PRIMITIVE_CACHE_CAPACITY") != nullptr;
+    if (!onednn_set) setenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "128", 0);
+    setenv("LRU_CACHE_CAPACITY", "8", /*overwrite=*/0);
+  });
+}
+
 std::mutex& sim_compute_mutex() {
   static std::mutex mu;
   return mu;
@@ -279,7 +316,8 @@ class SimDevice final : public Device {
       : index_(index), options_(options), memory_(std::make_shared<SimMemory>()) {
     memory_->name = name();
     memory_->budget = options.memory_budget_bytes;
-    if (memory_->budget > 0) install_charging_allocator();
+    install_charging_allocator();
+    limit_host_kernel_caches();
     for (Queue q : {Queue::kParamUpload, Queue::kActUpload, Queue::kDownload}) {
       queues_[static_cast<int>(q)] =
           std::make_unique<SimQueue>(name() + "/" + queue_name(q), options.copy_jitter_us);
@@ -290,9 +328,7 @@ class SimDevice final : public Device {
   c10::Device torch_device() const override { return c10::Device(c10::kCPU); }
   bool is_simulated() const override { return true; }
 
-  void bind_compute_thread() override {
-    if (memory_->budget > 0) charged_memory = memory_;
-  }
+  void bind_compute_thread() override { charged_memory = memory_; }
 
   void enqueue(Queue queue, std::function<void()> work) override {
     if (queue == Queue::kCompute) {
@@ -409,10 +445,12 @@ class SimDevice final : public Device {
     const int64_t bytes = numel * static_cast<int64_t>(c10::elementSize(dtype));
     memory_->charge(bytes);
     void* data = c10::alloc_cpu(std::max<int64_t>(bytes, 1));
+    c10::reportMemoryUsageToProfiler(data, bytes, 0, 0, c10::Device(c10::kCPU));
     auto memory = memory_;
     return at::from_blob(
         data, sizes,
         [memory, bytes](void* p) {
+          c10::reportMemoryUsageToProfiler(p, -bytes, 0, 0, c10::Device(c10::kCPU));
           c10::free_cpu(p);
           memory->in_use.fetch_sub(bytes);
         },

@@ -1,7 +1,12 @@
 // Bytes a stretch of code keeps allocated, on any device: while a meter is
-// installed on a thread, LibTorch's allocators (CPU and the CUDA caching
-// allocator) report each allocation and free made there to it, as they do
-// to the profiler's memory view. The engine meters a layer's forward with
+// installed on a thread, the device allocators (the CUDA caching allocator,
+// the simulated device's charging allocator) report each allocation and
+// free made there to it, as they do to the profiler's memory view. Host
+// allocations are not device memory: memoryProfilingEnabled() is false, so
+// LibTorch's CPU allocator neither reports to the meter nor tracks sizes for
+// it (which made it warn, at the first free of a block older than the
+// meter, "Memory block of unknown size was allocated before the profiling
+// started"). The engine meters a layer's forward with
 // grad: what it still holds at the end is what that layer keeps for its
 // backward (plus its output), and the most it held on the way is its
 // working memory; the same for a layer's backward. Internal header.
@@ -27,7 +32,7 @@ class AllocationMeter final : public c10::MemoryReportingInfoBase {
     while (now > peak && !peak_.compare_exchange_weak(peak, now)) {
     }
   }
-  bool memoryProfilingEnabled() const override { return true; }
+  bool memoryProfilingEnabled() const override { return false; }
   int64_t net_bytes() const { return net_.load(); }
   int64_t peak_bytes() const { return peak_.load(); }  // the most net_bytes() has been
 

@@ -8,6 +8,7 @@
 #include <thread>
 
 #include "device/staging_ring.h"
+#include "runtime/allocation_meter.h"
 #include "test_util.h"
 
 namespace roundpipe::testing {
@@ -264,6 +265,36 @@ TEST(SimDeviceMemory, RawAllocationsWorkThroughTheChargingAllocator) {
   });
   compute.join();
   EXPECT_EQ(device.memory_stats().in_use_bytes, before);
+}
+
+// The engine's AllocationMeter reads device memory, on a simulated device as
+// the CUDA caching allocator reports it on a GPU: a compute thread's
+// allocations and frees, and not the host memory it allocates (a
+// HostAllocationScope). The meter does not ask LibTorch's CPU allocator to
+// profile: that one tracked host blocks for it and warned ("Memory block of
+// unknown size was allocated before the profiling started") at the first
+// free of a block older than the meter.
+TEST(SimDeviceMemory, TheAllocationMeterSeesTheDevicesMemoryNotTheHosts) {
+  auto devices = make_devices("sim:1");  // no budget: still charged, still reported
+  auto& device = *devices.front();
+  std::thread compute([&] {
+    device.bind_compute_thread();
+    auto older = at::empty({1 << 12}, at::kFloat);  // 16 KiB, made before the meter
+    detail::MeterScope scope;
+    ASSERT_NE(scope.meter(), nullptr);
+    EXPECT_FALSE(c10::memoryProfilingEnabled());
+    auto kept = at::empty({1 << 16}, at::kFloat);         // 256 KiB
+    { auto passing = at::empty({1 << 18}, at::kFloat); }  // 1 MiB, freed at once
+    {
+      HostAllocationScope host;
+      auto for_the_host = at::empty({1 << 20}, at::kFloat);
+    }
+    older.reset();
+    EXPECT_EQ(scope.meter()->net_bytes(), (1 << 18) - (1 << 14));
+    EXPECT_EQ(scope.meter()->peak_bytes(), (1 << 18) + (1 << 20));
+  });
+  compute.join();
+  EXPECT_GT(device.memory_stats().peak_bytes, 0);
 }
 
 }  // namespace

@@ -312,7 +312,7 @@ def test_bad_arguments_name_the_fix():
 def test_roundpipe_train_takes_a_prepared_chat_file_of_its_models_tokenizer(tmp_path):
     """roundpipe.prepare, then the C++ roundpipe-train on a HuggingFace
     checkpoint saved with that tokenizer: it trains (a gradient norm a step
-    in the metrics); a file of another tokenizer, or of another chat
+    in the metrics) and writes nothing to stderr; a file of another tokenizer, or of another chat
     template, is refused before training, naming the fix."""
     import subprocess
     model_dir = str(tmp_path / "model")
@@ -334,6 +334,9 @@ def test_roundpipe_train_takes_a_prepared_chat_file_of_its_models_tokenizer(tmp_
 
     done = run(prepare(model_dir, "ours.rpt"), "trained")
     assert done.returncode == 0, done.stderr
+    # A clean run prints progress and results only (issue 33: no LibTorch
+    # "Memory block of unknown size" warning from the engine's meter).
+    assert done.stderr == "", done.stderr
     lines = [json.loads(l) for l in open(tmp_path / "trained" / "metrics.jsonl")]
     assert [l["step"] for l in lines if "loss" in l] == [1, 2, 3]
     assert all(l["grad_norm"] > 0 for l in lines if "loss" in l)

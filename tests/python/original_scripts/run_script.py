@@ -7,10 +7,11 @@ what the machine forces:
   before anything touches CUDA (a consumer card of that size).
 - Without flash-attn installed, "flash_attention_2" reads "sdpa" (the only
   change made to the script's text).
-- Without a GPU, the script's CUDA calls are pointed at the CPU: to_empty
-  gives zeroed memory (as a fresh GPU allocation does in practice, so runs are
-  deterministic), synchronize and empty_cache do nothing; the engine runs on
-  its simulated device.
+- to_empty gives zeroed memory, so that runs are deterministic and finite
+  (the scripts leave the norms' and LoRA's weights as to_empty made them:
+  whatever the memory held, NaN included on a GPU).
+- Without a GPU, the script's CUDA calls are pointed at the CPU (to_empty,
+  synchronize and empty_cache); the engine runs on its simulated device.
 - LOSSES=FILE (environment) writes the loss of every forward_backward call,
   one per line, for the tests. On a GPU it prints the allocator's peak
   reserved memory at exit (a MEMORY line)."""
@@ -30,17 +31,21 @@ source = open(script).read()
 if importlib.util.find_spec("flash_attn") is None:
     source = source.replace('"flash_attention_2"', '"sdpa"')
 
+to_empty = torch.nn.Module.to_empty
+
+
+def to_empty_zeroed(self, *, device, recurse=True):
+    if not torch.cuda.is_available() and str(device).startswith("cuda"):
+        device = "cpu"
+    to_empty(self, device=device, recurse=recurse)
+    with torch.no_grad():
+        for t in list(self.parameters(recurse)) + list(self.buffers(recurse)):
+            t.zero_()
+    return self
+
+
+torch.nn.Module.to_empty = to_empty_zeroed
 if not torch.cuda.is_available():
-    to_empty = torch.nn.Module.to_empty
-
-    def to_empty_on_the_cpu(self, *, device, recurse=True):
-        to_empty(self, device="cpu" if str(device).startswith("cuda") else device, recurse=recurse)
-        with torch.no_grad():
-            for t in list(self.parameters(recurse)) + list(self.buffers(recurse)):
-                t.zero_()
-        return self
-
-    torch.nn.Module.to_empty = to_empty_on_the_cpu
     torch.cuda.synchronize = lambda *a, **k: None
     torch.cuda.empty_cache = lambda: None
 
