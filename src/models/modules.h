@@ -1,0 +1,106 @@
+// The presets' basic modules (internal): a bare weight, a projection with
+// an optional LoRA adapter, the embedding, RMSNorm, and the copy that
+// Cloneable needs. Shared by the model's files (causal_lm.cpp, experts).
+#pragma once
+
+#include <ATen/ATen.h>
+#include <torch/nn/cloneable.h>
+
+#include <memory>
+
+#include "roundpipe/layer.h"
+#include "roundpipe/models/causal_lm.h"
+#include "roundpipe/models/fused_ops.h"
+
+namespace roundpipe::models::detail {
+
+// ---------------------------------------------------------------- modules
+
+// Weights are allocated uninitialised: a new model is initialised by
+// CausalLM's constructor (as transformers does), a loaded one overwritten,
+// and a RoundPipe instance rebound to device copies.
+// A bare weight [rows, cols] under the name "weight": one factor of a LoRA
+// adapter ("lora_A.weight"), a MoE router ("gate.weight").
+struct BareWeightImpl : torch::nn::Cloneable<BareWeightImpl> {
+  int64_t rows, cols;
+  at::Tensor weight;
+  BareWeightImpl(int64_t r, int64_t c) : rows(r), cols(c) { reset(); }
+  void reset() override { weight = register_parameter("weight", at::empty({rows, cols})); }
+};
+TORCH_MODULE(BareWeight);
+
+// A projection, with a LoRA adapter where `lora.rank` > 0 (LoraOptions).
+struct LinearImpl : torch::nn::Cloneable<LinearImpl> {
+  int64_t in, out;
+  bool has_bias;
+  LoraOptions lora;
+  at::Tensor weight, bias;
+  BareWeight lora_A{nullptr}, lora_B{nullptr};
+  LinearImpl(int64_t i, int64_t o, bool b, LoraOptions l = {})
+      : in(i), out(o), has_bias(b), lora(std::move(l)) {
+    reset();
+  }
+  void reset() override {
+    weight = register_parameter("weight", at::empty({out, in}));
+    if (has_bias) bias = register_parameter("bias", at::empty({out}));
+    if (lora.rank > 0) {
+      lora_A = register_module("lora_A", BareWeight(lora.rank, in));
+      lora_B = register_module("lora_B", BareWeight(out, lora.rank));
+    }
+  }
+  // Note [LoRA compute dtype]
+  // The adapter path runs in the input's dtype: on a bf16/fp16 base the
+  // factors (float32, as peft keeps them, and so their masters) are cast to
+  // it on the device, and their gradients cast back. Computing it in
+  // float32 as peft does (the input cast up, float32 matmuls) made one
+  // Qwen3-8B layer's projections 1.82 x as slow as the base ones alone; in
+  // bf16, 1.27 x. Fusing A's matmul with the base one ([W; A] in one
+  // matmul) was slower still: 1.57 x, the concatenation included
+  // (bench/lora_matmul_bench.py). On a float32 base nothing changes.
+  at::Tensor forward(const at::Tensor& x) {
+    auto y = at::linear(x, weight, bias);
+    if (lora.rank == 0) return y;
+    const auto h = lora.dropout > 0 ? at::dropout(x, lora.dropout, is_training()) : x;
+    const auto a = lora_A->weight.to(x.scalar_type()), b = lora_B->weight.to(x.scalar_type());
+    return at::add(y, at::linear(at::linear(h, a), b), lora.scaling());
+  }
+};
+TORCH_MODULE(Linear);
+
+struct EmbeddingImpl : torch::nn::Cloneable<EmbeddingImpl> {
+  int64_t count, dim;
+  at::Tensor weight;
+  EmbeddingImpl(int64_t n, int64_t d) : count(n), dim(d) { reset(); }
+  void reset() override { weight = register_parameter("weight", at::empty({count, dim})); }
+  at::Tensor forward(const at::Tensor& ids) { return at::embedding(weight, ids); }
+};
+TORCH_MODULE(Embedding);
+
+// A copy of `self` built by `make` (uninitialised), with the original's
+// tensors copied in, except for a RoundPipe instance, whose tensors are
+// replaced anyway.
+template <typename Make>
+std::shared_ptr<torch::nn::Module> copy_module(const torch::nn::Module& self, Make make) {
+  auto copy = make();
+  if (!making_layer_instance()) {
+    c10::NoGradGuard no_grad;
+    auto src = self.parameters(), dst = copy->parameters();
+    for (size_t i = 0; i < src.size(); ++i) dst[i].copy_(src[i]);
+    auto bsrc = self.buffers(), bdst = copy->buffers();
+    for (size_t i = 0; i < bsrc.size(); ++i) bdst[i].copy_(bsrc[i]);
+  }
+  copy->train(self.is_training());
+  return copy;
+}
+
+struct RMSNormImpl : torch::nn::Cloneable<RMSNormImpl> {
+  int64_t dim;
+  double eps;
+  at::Tensor weight;
+  RMSNormImpl(int64_t d, double e) : dim(d), eps(e) { reset(); }
+  void reset() override { weight = register_parameter("weight", at::ones({dim})); }
+  at::Tensor forward(const at::Tensor& x) { return ops::rms_norm(x, weight, eps); }
+};
+TORCH_MODULE(RMSNorm);
+
+}  // namespace roundpipe::models::detail
