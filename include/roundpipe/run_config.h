@@ -22,6 +22,15 @@ using SplitFn = std::function<std::vector<c10::IValue>(const c10::IValue& value,
 // Merges per-microbatch outputs into one value.
 using MergeFn = std::function<c10::IValue(const std::vector<c10::IValue>& outputs)>;
 
+// The microbatch count of a call that gives none: one more than the
+// devices, as the original's default, so that every device has a
+// microbatch to work on while one more's result travels. The one place
+// this default lives (the Python package reads it through
+// roundpipe._C.default_num_microbatch).
+inline int default_num_microbatch(int num_devices) {
+  return num_devices + 1;
+}
+
 // Every field is optional: a value given to a call overrides the model's
 // (RoundPipeOptions::model_run_config), which overrides the default.
 struct RunConfig {

@@ -8,6 +8,14 @@ from typing import Any, Callable, Optional, Sequence, Union
 import torch
 
 
+def default_num_microbatch(num_devices: int) -> int:
+    """The microbatch count of a call that gives none: devices + 1, as the
+    original (the engine's own default, include/roundpipe/run_config.h)."""
+    from . import _C
+
+    return _C.default_num_microbatch(num_devices)
+
+
 @dataclasses.dataclass
 class RoundPipeRunConfig:
     """Every field left None takes the model-level value (the RoundPipe's
@@ -142,7 +150,8 @@ class ModelExecutePlan:
             raise ValueError(f"run_type must be 'infer', 'train' or 'fused', got {run_type!r}")
         plans = []
         for i, model in enumerate(models):
-            n = num_microbatch or model.model_run_config.num_microbatch or len(model.devices) + 1
+            n = (num_microbatch or model.model_run_config.num_microbatch
+                 or default_num_microbatch(len(model.devices)))
             # As the original: in a chain for "fused", every model but the
             # last runs forward() with grad (its backward through autograd),
             # so it gets a training plan with a full forward plan.

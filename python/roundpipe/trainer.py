@@ -31,6 +31,7 @@ from typing import List, Optional, Sequence, Union
 import numpy as np
 import torch
 
+from .run_config import default_num_microbatch
 from .token_file import Example, TokenFile
 
 
@@ -220,7 +221,8 @@ def evaluate(pipe, data: Sequence[Example], batch_size: int, num_microbatch: Opt
             b = collate([data[i] for i in range(start, min(start + batch_size, len(data)))], pad_id)
             # (A last batch of fewer rows than microbatches runs in fewer.)
             rows = b["input_ids"].shape[0]
-            wanted = num_microbatch or pipe.model_run_config.num_microbatch or len(pipe.devices) + 1
+            wanted = (num_microbatch or pipe.model_run_config.num_microbatch
+                      or default_num_microbatch(len(pipe.devices)))
             config = RoundPipeRunConfig(num_microbatch=min(rows, wanted))
             out = pipe(**b, num_items_in_batch=total, return_logits=False, roundpipe_run_config=config)
             loss += float(out.loss)
@@ -263,7 +265,8 @@ def train(model, data, args: Optional[TrainingArguments] = None, **kwargs) -> Tr
     else:
         config = RoundPipeRunConfig(num_microbatch=args.num_microbatch) if args.num_microbatch else None
         pipe, hf = wrap_model_to_roundpipe(model, model_run_config=config), model
-    rows_at_least = args.num_microbatch or pipe.model_run_config.num_microbatch or len(pipe.devices) + 1
+    rows_at_least = (args.num_microbatch or pipe.model_run_config.num_microbatch
+                     or default_num_microbatch(len(pipe.devices)))
     pad_id = getattr(getattr(hf, "config", None), "pad_token_id", None) or 0
     # Data parallel (roundpipe.distributed, e.g. under torchrun): each rank
     # trains on its share of every batch; rank 0 alone writes and prints.

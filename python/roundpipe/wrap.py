@@ -14,7 +14,7 @@ from torch import nn
 from . import _C, distributed
 from .roundpipe import RoundPipe
 from .auto_wrap import AutoRoundPipe, _auto_wrap, _param_bytes
-from .run_config import RoundPipeRunConfig
+from .run_config import RoundPipeRunConfig, default_num_microbatch
 
 # HuggingFace class name -> native preset (the C++ Qwen3/Llama layers).
 PRESETS = {"Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe",
@@ -129,7 +129,7 @@ class CausalLMRoundPipe(RoundPipe):
                 return {}  # no labelled token: every microbatch's loss is 0
         items = float(items)
         if not fused and not view.pack_output:  # (a batch of fewer rows: that many microbatches)
-            items /= min(view.num_microbatch or len(self.devices) + 1, labels.shape[0])
+            items /= min(view.num_microbatch or default_num_microbatch(len(self.devices)), labels.shape[0])
         return {"num_items_in_batch": items}
 
     @staticmethod

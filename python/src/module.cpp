@@ -425,6 +425,8 @@ PYBIND11_MODULE(_C, m) {
         plan_from(plan).validate(num_layers, fused);
       });
 
+  m.def("default_num_microbatch", &default_num_microbatch, py::arg("num_devices"),
+        "the microbatch count of a call that gives none: devices + 1");
   m.def("count_loss_tokens", &models::count_loss_tokens, py::arg("labels"),
         "labels[:, 1:] != -100: the tokens the preset's loss counts");
 

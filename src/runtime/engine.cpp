@@ -129,8 +129,10 @@ PlanEstimate Engine::auto_plan(bool fused, int num_microbatches, int min_stages,
 
 ExecutePlan Engine::default_plan(bool fused) {
   return auto_plan_
-      .for_call(fused, options_.model_run_config.num_microbatch.value_or(pool_.size() + 1),
-                options_.model_run_config.recompute_grain)
+      .for_call(
+          fused,
+          options_.model_run_config.num_microbatch.value_or(default_num_microbatch(pool_.size())),
+          options_.model_run_config.recompute_grain)
       .plan;
 }
 
@@ -156,7 +158,7 @@ RunConfig Engine::resolve(const RunConfig& config) const {
   if (!out.output_device) out.output_device = c10::Device(c10::kCPU);
   if (!out.preserve_rng_state) out.preserve_rng_state = true;
   if (!out.recompute_grain) out.recompute_grain = RecomputeGrain::kStage;
-  if (!out.num_microbatch) out.num_microbatch = pool_.size() + 1;
+  if (!out.num_microbatch) out.num_microbatch = default_num_microbatch(pool_.size());
   if (!out.loss_sums_over_rows) out.loss_sums_over_rows = false;
   return out;
 }

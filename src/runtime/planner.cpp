@@ -5,6 +5,7 @@
 // with the next stage's parameters arriving; predict the call's time; keep
 // the cheapest.
 #include "roundpipe/planner.h"
+#include "roundpipe/run_config.h"
 
 #include <c10/util/Exception.h>
 
@@ -431,7 +432,7 @@ ExecutePlan ExecutePlan::from_layer_costs(const std::vector<int64_t>& layer_byte
   PlanRequest request;
   request.num_devices = num_devices;
   request.fused = fused;
-  request.num_microbatches = num_devices + 1;
+  request.num_microbatches = default_num_microbatch(num_devices);
   return plan_stages(costs_from_bytes(layer_bytes, layer_bytes), request).plan;
 }
 

@@ -369,8 +369,9 @@ TrainSummary run_training(const TrainOptions& given) {
     }
   }
 
-  const int microbatches =
-      args.microbatches > 0 ? args.microbatches : static_cast<int>(pipe.devices().size()) + 1;
+  const int microbatches = args.microbatches > 0
+                               ? args.microbatches
+                               : default_num_microbatch(static_cast<int>(pipe.devices().size()));
   // The mean loss over every labelled token of the held-out examples: each
   // batch's loss is its share of that mean (num_items_in_batch: all of
   // their labelled tokens), its microbatches' shares added up.
