@@ -100,8 +100,8 @@ class ResidentOracle:
     """What the original's docs say a call does, GPU-resident: per
     microbatch, loss_fn(output) backpropagated as is (fp16 gradients, added
     up in float32); Adam (lr 1e-5) on float32 masters, copied back to the
-    fp16 weights; the step one call behind (call k runs on the weights of
-    update k - 1: calls 1 and 2 on the initial weights)."""
+    fp16 weights; the step one call behind (call k runs on the weights after
+    update k - 2: calls 1 and 2 on the initial weights)."""
 
     def __init__(self, module):
         # The rotary tables are buffers that to_empty left unset (the presets

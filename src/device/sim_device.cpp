@@ -293,8 +293,9 @@ void install_charging_allocator() {
 // 1,991); oneDNN's at 128 and ideep's at 8 +38 MiB (951 -> 989, at the same
 // 47 ms a step); both at 8 +20 MiB but 105 ms a step (kernels compiled
 // again within each step). The first simulated device sets oneDNN's at 128
-// (a step's kernels) and ideep's at 8, unless the process set them. The caches read their capacity
-// at their first use, so a process that ran such a kernel before keeps what it had then.
+// (a step's kernels) and ideep's at 8, unless the process set them. The
+// caches read their capacity at their first use, so a process that ran such
+// a kernel before keeps what it had then.
 void limit_host_kernel_caches() {
   static std::once_flag once;
   std::call_once(once, [] {
