@@ -17,7 +17,7 @@
 #include <cstdio>
 #include <map>
 
-#include "optim/parallel.h"
+#include "support/parallel.h"
 
 namespace {
 

@@ -47,7 +47,7 @@ struct ExecutePlan {
   // back-propagate (about 3x a forward), so forward stages hold about three
   // times the layers of backward stages and all stages take similar time.
   // The planner's automatic plan on those costs (defined with the planner,
-  // src/runtime/planner.cpp).
+  // src/runtime/planning/planner.cpp).
   static ExecutePlan from_layer_costs(const std::vector<int64_t>& layer_bytes, int num_devices,
                                       bool fused);
 };

@@ -44,7 +44,7 @@ class Layer;
 // over rows as well (RunConfig::loss_sums_over_rows) and memory is short,
 // the fused tail then runs each microbatch chunk by chunk, keeping one
 // chunk's activations at a time instead of recomputing layers
-// (planner.cpp, stage_runner.cpp). The presets' decoder layers and output
+// (planner.cpp, runtime/stage/row_chunks.cpp). The presets' decoder layers and output
 // adapter do.
 class SplitsInputRows {
  public:

@@ -25,7 +25,7 @@ enum class PinMode {
   kOff,       // leave host memory pageable (e.g. mmap-loaded weights)
 };
 PinMode pin_mode_from_string(const std::string& text);
-struct DataParallelOptions;  // roundpipe/distributed.h
+struct DataParallelOptions;  // roundpipe/data_parallel_options.h
 
 // float32/fp32, bfloat16/bf16, float16/fp16 (command lines, configs).
 c10::ScalarType dtype_from_string(const std::string& text);

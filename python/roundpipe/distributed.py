@@ -10,7 +10,7 @@ default group when torch.distributed is initialised (``torchrun`` sets it
 up), else none. With ``shard_optimizer_state=True`` each process keeps the
 masters and optimizer state of about 1/N of the parameters, and the owners
 broadcast the new weights (Note [Sharded optimizer state] in
-src/runtime/gradient_averager.h). ``save_sharded`` / ``load_sharded`` write
+src/runtime/parallel/gradient_averager.h). ``save_sharded`` / ``load_sharded`` write
 and read a checkpoint as one file per process, keyed by parameter name, so
 that it resumes with any number of processes.
 

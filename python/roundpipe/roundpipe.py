@@ -225,7 +225,7 @@ class RoundPipe(PassThroughToModel, nn.Module):
         object.__setattr__(self, "_process_group", group)
         object.__setattr__(self, "_shard_optimizer_state", bool(shard_optimizer_state) and group is not None)
         # Data parallel runs in the engine (Note [Data parallel steps] and
-        # [Sharded optimizer state] in src/runtime/gradient_averager.h), on
+        # [Sharded optimizer state] in src/runtime/parallel/gradient_averager.h), on
         # a Gloo group of its own.
         object.__setattr__(self, "_engine", _C.Engine(
             _layers, optim_dtype, name or _call_site(), pin_model, devices or "",

@@ -3,7 +3,7 @@
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/jit/python/pybind_utils.h>
 
-#include "runtime/ivalue_tree.h"
+#include "runtime/values/ivalue_tree.h"
 
 namespace roundpipe::python {
 namespace {

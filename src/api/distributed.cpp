@@ -17,17 +17,6 @@
 
 namespace roundpipe {
 
-DataParallelOptions::DataParallelOptions(c10::intrusive_ptr<c10d::ProcessGroup> group)
-    : process_group(std::move(group)) {
-  TORCH_CHECK(process_group, "DataParallelOptions needs a process group (got none)");
-}
-int DataParallelOptions::rank() const {
-  return process_group->getRank();
-}
-int DataParallelOptions::world_size() const {
-  return process_group->getSize();
-}
-
 RoundPipeOptions& RoundPipeOptions::set_data_parallel(const DataParallelOptions& v) {
   data_parallel = std::make_shared<const DataParallelOptions>(v);
   return *this;

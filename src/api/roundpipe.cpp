@@ -3,7 +3,7 @@
 
 #include <c10/util/Exception.h>
 
-#include "runtime/engine.h"
+#include "runtime/engine/engine.h"
 
 namespace roundpipe {
 

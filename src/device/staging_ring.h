@@ -11,8 +11,8 @@
 #include <mutex>
 #include <vector>
 
-#include "optim/parallel.h"
 #include "roundpipe/device.h"
+#include "support/parallel.h"
 
 namespace roundpipe {
 

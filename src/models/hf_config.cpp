@@ -1,163 +1,38 @@
+// config.json: the fields every preset reads, then its family's own
+// (models/families/), with their exact JSON kinds; errors name the file
+// and the field.
 #include <c10/util/Exception.h>
 
-#include <algorithm>
 #include <cmath>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <sstream>
-#include <type_traits>
 #include <vector>
 
+#include "models/config_json.h"
+#include "models/families/family.h"
 #include "roundpipe/models/config.h"
 
 namespace roundpipe::models {
-namespace {
 
-// nlohmann converts between JSON number kinds silently (2.5 would read as
-// the integer 2): each field is checked for its exact kind first.
-template <typename T>
-bool has_kind(const nlohmann::json& v) {
-  if constexpr (std::is_same_v<T, bool>) {
-    return v.is_boolean();
-  } else if constexpr (std::is_integral_v<T>) {
-    return v.is_number_integer();
-  } else if constexpr (std::is_floating_point_v<T>) {
-    return v.is_number();
-  } else if constexpr (std::is_same_v<T, std::vector<std::string>>) {
-    return v.is_array() &&
-           std::all_of(v.begin(), v.end(), [](const nlohmann::json& e) { return e.is_string(); });
-  } else if constexpr (std::is_same_v<T, std::vector<int64_t>>) {
-    return v.is_array() && std::all_of(v.begin(), v.end(), [](const nlohmann::json& e) {
-             return e.is_number_integer();
-           });
-  } else {
-    return v.is_string();
-  }
+namespace detail {
+
+const std::vector<const ModelFamily*>& model_families() {
+  // One line per family, in the order errors list them.
+  static const std::vector<const ModelFamily*> families = {&qwen3_family(), &qwen3_moe_family(),
+                                                           &llama_family(), &gpt_oss_family()};
+  return families;
 }
 
-template <typename T>
-const char* kind_name() {
-  if constexpr (std::is_same_v<T, bool>) {
-    return "true or false";
-  } else if constexpr (std::is_integral_v<T>) {
-    return "a whole number";
-  } else if constexpr (std::is_floating_point_v<T>) {
-    return "a number";
-  } else if constexpr (std::is_same_v<T, std::vector<std::string>>) {
-    return "a list of strings";
-  } else if constexpr (std::is_same_v<T, std::vector<int64_t>>) {
-    return "a list of whole numbers";
-  } else {
-    return "a string";
-  }
+const ModelFamily* find_model_family(const std::string& model_type) {
+  for (const auto* family : model_families())
+    if (family->model_type == model_type) return family;
+  return nullptr;
 }
 
-template <typename T>
-T required(const nlohmann::json& j, const char* key, const std::string& what) {
-  TORCH_CHECK(j.contains(key) && !j[key].is_null(), what, ": missing required field '", key, "'");
-  TORCH_CHECK(has_kind<T>(j[key]), what, ": field '", key, "' has the wrong type: it must be ",
-              kind_name<T>(), ", got ", j[key].dump());
-  return j[key].get<T>();
-}
+}  // namespace detail
 
-template <typename T>
-T optional(const nlohmann::json& j, const char* key, T fallback, const std::string& what) {
-  if (!j.contains(key) || j[key].is_null()) return fallback;
-  return required<T>(j, key, what);
-}
-
-// Qwen3's sliding window, as transformers reads it: only with
-// use_sliding_window is there a window (sliding_window is None otherwise);
-// then the layers layer_types names "sliding_attention", or without
-// layer_types those from max_window_layers on. Llama has none.
-void parse_attention_windows(const nlohmann::json& j, CausalLMConfig& c, const std::string& what) {
-  if (c.model_type != "qwen3" && c.model_type != "qwen3_moe") return;
-  const bool use = optional<bool>(j, "use_sliding_window", false, what);
-  // (An absent sliding_window is transformers' default, 4096; null is none.)
-  int64_t window = 0;
-  if (use)
-    window = j.contains("sliding_window") ? optional<int64_t>(j, "sliding_window", 0, what) : 4096;
-  if (window == 0) return;
-  TORCH_CHECK(window > 0, what, ": sliding_window must be positive, got ", window);
-  std::vector<std::string> types;
-  if (j.contains("layer_types") && !j["layer_types"].is_null()) {
-    types = required<std::vector<std::string>>(j, "layer_types", what);
-    TORCH_CHECK(static_cast<int64_t>(types.size()) == c.num_hidden_layers, what,
-                ": layer_types has ", types.size(), " entries for ", c.num_hidden_layers,
-                " layers");
-  } else {
-    const auto first = optional<int64_t>(j, "max_window_layers", 28, what);
-    for (int64_t l = 0; l < c.num_hidden_layers; ++l)
-      types.push_back(l >= first ? "sliding_attention" : "full_attention");
-  }
-  for (const auto& t : types) {
-    TORCH_CHECK(t == "full_attention" || t == "sliding_attention", what, ": layer type '", t,
-                "' is not implemented by the presets (full_attention, sliding_attention)");
-    c.attention_windows.push_back(t == "sliding_attention" ? window : 0);
-  }
-}
-
-// GPT-OSS (Note [GPT-OSS]): every layer sparse, experts of
-// intermediate_size, the router's top-k logits softmaxed (the full
-// softmax's top-k renormalised), sliding_window (128) on the layers
-// layer_types names sliding_attention (by default every even layer).
-void parse_gpt_oss(const nlohmann::json& j, CausalLMConfig& c, const std::string& what) {
-  c.num_experts = optional<int64_t>(j, "num_local_experts", 128, what);
-  c.num_experts_per_tok = optional<int64_t>(j, "num_experts_per_tok", 4, what);
-  c.moe_intermediate_size = c.intermediate_size;
-  c.norm_topk_prob = true;
-  c.router_bias = true;
-  c.gpt_oss_experts = true;
-  c.swiglu_limit = 7.0;  // transformers' GptOssExperts.limit
-  c.attention_sinks = true;
-  TORCH_CHECK(
-      c.num_experts >= 1 && c.num_experts_per_tok >= 1 && c.num_experts_per_tok <= c.num_experts,
-      what, ": num_experts_per_tok must be in [1, num_local_experts]");
-  const auto window = optional<int64_t>(j, "sliding_window", 128, what);
-  std::vector<std::string> types;
-  if (j.contains("layer_types") && !j["layer_types"].is_null()) {
-    types = required<std::vector<std::string>>(j, "layer_types", what);
-  } else {
-    for (int64_t l = 0; l < c.num_hidden_layers; ++l)
-      types.push_back(l % 2 == 0 ? "sliding_attention" : "full_attention");
-  }
-  TORCH_CHECK(static_cast<int64_t>(types.size()) == c.num_hidden_layers, what, ": layer_types has ",
-              types.size(), " entries for ", c.num_hidden_layers, " layers");
-  for (const auto& t : types) {
-    TORCH_CHECK(t == "full_attention" || t == "sliding_attention", what, ": layer type '", t,
-                "' is not implemented by the presets (full_attention, sliding_attention)");
-    TORCH_CHECK(t == "full_attention" || window > 0, what,
-                ": sliding_attention layers need a positive sliding_window");
-    c.attention_windows.push_back(t == "sliding_attention" ? window : 0);
-  }
-}
-
-// Qwen3-MoE's experts (transformers 5 writes num_experts as
-// num_local_experts).
-void parse_experts(const nlohmann::json& j, CausalLMConfig& c, const std::string& what) {
-  c.num_experts = j.contains("num_experts") ? required<int64_t>(j, "num_experts", what)
-                                            : optional<int64_t>(j, "num_local_experts", 0, what);
-  c.num_experts_per_tok = optional<int64_t>(j, "num_experts_per_tok", 8, what);
-  c.moe_intermediate_size = optional<int64_t>(j, "moe_intermediate_size", 768, what);
-  c.norm_topk_prob = optional<bool>(j, "norm_topk_prob", false, what);
-  c.decoder_sparse_step = optional<int64_t>(j, "decoder_sparse_step", 1, what);
-  if (j.contains("mlp_only_layers") && !j["mlp_only_layers"].is_null())
-    c.mlp_only_layers = required<std::vector<int64_t>>(j, "mlp_only_layers", what);
-  TORCH_CHECK(c.num_experts >= 0 && c.decoder_sparse_step >= 1, what,
-              ": num_experts must be >= 0 and decoder_sparse_step >= 1");
-  TORCH_CHECK(
-      c.num_experts == 0 || (c.num_experts_per_tok >= 1 && c.num_experts_per_tok <= c.num_experts &&
-                             c.moe_intermediate_size >= 1),
-      what,
-      ": num_experts_per_tok must be in [1, num_experts] and "
-      "moe_intermediate_size positive");
-  c.output_router_logits = optional<bool>(j, "output_router_logits", false, what);
-  c.router_aux_loss_coef = optional<double>(j, "router_aux_loss_coef", 0.001, what);
-  TORCH_CHECK(std::isfinite(c.router_aux_loss_coef) && c.router_aux_loss_coef >= 0, what,
-              ": router_aux_loss_coef must be a finite number >= 0, got ", c.router_aux_loss_coef);
-}
-
-}  // namespace
+using namespace detail;
 
 CausalLMConfig CausalLMConfig::from_json_file(const std::string& path) {
   std::ifstream in(path);
@@ -178,11 +53,13 @@ CausalLMConfig CausalLMConfig::from_json_string(const std::string& text, const s
   CausalLMConfig c;
   c.json = text;
   c.model_type = required<std::string>(j, "model_type", what);
-  const bool gpt_oss = c.model_type == "gpt_oss";
-  TORCH_CHECK(
-      c.model_type == "qwen3" || c.model_type == "qwen3_moe" || c.model_type == "llama" || gpt_oss,
-      what, ": model_type '", c.model_type,
-      "' has no preset; supported presets: qwen3, qwen3_moe, llama, gpt_oss");
+  const ModelFamily* family = find_model_family(c.model_type);
+  if (family == nullptr) {
+    std::string names;
+    for (const auto* f : model_families()) names += (names.empty() ? "" : ", ") + f->model_type;
+    TORCH_CHECK(false, what, ": model_type '", c.model_type,
+                "' has no preset; supported presets: ", names);
+  }
   c.vocab_size = required<int64_t>(j, "vocab_size", what);
   c.hidden_size = required<int64_t>(j, "hidden_size", what);
   c.intermediate_size = required<int64_t>(j, "intermediate_size", what);
@@ -191,19 +68,11 @@ CausalLMConfig CausalLMConfig::from_json_string(const std::string& text, const s
   c.num_key_value_heads = optional<int64_t>(j, "num_key_value_heads", c.num_attention_heads, what);
   c.head_dim = optional<int64_t>(j, "head_dim", c.hidden_size / c.num_attention_heads, what);
   c.max_position_embeddings = optional<int64_t>(j, "max_position_embeddings", 4096, what);
-  c.rms_norm_eps = optional<double>(j, "rms_norm_eps", gpt_oss ? 1e-5 : 1e-6, what);
+  c.rms_norm_eps = optional<double>(j, "rms_norm_eps", family->default_rms_norm_eps, what);
   c.tie_word_embeddings = optional<bool>(j, "tie_word_embeddings", false, what);
-  c.attention_bias = optional<bool>(j, "attention_bias", gpt_oss, what);
+  c.attention_bias = optional<bool>(j, "attention_bias", family->default_attention_bias, what);
   c.mlp_bias = optional<bool>(j, "mlp_bias", false, what);
-  c.qk_norm = c.model_type == "qwen3" || c.model_type == "qwen3_moe";
-  if (c.model_type == "qwen3_moe") parse_experts(j, c, what);
-  if (gpt_oss) {
-    parse_gpt_oss(j, c, what);
-    c.output_router_logits = optional<bool>(j, "output_router_logits", false, what);
-    c.router_aux_loss_coef = optional<double>(j, "router_aux_loss_coef", 0.001, what);
-    TORCH_CHECK(std::isfinite(c.router_aux_loss_coef) && c.router_aux_loss_coef >= 0, what,
-                ": router_aux_loss_coef must be a finite number >= 0");
-  }
+  family->read_config(j, c, what);  // its own fields and building blocks
   // What else changes the computation: a setting the presets do not
   // implement is an error here, never a silent approximation.
   const auto act = optional<std::string>(j, "hidden_act", "silu", what);
@@ -216,7 +85,6 @@ CausalLMConfig CausalLMConfig::from_json_string(const std::string& text, const s
   const auto tp = optional<int64_t>(j, "pretraining_tp", 1, what);
   TORCH_CHECK(tp == 1, what, ": pretraining_tp ", tp,
               " is not implemented by the presets; set it to 1 in config.json");
-  parse_attention_windows(j, c, what);
   c.torch_dtype = optional<std::string>(j, "torch_dtype",
                                         optional<std::string>(j, "dtype", "float32", what), what);
   // Rotary parameters: transformers 5 writes "rope_parameters"; older files

@@ -1,12 +1,13 @@
 // The presets' basic modules (internal): a bare weight, a projection with
 // an optional LoRA adapter, the embedding, RMSNorm, and the copy that
-// Cloneable needs. Shared by the model's files (causal_lm.cpp, experts).
+// Cloneable needs. Shared by the building blocks (models/README.md).
 #pragma once
 
 #include <ATen/ATen.h>
 #include <torch/nn/cloneable.h>
 
 #include <memory>
+#include <string>
 
 #include "roundpipe/layer.h"
 #include "roundpipe/models/causal_lm.h"
@@ -66,6 +67,17 @@ struct LinearImpl : torch::nn::Cloneable<LinearImpl> {
   }
 };
 TORCH_MODULE(Linear);
+
+// A projection named `projection` ("q_proj", ...): with an adapter where
+// `lora` targets it.
+inline Linear make_linear(int64_t in, int64_t out, bool bias, const LoraOptions& lora = {},
+                          const std::string& projection = "") {
+  return Linear(in, out, bias, lora.targets_projection(projection) ? lora : LoraOptions{});
+}
+
+// Refuses LoRA options the presets cannot honour (unknown targets, expert
+// targets without experts, dropout on experts), naming the fix (lora.cpp).
+void check_lora(const CausalLMConfig& config, const LoraOptions& lora);
 
 struct EmbeddingImpl : torch::nn::Cloneable<EmbeddingImpl> {
   int64_t count, dim;

@@ -8,7 +8,7 @@
 #include <unordered_map>
 
 #include "optim/adam_kernel.h"
-#include "optim/parallel.h"
+#include "support/parallel.h"
 
 namespace roundpipe::optim {
 namespace {

@@ -8,7 +8,7 @@
 #include <cmath>
 #include <limits>
 #include "optim/adam_kernel.h"
-#include "optim/parallel.h"
+#include "support/parallel.h"
 
 namespace roundpipe::optim {
 

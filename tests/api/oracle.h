@@ -5,7 +5,7 @@
 
 #include <ATen/CPUGeneratorImpl.h>
 
-#include "runtime/rng.h"
+#include "runtime/values/rng.h"
 #include "test_util.h"
 
 namespace roundpipe::testing {

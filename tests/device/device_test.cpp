@@ -8,7 +8,7 @@
 #include <thread>
 
 #include "device/staging_ring.h"
-#include "runtime/allocation_meter.h"
+#include "runtime/memory/allocation_meter.h"
 #include "test_util.h"
 
 namespace roundpipe::testing {

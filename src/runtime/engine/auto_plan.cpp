@@ -1,0 +1,270 @@
+// The engine's automatic plan: see auto_plan.h.
+#include "runtime/engine/auto_plan.h"
+
+#include "device/staging_ring.h"
+
+#include <ATen/ops/empty.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+
+namespace roundpipe::detail {
+
+AutoPlan::AutoPlan(const std::string& name, const RoundPipeOptions& options, const DevicePool& pool,
+                   const std::vector<LayerPtr>& layers, const WeightTable& weights,
+                   const LayerTimings& timings, const CommitLedger& commits)
+    : name_(name),
+      options_(options),
+      pool_(pool),
+      weights_(weights),
+      timings_(timings),
+      commits_(commits) {
+  all_layers_meterable_ = std::all_of(layers.begin(), layers.end(),
+                                      [](const LayerPtr& layer) { return layer->meterable(); });
+  first_row_split_layer_ = static_cast<int>(layers.size());
+  while (first_row_split_layer_ > 0 && layers[first_row_split_layer_ - 1]->row_splitter())
+    --first_row_split_layer_;
+  // What the smallest device has left now, before this engine's work (0:
+  // unlimited), less a tenth (the driver's context, fragmentation, the
+  // downloads in flight). Measured at plan time it would exclude what the
+  // calls in flight hold, which the plan's stages reuse.
+  for (int d = 0; d < pool_.size(); ++d) {
+    const auto stats = pool_.at(d)->memory_stats();
+    if (stats.budget_bytes <= 0) continue;
+    const int64_t left = (stats.budget_bytes - stats.in_use_bytes) / 10 * 9;
+    if (default_memory_limit_bytes_ == 0 || left < default_memory_limit_bytes_)
+      default_memory_limit_bytes_ = left;
+  }
+  // The link's rate, measured now, while nothing else runs: probed beside
+  // the first update's CPU Adam and gradient sums it measures a fraction
+  // of the link (docs/architecture.md, where the code stands).
+  upload_bytes_per_second_ = probe_upload_rate();
+}
+
+PlanEstimate AutoPlan::estimate(bool fused, int num_microbatches, int min_stages,
+                                std::optional<double> memory_limit_gib, RecomputeGrain grain,
+                                bool grow_tail, int tail_rows) const {
+  PlanRequest request;
+  // The default plan's question (no constraints of the caller's own): the
+  // plan in use stays unless a new one is clearly faster.
+  std::optional<ExecutePlan> incumbent;
+  if (min_stages == 0 && !memory_limit_gib) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = plans_in_use_.find(PlanKey{fused, num_microbatches, grain});
+    if (it != plans_in_use_.end()) incumbent = it->second;
+  }
+  if (incumbent) request.incumbent = &*incumbent;
+  // Replicated tails only once a call has shown that no layer writes its
+  // buffers (or there are none); ROUNDPIPE_TAIL_REPLICAS=0 turns them off.
+  static const bool replicas_enabled = [] {
+    const char* v = std::getenv("ROUNDPIPE_TAIL_REPLICAS");
+    return v == nullptr || std::strcmp(v, "0") != 0;
+  }();
+  // (Committed read first: a call's last commit sets it after any of its
+  // commits saw a write.)
+  const bool committed = commits_.training_call_committed();
+  request.allow_tail_replicas =
+      replicas_enabled && (committed || !weights_.has_buffers()) && !commits_.buffers_written();
+  request.num_devices = pool_.size();
+  request.fused = fused;
+  request.num_microbatches = num_microbatches;
+  // After an out-of-memory redo (Note [Out-of-memory redo]) the plans of
+  // calls are smaller; an estimate the caller constrains is not.
+  PlanShrink shrink;
+  if (!memory_limit_gib && min_stages == 0) {
+    std::lock_guard<std::mutex> lock(mu_);
+    shrink = shrink_;
+  }
+  // (A shrunk stage count stops at one layer per stage: forward and
+  // backward stages, less the forward of the fused tail's layer.)
+  const int most_stages = 2 * static_cast<int>(weights_.layer_bytes().size()) - (fused ? 1 : 0);
+  request.min_stages = std::max(min_stages, std::min(shrink.min_stages, most_stages));
+  if (!memory_limit_gib) memory_limit_gib = options_.model_memory_limit_gib;
+  if (memory_limit_gib) {
+    TORCH_CHECK(*memory_limit_gib > 0, name_, ": model_memory_limit must be positive (GiB), got ",
+                *memory_limit_gib);
+    request.memory_limit_bytes = static_cast<int64_t>(*memory_limit_gib * (1 << 30));
+  } else {
+    request.memory_limit_bytes = default_memory_limit_bytes_;
+  }
+  const int64_t unshrunk_limit = request.memory_limit_bytes;
+  request.layer_grain = grain == RecomputeGrain::kLayer;
+  request.grow_tail_with_grad = grow_tail;
+  request.tail_rows = tail_rows;
+  request.first_row_split_layer = first_row_split_layer_;
+  // Measured times once every layer has them (with the measured upload
+  // rate, in the same unit), else bytes stand in. Until what layers keep
+  // for their backward is measured (or where a layer cannot be metered),
+  // half the limit is held back for it.
+  const bool measured = timings_.complete();
+  request.activations_unmeasured = !measured || !all_layers_meterable_;
+  const auto& bytes = weights_.layer_bytes();
+  const auto& grad_bytes = weights_.layer_grad_bytes();
+  if (measured) request.upload_bytes_per_second = upload_bytes_per_second_;
+  const auto costs =
+      measured ? timings_.costs(bytes, grad_bytes) : costs_from_bytes(bytes, grad_bytes);
+  // A shrunk limit stops at the smallest one that fits one layer per
+  // stage: below it no plan exists, and a microbatch that still runs out
+  // of memory there is retried (or the call redone) on that plan.
+  if (shrink.limit_scale < 1 && unshrunk_limit > 0) {
+    const auto shrunk =
+        static_cast<int64_t>(static_cast<double>(unshrunk_limit) * shrink.limit_scale);
+    request.memory_limit_bytes =
+        std::max(shrunk, std::min(unshrunk_limit, smallest_feasible_memory_limit(costs, request)));
+  }
+  return plan_stages(costs, request);
+}
+
+// Note [Automatic grain]
+// Where the caller sets no recompute_grain, the plan chooses it. Until
+// every layer's kept activations are measured, the planner cannot tell
+// what a stage-grain backward stage (or fused tail) holds: it may be many
+// times its parameters (a 29-layer tail of a 1.7B model over 16K tokens
+// keeps ~37 GB), so calls run in layer grain, which holds one layer's
+// activations at a time. Once measured, stage grain is taken where its plan
+// fits the limit and is predicted no slower; else layer grain.
+//
+// A caller's "stage" (the original's benchmark/train.py passes it) is kept
+// where the plan can size it: its first call, before the activations are
+// measured, runs in layer grain too, and later calls in stage grain on
+// stages that fit; where no stage-grain plan fits the limit, layer grain.
+// The grain decides what is kept and recomputed, never the results (the
+// recompute replays the forward's random streams), so this is invisible
+// but for memory: an unmeasured stage-grain plan ran out of memory on the
+// first calls of every capped run.
+AutoPlan::Choice AutoPlan::choose(bool fused, int n, int min_stages,
+                                  std::optional<double> memory_limit_gib,
+                                  std::optional<RecomputeGrain> grain, int tail_rows) const {
+  const bool activations_measured = timings_.complete() && all_layers_meterable_;
+  bool layer_grain_only = false;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    layer_grain_only = shrink_.layer_grain_only;
+  }
+  const bool stage_asked = grain == RecomputeGrain::kStage && all_layers_meterable_;
+  if (stage_asked && activations_measured) {
+    try {
+      return {estimate(fused, n, min_stages, memory_limit_gib, RecomputeGrain::kStage),
+              RecomputeGrain::kStage};
+    } catch (const c10::Error&) {
+      // No stage-grain plan fits the limit: layer grain.
+    }
+  }
+  const bool plan_chooses = !grain || stage_asked;
+  RecomputeGrain chosen = plan_chooses ? RecomputeGrain::kLayer : *grain;
+  auto plan = estimate(fused, n, min_stages, memory_limit_gib, chosen,
+                       /*grow_tail=*/plan_chooses, tail_rows);
+  if (!grain && !layer_grain_only && activations_measured) {
+    try {
+      auto stage = estimate(fused, n, min_stages, memory_limit_gib, RecomputeGrain::kStage);
+      if (stage.iteration <= plan.iteration) {
+        plan = std::move(stage);
+        chosen = RecomputeGrain::kStage;
+      }
+    } catch (const c10::Error&) {
+      // No stage-grain plan fits the limit: layer grain.
+    }
+  }
+  return {std::move(plan), chosen};
+}
+
+AutoPlan::CallPlan AutoPlan::for_call(bool fused, int n, std::optional<RecomputeGrain> grain,
+                                      int tail_rows) {
+  // Read before planning: timings that complete in between make this log
+  // say "bytes" once more, and the next call logs the measured plan.
+  const bool measured = timings_.complete();
+  auto [plan, chosen] = choose(fused, n, 0, std::nullopt, grain, tail_rows);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    plans_in_use_[PlanKey{fused, n, chosen}] = plan.plan;
+  }
+  if (options_.verbose) log(fused, n, measured, plan);
+  if (!fused || plan.stages.empty()) return {plan.plan, chosen};
+  const auto& tail = plan.stages.at(plan.plan.forward.size());
+  return {plan.plan, chosen, tail.layers_with_grad, tail.row_chunks};
+}
+
+// Later plans smaller: Note [Out-of-memory redo] (out_of_memory.h).
+void AutoPlan::shrink_after_out_of_memory(const ExecutePlan& failed, RecomputeGrain grain,
+                                          bool grain_chosen) {
+  std::lock_guard<std::mutex> lock(mu_);
+  shrink_ = next_shrink(shrink_, failed, grain, grain_chosen,
+                        default_memory_limit_bytes_ > 0 || options_.model_memory_limit_gib);
+  plans_in_use_.clear();  // the plans in use are what ran out of memory
+}
+
+void AutoPlan::log(bool fused, int n, bool measured, const PlanEstimate& estimate) {
+  std::lock_guard<std::mutex> lock(mu_);
+  // Logged when the plan changes, and once when timings first replace the
+  // byte estimate even if the plan stays: the measured per-layer costs are
+  // what a user hand-tunes from.
+  const std::string key = (measured ? "measured " : "estimated ") + estimate.plan.to_string();
+  auto& logged = logged_plans_[fused ? 1 : 0];
+  if (logged == key) return;
+  logged = key;
+  std::fprintf(stderr, "%s: %s plan for %d microbatches on %d device(s), costs %s\n%s%s\n",
+               name_.c_str(), fused ? "forward_backward" : "forward", n, pool_.size(),
+               measured ? "measured (seconds):" : "from parameter bytes (no timings yet):",
+               measured ? timings_.describe().c_str() : "", estimate.describe().c_str());
+}
+
+double AutoPlan::probe_upload_rate() const {
+  // A parameter-sized upload (1-64 MiB: a layer's parameters).
+  const auto& layer_bytes = weights_.layer_bytes();
+  int64_t total = 0;
+  for (int64_t b : layer_bytes) total += b;
+  auto& device = *pool_.at(0);
+  // At most an eighth of a small device's memory (a simulated one may
+  // have a few KiB).
+  const int64_t budget = device.memory_stats().budget_bytes;
+  const int64_t bytes = std::min<int64_t>(
+      std::clamp<int64_t>(total / std::max<int64_t>(static_cast<int64_t>(layer_bytes.size()), 1),
+                          1 << 20, 64 << 20),
+      budget > 0 ? std::max<int64_t>(budget / 8, 1) : int64_t{64} << 20);
+  // Pinned as the homes are (not from the arena, which then holds the
+  // model alone). Pageable homes are uploaded through a staging ring, whose
+  // CPU copies count: that probe is timed on the host, from enqueuing the
+  // upload to its completion.
+  const bool staged = weights_.pageable_homes();
+  const bool pinned = !staged && device.supports_pinned_memory();
+  auto host = at::empty({bytes}, at::TensorOptions().dtype(at::kByte).pinned_memory(pinned));
+  host.zero_();
+  std::unique_ptr<StagingRing> ring;
+  if (staged) {
+    ring = std::make_unique<StagingRing>(
+        kStagingSlots, staging_slot_bytes(weights_.host_memory_stats().model_state_bytes),
+        device.supports_pinned_memory(), kStagingThreads);
+  }
+  // The copy alone, timed on its queue, the fastest of three after one
+  // that pays for allocation. A probe that fails leaves the rate unknown
+  // (0: uploads count as free), it does not fail the engine.
+  double seconds = 0;
+  try {
+    for (int i = 0; i < 4; ++i) {
+      for (Queue q : {Queue::kCompute, Queue::kDownload, Queue::kParamUpload})
+        device.record(q)->synchronize();
+      const auto wall_start = std::chrono::steady_clock::now();
+      auto start = device.record_timing_mark(Queue::kParamUpload);
+      auto [copy, done] = device.upload(Queue::kParamUpload, {host}, nullptr, ring.get());
+      auto end = device.record_timing_mark(Queue::kParamUpload);
+      done->synchronize();  // (rethrows a failed copy)
+      const double s =
+          staged
+              ? std::chrono::duration<double>(std::chrono::steady_clock::now() - wall_start).count()
+              : device.seconds_between(start, end);
+      if (i > 0) seconds = seconds > 0 ? std::min(seconds, s) : s;
+    }
+  } catch (const std::exception& e) {
+    TORCH_WARN(name_, ": the host-to-device rate probe failed (", e.what(),
+               "); the automatic plan counts uploads as free");
+    seconds = 0;
+  }
+  return seconds > 0 ? bytes / seconds : 0;
+}
+
+}  // namespace roundpipe::detail

@@ -1,0 +1,133 @@
+#include "runtime/planning/layer_timings.h"
+
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <sstream>
+
+namespace roundpipe::detail {
+namespace {
+constexpr double kRate = 0.9;
+}
+
+double LayerTimings::Smoothed::value() const {
+  const int n = samples - 1;  // the first sample was dropped
+  return n > 0 ? average / (1 - std::pow(kRate, n)) : 0;
+}
+
+LayerTimings::LayerTimings(int num_layers, bool verbose)
+    : verbose_(verbose),
+      times_(3 * num_layers),
+      output_bytes_(num_layers),
+      kept_per_output_byte_(num_layers),
+      kept_samples_(num_layers),
+      working_per_output_byte_(num_layers),
+      backward_samples_(num_layers) {}
+
+void LayerTimings::add(int layer, Kind kind, double seconds) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto& t = times_.at(3 * layer + kind);
+  if (t.samples++ == 0) return;  // warm-up: allocator, kernels, caches
+  t.average = kRate * t.average + (1 - kRate) * seconds;
+  if (verbose_) {
+    static const char* const kNames[] = {"fwd", "re", "bwd"};
+    std::fprintf(stderr, "Layer %d %s  new record: %.3f ms  new estimate: %.3f ms\n", layer,
+                 kNames[kind], seconds * 1e3, t.value() * 1e3);
+  }
+}
+
+void LayerTimings::add_output_bytes(int layer, int64_t bytes) {
+  std::lock_guard<std::mutex> lock(mu_);
+  output_bytes_.at(layer) = std::max(output_bytes_.at(layer), bytes);
+}
+
+bool LayerTimings::wants_kept_bytes(int layer) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return kept_samples_.at(layer) < kKeptSamples;
+}
+
+void LayerTimings::add_kept_bytes(int layer, int64_t kept, int64_t peak, int64_t output) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (kept_samples_.at(layer)++ == 0 || output <= 0) return;
+  auto& ratio = kept_per_output_byte_.at(layer);
+  ratio = std::max(ratio, static_cast<double>(kept) / static_cast<double>(output));
+  auto& working = working_per_output_byte_.at(layer);
+  working = std::max(working, static_cast<double>(peak - kept) / static_cast<double>(output));
+}
+
+bool LayerTimings::wants_backward_bytes(int layer) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return backward_samples_.at(layer) < kKeptSamples;
+}
+
+void LayerTimings::add_backward_bytes(int layer, int64_t peak) {
+  std::lock_guard<std::mutex> lock(mu_);
+  const int64_t output = output_bytes_.at(layer);
+  if (backward_samples_.at(layer)++ == 0 || output <= 0) return;
+  auto& working = working_per_output_byte_.at(layer);
+  working = std::max(working, static_cast<double>(peak) / static_cast<double>(output));
+}
+
+int64_t LayerTimings::kept_bytes(size_t layer) const {
+  return std::max(output_bytes_[layer],
+                  static_cast<int64_t>(kept_per_output_byte_[layer] * output_bytes_[layer]));
+}
+
+int64_t LayerTimings::working_bytes(size_t layer) const {
+  return static_cast<int64_t>(working_per_output_byte_[layer] * output_bytes_[layer]);
+}
+
+bool LayerTimings::complete() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (size_t l = 0; l < output_bytes_.size(); ++l) {
+    // A layer of the fused tail only ever runs forward with grad: its
+    // recompute time stands for its forward time, and the other way round.
+    const bool forward =
+        times_[3 * l + kForward].samples >= 2 || times_[3 * l + kRecompute].samples >= 2;
+    if (!forward || times_[3 * l + kBackward].samples < 2) return false;
+  }
+  return true;
+}
+
+std::vector<LayerCost> LayerTimings::costs(const std::vector<int64_t>& param_bytes,
+                                           const std::vector<int64_t>& grad_bytes) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  const size_t L = output_bytes_.size();
+  TORCH_CHECK(param_bytes.size() == L && grad_bytes.size() == L,
+              "LayerTimings: one size per layer");
+  std::vector<LayerCost> costs(L);
+  for (size_t l = 0; l < L; ++l) {
+    const double forward = times_[3 * l + kForward].value();
+    const double recompute = times_[3 * l + kRecompute].value();
+    costs[l].forward = forward > 0 ? forward : recompute;
+    costs[l].recompute = recompute > 0 ? recompute : forward;
+    costs[l].backward = times_[3 * l + kBackward].value();
+    costs[l].param_bytes = param_bytes[l];
+    costs[l].grad_bytes = grad_bytes[l];
+    // What a backward stage keeps per layer and microbatch: what the
+    // layer's forward with grad was measured to keep, at least its output.
+    costs[l].activation_bytes = kept_bytes(l);
+    costs[l].working_bytes = working_bytes(l);
+  }
+  return costs;
+}
+
+std::string LayerTimings::describe() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::ostringstream out;
+  char line[200];
+  for (size_t l = 0; l < output_bytes_.size(); ++l) {
+    std::snprintf(line, sizeof(line),
+                  "  layer %3zu  forward %8.3f ms  recompute %8.3f ms  backward %8.3f ms  "
+                  "output %.2f MiB  kept for backward %.2f MiB\n",
+                  l, 1e3 * times_[3 * l].value(), 1e3 * times_[3 * l + 1].value(),
+                  1e3 * times_[3 * l + 2].value(), output_bytes_[l] / 1048576.0,
+                  kept_bytes(l) / 1048576.0);
+    out << line;
+  }
+  return out.str();
+}
+
+}  // namespace roundpipe::detail

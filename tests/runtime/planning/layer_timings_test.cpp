@@ -1,0 +1,116 @@
+// Measured per-layer times (runtime/layer_timings.h): the first sample of
+// each kind is dropped as warm-up, later ones are smoothed with rate 0.9 and
+// bias correction (so a constant time is reported exactly); a layer counts
+// as measured once it has a forward-side and a backward time; what a layer
+// keeps for its backward follows its largest output.
+#include "runtime/planning/layer_timings.h"
+
+#include <c10/util/Exception.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+namespace roundpipe::testing {
+namespace {
+
+using detail::LayerTimings;
+
+// A few double roundings per smoothing step (1 - 0.9 itself is exact):
+// eight unit roundoffs per step, plus the pow and the division, of `x`.
+double smoothing_tolerance(double x, int steps) {
+  return 8.0 * (steps + 2) * 1.2e-16 * x;
+}
+
+TEST(LayerTimings, TheFirstSampleIsDroppedAndAConstantIsReportedExactly) {
+  LayerTimings timings(1);
+  timings.add(0, LayerTimings::kForward, 100.0);  // warm-up: dropped
+  for (int i = 0; i < 5; ++i) timings.add(0, LayerTimings::kForward, 2.0);
+  timings.add(0, LayerTimings::kBackward, 100.0);
+  timings.add(0, LayerTimings::kBackward, 3.0);
+  const auto costs = timings.costs({10}, {4});
+  ASSERT_EQ(costs.size(), 1u);
+  EXPECT_NEAR(costs[0].forward, 2.0, smoothing_tolerance(2.0, 5));
+  EXPECT_NEAR(costs[0].backward, 3.0, smoothing_tolerance(3.0, 1));
+  EXPECT_EQ(costs[0].param_bytes, 10);
+  EXPECT_EQ(costs[0].grad_bytes, 4);
+}
+
+TEST(LayerTimings, SmoothingWeighsRecentSamplesWithBiasCorrection) {
+  LayerTimings timings(1);
+  const std::vector<double> samples = {9.0, 1.0, 2.0, 4.0};  // the first is warm-up
+  for (double s : samples) timings.add(0, LayerTimings::kRecompute, s);
+  timings.add(0, LayerTimings::kBackward, 0.0);
+  timings.add(0, LayerTimings::kBackward, 1.0);
+  // Exponential average with rate 0.9 over 1, 2, 4, divided by 1 - 0.9^3.
+  double average = 0;
+  for (size_t i = 1; i < samples.size(); ++i) average = 0.9 * average + 0.1 * samples[i];
+  const double expected = average / (1 - std::pow(0.9, 3));
+  const auto costs = timings.costs({0}, {0});
+  EXPECT_NEAR(costs[0].recompute, expected, smoothing_tolerance(expected, 3));
+  // A layer seen only with grad (a fused tail's) lends its recompute time
+  // to its forward.
+  EXPECT_EQ(costs[0].forward, costs[0].recompute);
+}
+
+TEST(LayerTimings, CompleteOnceEveryLayerHasForwardAndBackwardTimes) {
+  LayerTimings timings(2);
+  EXPECT_FALSE(timings.complete());
+  for (int l = 0; l < 2; ++l) {
+    timings.add(l, LayerTimings::kForward, 1.0);  // one sample: warm-up only
+    timings.add(l, LayerTimings::kBackward, 1.0);
+  }
+  EXPECT_FALSE(timings.complete());
+  for (int l = 0; l < 2; ++l) timings.add(l, LayerTimings::kForward, 1.0);
+  EXPECT_FALSE(timings.complete());  // no backward beyond warm-up
+  timings.add(0, LayerTimings::kBackward, 1.0);
+  EXPECT_FALSE(timings.complete());  // layer 1 still lacks one
+  timings.add(1, LayerTimings::kBackward, 1.0);
+  EXPECT_TRUE(timings.complete());
+}
+
+TEST(LayerTimings, KeptBytesFollowTheLargestOutputAndAreAtLeastTheOutput) {
+  LayerTimings timings(2);
+  EXPECT_TRUE(timings.wants_kept_bytes(0));
+  // The first metered forward is dropped (it holds one-off workspaces).
+  timings.add_kept_bytes(0, 1000, 1000, 100);
+  timings.add_kept_bytes(0, 300, 300, 100);  // keeps 3 x its output
+  timings.add_kept_bytes(0, 200, 200, 100);  // less: the largest ratio stays
+  EXPECT_FALSE(timings.wants_kept_bytes(0));
+  timings.add_output_bytes(0, 100);
+  timings.add_output_bytes(0, 50);  // the largest output counts
+  timings.add_output_bytes(1, 64);  // never metered: its output at least
+  EXPECT_EQ(timings.costs({0, 0}, {0, 0})[0].activation_bytes, 300);
+  EXPECT_EQ(timings.costs({0, 0}, {0, 0})[1].activation_bytes, 64);
+  // A longer sequence later: the estimate scales with the output.
+  timings.add_output_bytes(0, 400);
+  EXPECT_EQ(timings.costs({0, 0}, {0, 0})[0].activation_bytes, 1200);
+}
+
+// Working bytes: the most a forward held beyond what it kept, or a backward
+// held; the largest ratio to the output, as kept bytes.
+TEST(LayerTimings, WorkingBytesAreTheLargestPeakBeyondWhatIsKept) {
+  LayerTimings timings(2);
+  timings.add_output_bytes(0, 100);
+  timings.add_output_bytes(1, 100);
+  timings.add_kept_bytes(0, 900, 5000, 100);  // dropped (workspaces)
+  timings.add_kept_bytes(0, 300, 500, 100);   // held 200 beyond the 300 it keeps
+  EXPECT_EQ(timings.costs({0, 0}, {0, 0})[0].working_bytes, 200);
+  EXPECT_TRUE(timings.wants_backward_bytes(0));
+  timings.add_backward_bytes(0, 9000);  // dropped
+  timings.add_backward_bytes(0, 150);   // less than the forward's: stays 200
+  EXPECT_EQ(timings.costs({0, 0}, {0, 0})[0].working_bytes, 200);
+  timings.add_backward_bytes(0, 700);
+  EXPECT_FALSE(timings.wants_backward_bytes(0));
+  EXPECT_EQ(timings.costs({0, 0}, {0, 0})[0].working_bytes, 700);
+  EXPECT_EQ(timings.costs({0, 0}, {0, 0})[1].working_bytes, 0);  // never metered
+  timings.add_output_bytes(0, 200);                              // scales with the output
+  EXPECT_EQ(timings.costs({0, 0}, {0, 0})[0].working_bytes, 1400);
+}
+
+TEST(LayerTimings, CostsNeedOneSizePerLayer) {
+  LayerTimings timings(2);
+  EXPECT_THROW(timings.costs({1}, {1}), c10::Error);
+}
+
+}  // namespace
+}  // namespace roundpipe::testing
