@@ -13,11 +13,21 @@
 # status but 0; SCRIPTS="SCRIPT SHAPE CAP ARGS...;..." runs the original's
 # benchmark scripts (our copies) on ours and the original (SCRIPT_IMPLS picks); RESIDENT="SHAPE BATCH SEQ STEPS" adds GPU-resident peft LoRA
 # (bench/lora_bench.py), PYTEST="ARGS" a pytest run, HOST_PROBE="PART STEPS;..." the host
-# memory probe (bench/host_memory_probe.py) beside them. Logs go to $OUT (or ./bench-out).
+# memory probe (bench/host_memory_probe.py) beside them; BASE=REGEX runs the matching runs, each
+# repeat, on an earlier version of our package too (the source tree in .gpu-base: make it with
+# `git archive <commit> | tar -x -C .gpu-base` and carry it), alternating with the current one, for a
+# before/after in one call. Logs go to $OUT (or ./bench-out).
 set -uo pipefail
 out="${OUT:-$PWD/bench-out}"; mkdir -p "$out"
 py=python3
+if [ -n "${BASE:-}" ]; then  # the earlier version, built beside the current one
+  ln -sfn ../.deps .gpu-base/.deps
+  $py -m pip install -q --no-index --find-links .deps/wheels "scikit-build-core>=0.10" 2>&1 | tail -2
+  ( CMAKE_BUILD_PARALLEL_LEVEL=8 $py -m pip install -q --no-build-isolation --no-deps --target /tmp/base ./.gpu-base \
+      > "$out/base_install.log" 2>&1 || echo "base: install failed" ) & base_pid=$!
+fi
 source bench/gpu_install.sh
+[ -n "${BASE:-}" ] && { wait "$base_pid"; echo "base installed after ${SECONDS}s"; }
 if [ -n "${ORIGINAL:-}" ]; then
   $py -m pip install -q --no-index --no-deps --target /tmp/original .deps/original/*.whl \
     > "$out/original_install.log" 2>&1 || echo "original: install failed"
@@ -38,7 +48,7 @@ runs="${RUNS-1.7B 24 16 4096;1.7B 16 16 4096;1.7B 12 16 4096;4B 24 16 4096;4B 12
 IFS=';' read -ra list <<< "$runs"
 one() {  # impl log args...
   local impl=$1 log=$2; shift 2
-  local pypath=""; [ "$impl" = original ] && pypath=/tmp/original
+  local pypath=""; [ "$impl" = original ] && pypath=/tmp/original; [ "$impl" = base ] && pypath=/tmp/base
   local shape=$1 cap=$2 batch=$3 seq=$4; shift 4
   env "$@" PYTHONPATH="$pypath" PYTHONUNBUFFERED=1 timeout "${RUN_TIMEOUT:-200}" \
     $py bench/user_train.py "$shape" "$cap" "$batch" "$seq" "${TIMED:-4}" "${WARMUP:-3}" > "$log" 2>&1
@@ -46,6 +56,7 @@ one() {  # impl log args...
   local retries; retries=$(grep -c "ran out of memory" "$log")
   local result; result=$(grep "^RESULT" "$log" | sed 's/^RESULT //')
   [ -z "$result" ] && result="FAILED: $(grep -E "Error|error|terminate" "$log" | tail -2 | cut -c1-300 | tr '\n' ' ')"
+  [ "$impl" = base ] && result="[base] $result"
   echo "$result oom_warnings=$retries unknown_size_warnings=$(grep -c 'unknown size' "$log") exit=$rc (${SECONDS}s)"
   grep -A40 "^  plan:" "$log" | head -40
 }
@@ -67,6 +78,9 @@ for run in "${list[@]}"; do
   read -ra words <<< "$run"
   for r in $(seq 1 "${REPEAT:-1}"); do
     n=$((n + 1)); one ours "$out/run$n.log" "${words[@]}"
+    if [ -n "${BASE:-}" ] && [[ "$run" =~ $BASE ]]; then
+      n=$((n + 1)); one base "$out/run$n.log" "${words[@]}"
+    fi
   done
   if [ -n "${ORIGINAL:-}" ] && [[ "$run" =~ $ORIGINAL ]]; then
     n=$((n + 1)); one original "$out/run$n.log" "${words[@]}"

@@ -40,6 +40,11 @@ if ! .venv/bin/python -c 'import peft, sys; sys.exit(peft.__version__ != "0.21.2
   echo "[setup] installing peft==0.21.2 into .venv (test oracle for LoRA on the presets)"
   .venv/bin/python -m pip install -q peft==0.21.2 "torch==2.11.0" "transformers==5.17.0"
 fi
+# The 4-bit base-weight tests compare with bitsandbytes (its CPU path).
+if ! .venv/bin/python -c 'import bitsandbytes, sys; sys.exit(bitsandbytes.__version__ != "0.50.2")' 2>/dev/null; then
+  echo "[setup] installing bitsandbytes==0.50.2 into .venv (test oracle for 4-bit base weights)"
+  .venv/bin/python -m pip install -q bitsandbytes==0.50.2 "torch==2.11.0"
+fi
 # roundpipe.prepare reads local files with datasets; roundpipe.plot draws
 # with matplotlib; roundpipe.train writes TensorBoard events when
 # tensorboard is there (the tests check all three).

@@ -103,41 +103,21 @@ def write_token_file(path: str, examples: Iterable[Example], metadata: dict) -> 
 
 class TokenFile(Sequence):
     """A token file mapped from disk: ``len()`` examples, each an
-    :class:`Example` read on access."""
+    :class:`Example` read on access. The reader is roundpipe-train's (C++,
+    ``roundpipe._C.TokenFile``): it checks the file as it maps it."""
 
     def __init__(self, path: str, max_tokens: Optional[int] = None):
+        from . import _C
         self.path = path
-        with open(path, "rb") as f:
-            magic = f.read(8)
-            if magic != MAGIC:
-                raise ValueError(f"{path} is not a roundpipe token file (write one with "
-                                 "python -m roundpipe.prepare)")
-            length = int(np.frombuffer(f.read(8), dtype=np.uint64)[0])
-            self.header = json.loads(f.read(length))
-        if self.header.get("version") != VERSION:
-            raise ValueError(f"{path} is a token file of version {self.header.get('version')}; "
-                             f"this roundpipe reads version {VERSION}")
-        n, tokens = self.header["num_examples"], self.header["num_tokens"]
         self.max_tokens = max_tokens
-
-        def section(name, dtype, count):
-            offset, nbytes = self.header["sections"][name]
-            if nbytes != count * np.dtype(dtype).itemsize:
-                raise ValueError(f"{path}: section {name} has the wrong size")
-            return np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=(count,))
-
-        self.offsets = section("offsets", np.int64, n + 1)
-        self.input_ids = section("input_ids", np.int32, tokens)
-        self.trained = section("trained", np.uint8, tokens)
+        self.native = _C.TokenFile(os.fspath(path), max_tokens)  # ValueError naming what is wrong
+        self.header = json.loads(self.native.header_json)
 
     def __len__(self) -> int:
-        return self.header["num_examples"]
+        return len(self.native)
 
     def __getitem__(self, index: int) -> Example:
         if not -len(self) <= index < len(self):
             raise IndexError(f"example {index} of {len(self)}")
-        index %= len(self)
-        begin, end = int(self.offsets[index]), int(self.offsets[index + 1])
-        if self.max_tokens is not None:
-            end = min(end, begin + self.max_tokens)
-        return Example(self.input_ids[begin:end].tolist(), self.trained[begin:end].tolist())
+        input_ids, trained = self.native.example(index % len(self))
+        return Example(input_ids, trained)

@@ -28,7 +28,6 @@ import time
 from dataclasses import dataclass, field
 from typing import List, Optional, Sequence, Union
 
-import numpy as np
 import torch
 
 from .run_config import default_num_microbatch
@@ -106,125 +105,72 @@ def weight_decay_applies(name: str) -> bool:
     return not name.endswith(".bias") and "norm" not in name
 
 
-def collate(examples: Sequence[Example], pad_id: int = 0) -> dict:
-    """One example a row, right padded (attention_mask 0, labels -100)."""
-    length = max(len(e.input_ids) for e in examples)
-    ids = torch.full((len(examples), length), pad_id, dtype=torch.long)
-    labels = torch.full_like(ids, -100)
-    mask = torch.zeros_like(ids)
-    for r, e in enumerate(examples):
-        n = len(e.input_ids)
-        ids[r, :n] = torch.tensor(e.input_ids)
-        labels[r, :n] = torch.tensor(e.labels)
-        mask[r, :n] = 1
-    return dict(input_ids=ids, attention_mask=mask, labels=labels)
-
-
-def pack(examples: Sequence[Example], seq_len: int, min_rows: int = 1, pad_id: int = 0) -> dict:
-    """The examples packed into rows of at most seq_len tokens (longest
-    first, each into the emptiest row it fits), position_ids restarting per
-    example and each example's first label -100, so that no label crosses
-    into the next (transformers' DataCollatorWithFlattening form)."""
-    docs = sorted((e for e in examples), key=lambda e: -len(e.input_ids))
-    rows: List[List[Example]] = [[] for _ in range(max(min_rows, 1))]
-    used = [0] * len(rows)
-    for d in docs:
-        n = min(len(d.input_ids), seq_len)
-        fits = [r for r in range(len(rows)) if used[r] + n <= seq_len]
-        if not fits:
-            rows.append([])
-            used.append(0)
-            fits = [len(rows) - 1]
-        r = min(fits, key=lambda i: used[i])
-        rows[r].append(Example(d.input_ids[:n], d.trained[:n]))
-        used[r] += n
-    width = max(max(used), 1)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    labels = torch.full_like(ids, -100)
-    positions = torch.zeros_like(ids)
-    for r, row in enumerate(rows):
-        at = 0
-        for d in row:
-            n = len(d.input_ids)
-            ids[r, at:at + n] = torch.tensor(d.input_ids)
-            lab = torch.tensor(d.labels)
-            lab[0] = -100
-            labels[r, at:at + n] = lab
-            positions[r, at:at + n] = torch.arange(n)
-            at += n
-        positions[r, at:] = torch.arange(width - at)  # the padding: one more document, unlabelled
-    return dict(input_ids=ids, labels=labels, position_ids=positions)
-
-
-def step_examples(data: Sequence[Example], args: TrainingArguments, step: int) -> List[List[Example]]:
-    """The examples of `step`'s grad_accum batches (in a shuffle by seed
-    and epoch, wrapping around), cut to seq_len."""
-    n = len(data)
-    per_step = args.batch_size * args.grad_accum
-    steps_per_epoch = max(1, n // per_step)
-    epoch = step // steps_per_epoch
-    order = np.random.default_rng(args.seed + epoch).permutation(n)
-    first = (step % steps_per_epoch) * per_step
-    out = []
-    for a in range(args.grad_accum):
-        picks = [order[(first + a * args.batch_size + j) % n] for j in range(args.batch_size)]
-        out.append([Example(data[int(i)].input_ids[:args.seq_len], data[int(i)].trained[:args.seq_len])
-                    for i in picks])
-    return out
-
-
-def batch_of(examples: Sequence[Example], args: TrainingArguments, rows_at_least: int, pad_id: int = 0) -> tuple:
-    """The examples packed (or padded) into one batch, with their number of
-    tokens."""
-    batch = pack(examples, args.seq_len, rows_at_least, pad_id) if args.packing else collate(examples, pad_id)
-    return batch, sum(len(e.input_ids) for e in examples)
-
-
-def step_batches(data: Sequence[Example], args: TrainingArguments, step: int, rows_at_least: int,
-                 pad_id: int = 0) -> List[tuple]:
-    """The grad_accum batches of `step`, each with its number of tokens."""
-    return [batch_of(examples, args, rows_at_least, pad_id) for examples in step_examples(data, args, step)]
-
-
-def labelled_tokens(examples: Sequence[Example]) -> int:
-    """The labels the loss counts in the examples' batch (its labels[:, 1:]
-    other than -100), padded or packed alike: each example's trained tokens
-    after its first, which the next-token shift (a row's first token) or
-    packing (every other example's) leaves without a target."""
-    return sum(sum(e.trained[1:]) for e in examples)
-
-
-def _schedule(optimizer, args: TrainingArguments, total_steps: int):
-    from transformers import get_scheduler
-    warmup = math.ceil(args.warmup_ratio * total_steps) if args.warmup_ratio else args.warmup_steps
-    return get_scheduler(args.lr_schedule, optimizer, num_warmup_steps=warmup,
-                         num_training_steps=total_steps)
-
-
-def _open_data(data, seq_len):
+def as_dataset(data, seq_len: int):
+    """`data` as the C++ trainer's dataset (``roundpipe._C.Dataset``), its
+    examples cut to seq_len: a token file's path, a :class:`TokenFile`, a
+    list of :class:`Example`, or a dataset already."""
+    from . import _C
+    if isinstance(data, _C.Dataset):
+        return data
     if isinstance(data, (str, os.PathLike)):
-        return TokenFile(os.fspath(data), max_tokens=seq_len)
-    return data
+        return _C.TokenFile(os.fspath(data), seq_len)
+    if isinstance(data, TokenFile):
+        return _C.TokenFile(data.path, seq_len)
+    return _C.examples_dataset([(e.input_ids, e.labels) for e in data], seq_len)
 
 
-def evaluate(pipe, data: Sequence[Example], batch_size: int, num_microbatch: Optional[int] = None,
-             pad_id: int = 0) -> float:
+def collate(examples: Sequence[Example]) -> dict:
+    """One example a row, right padded (attention_mask 0, labels -100):
+    roundpipe-train's batching (``roundpipe._C.collate``)."""
+    from . import _C
+    return _C.collate(as_dataset(examples, 2**62), 0, len(examples))[0]
+
+
+def pack(examples: Sequence[Example], seq_len: int, min_rows: int = 1) -> dict:
+    """The examples packed into rows of at most seq_len tokens and at least
+    min_rows rows (longest first, each into the emptiest row it fits),
+    position_ids restarting per example and each example's first label
+    -100, so that no label crosses into the next (transformers'
+    DataCollatorWithFlattening form): roundpipe-train's packing
+    (``roundpipe._C.pack``)."""
+    from . import _C
+    return _C.pack(as_dataset(examples, seq_len), seq_len, min_rows)[0]
+
+
+def step_data(data, args: TrainingArguments, rows_at_least: int, rank: int = 0, world: int = 1):
+    """The run's steps (``roundpipe._C.StepData``, roundpipe-train's): step
+    k of an epoch takes the next batch_size x grad_accum examples of a
+    shuffle by seed + epoch, packed (at least rows_at_least rows a call) or
+    padded; under data parallel each rank takes its share of every call."""
+    from . import _C
+    return _C.StepData(as_dataset(data, args.seq_len), args.batch_size, args.grad_accum, args.seq_len,
+                       args.packing, rows_at_least, args.seed, rank, world)
+
+
+def step_batches(data, args: TrainingArguments, step: int, rows_at_least: int) -> List[tuple]:
+    """The grad_accum batches of `step`, each with its number of tokens."""
+    return step_data(data, args, rows_at_least).at(step)[0]
+
+
+def evaluate(pipe, data, batch_size: int, num_microbatch: Optional[int] = None) -> float:
     """The mean loss over every labelled token of `data` (padded batches,
-    in inference mode; one batch in memory at a time)."""
-    total = sum(sum(1 for m in data[i].trained[1:] if m) for i in range(len(data)))
+    in inference mode; one batch in memory at a time): roundpipe-train's
+    evaluation."""
+    from . import _C
+    from .run_config import RoundPipeRunConfig
+    data = as_dataset(data, 2**62)
+    starts = range(0, len(data), batch_size)
+    total = sum(_C.collate(data, b, batch_size)[1] for b in starts)  # (a first pass: the counts)
     if total == 0:
         return float("nan")
-    from .run_config import RoundPipeRunConfig
+    wanted = num_microbatch or pipe.model_run_config.num_microbatch or default_num_microbatch(len(pipe.devices))
     loss = 0.0
     with torch.no_grad():
-        for start in range(0, len(data), batch_size):
-            b = collate([data[i] for i in range(start, min(start + batch_size, len(data)))], pad_id)
+        for b in starts:
+            batch, _ = _C.collate(data, b, batch_size)
             # (A last batch of fewer rows than microbatches runs in fewer.)
-            rows = b["input_ids"].shape[0]
-            wanted = (num_microbatch or pipe.model_run_config.num_microbatch
-                      or default_num_microbatch(len(pipe.devices)))
-            config = RoundPipeRunConfig(num_microbatch=min(rows, wanted))
-            out = pipe(**b, num_items_in_batch=total, return_logits=False, roundpipe_run_config=config)
+            config = RoundPipeRunConfig(num_microbatch=min(batch["input_ids"].shape[0], wanted))
+            out = pipe(**batch, num_items_in_batch=total, return_logits=False, roundpipe_run_config=config)
             loss += float(out.loss)
     return loss
 
@@ -249,16 +195,11 @@ def train(model, data, args: Optional[TrainingArguments] = None, **kwargs) -> Tr
     torch.manual_seed(args.seed)
     os.makedirs(args.output_dir, exist_ok=True)
 
-    data = _open_data(data, args.seq_len)
-    eval_data = _open_data(args.eval_data, args.seq_len) if args.eval_data is not None else None
-    if args.eval_fraction:
-        order = np.random.default_rng(args.seed + 7919).permutation(len(data))
-        held = max(1, round(args.eval_fraction * len(data)))
-        if held >= len(data):
-            raise ValueError(f"eval_fraction {args.eval_fraction} holds out all {len(data)} examples")
-        full = data
-        eval_data = _Subset(full, [int(i) for i in order[len(data) - held:]])
-        data = _Subset(full, sorted(int(i) for i in order[:len(data) - held]))
+    from . import _C
+    data = as_dataset(data, args.seq_len)
+    eval_data = as_dataset(args.eval_data, args.seq_len) if args.eval_data is not None else None
+    if args.eval_fraction:  # roundpipe-train's split: the last of a shuffle by seed + 7919
+        data, eval_data = _C.hold_out(data, args.eval_fraction, args.seed)
 
     if isinstance(model, RoundPipe):
         pipe, hf = model, getattr(model, "model", None)
@@ -267,7 +208,6 @@ def train(model, data, args: Optional[TrainingArguments] = None, **kwargs) -> Tr
         pipe, hf = wrap_model_to_roundpipe(model, model_run_config=config), model
     rows_at_least = (args.num_microbatch or pipe.model_run_config.num_microbatch
                      or default_num_microbatch(len(pipe.devices)))
-    pad_id = getattr(getattr(hf, "config", None), "pad_token_id", None) or 0
     # Data parallel (roundpipe.distributed, e.g. under torchrun): each rank
     # trains on its share of every batch; rank 0 alone writes and prints.
     group = getattr(pipe, "_process_group", None)
@@ -293,9 +233,10 @@ def train(model, data, args: Optional[TrainingArguments] = None, **kwargs) -> Tr
     groups = [g for g in (dict(params=decayed, weight_decay=args.weight_decay),
                           dict(params=not_decayed, weight_decay=0.0)) if g["params"]]
     optimizer = rp_optim.AdamW(groups, lr=args.lr, eps=args.adam_epsilon)
-    per_step = args.batch_size * args.grad_accum
-    total_steps = args.max_steps or args.num_epochs * max(1, len(data) // per_step)
-    scheduler = _schedule(optimizer, args, total_steps)
+    steps = step_data(data, args, rows_at_least, rank, world)
+    total_steps = args.max_steps or args.num_epochs * steps.steps_per_epoch()
+    # transformers' schedules (get_scheduler's), roundpipe-train's code.
+    schedule = _C.LrSchedule(args.lr_schedule, args.lr, args.warmup_ratio, args.warmup_steps, total_steps)
     params = [p for g in groups for p in g["params"]]
 
     result = TrainResult(metrics_path=os.path.join(args.output_dir, "metrics.jsonl"))
@@ -324,10 +265,11 @@ def train(model, data, args: Optional[TrainingArguments] = None, **kwargs) -> Tr
             norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
         else:
             norm = torch.nn.utils.get_total_norm(grads)
-        result.learning_rates.append(optimizer.param_groups[0]["lr"])
+        for g in optimizer.param_groups:
+            g["lr"] = schedule.at(step)
+        result.learning_rates.append(schedule.at(step))
         result.grad_norms.append(float(norm))
         optimizer.step()
-        scheduler.step()
         optimizer.zero_grad()
 
     writer = None
@@ -338,54 +280,38 @@ def train(model, data, args: Optional[TrainingArguments] = None, **kwargs) -> Tr
         except ImportError:
             if args.tensorboard:
                 raise
-    metrics = open(result.metrics_path if writes else os.devnull, "w")
-    unwritten: List[dict] = []
+    # roundpipe-train's metrics.jsonl (C++): a step's line waits for its
+    # update's gradient norm and rate; at the end (or on an error) the rest
+    # are written without. The lines written go to TensorBoard too.
+    metrics = _C.MetricsLog(result.metrics_path if writes else "")
 
     def write_known(final=False):
-        # A line waits for its step's norm and rate (known once the update
-        # ran); at the end (or on an error) the rest are written without.
-        while unwritten:
-            line = unwritten[0]
-            if "loss" in line:
-                k = line["step"] - 1
-                if k >= len(result.grad_norms):
-                    if not final:
-                        break
-                    metrics.write(json.dumps(dict(line, grad_norm=None, lr=None)) + "\n")
-                    unwritten.pop(0)
-                    continue
-                line["grad_norm"], line["lr"] = result.grad_norms[k], result.learning_rates[k]
-                if k in global_losses:
-                    line["loss"] = global_losses[k]
-                if writer is not None:
-                    writer.add_scalar("train/loss", line["loss"], line["step"])
-                    writer.add_scalar("train/grad_norm", line["grad_norm"], line["step"])
-                    writer.add_scalar("train/learning_rate", line["lr"], line["step"])
-            metrics.write(json.dumps(line) + "\n")
-            unwritten.pop(0)
-        metrics.flush()
+        losses = [global_losses[k] for k in range(len(global_losses))] if group is not None else []
+        for text in metrics.write_known(list(result.grad_norms), list(result.learning_rates), losses, final):
+            line = json.loads(text)
+            if writer is None or "loss" not in line or line.get("grad_norm") is None:
+                continue
+            writer.add_scalar("train/loss", line["loss"], line["step"])
+            writer.add_scalar("train/grad_norm", line["grad_norm"], line["step"])
+            writer.add_scalar("train/learning_rate", line["lr"], line["step"])
 
     def run_eval(step):
         if eval_data is None or not writes:
             return
-        loss = evaluate(pipe, eval_data, args.batch_size, args.num_microbatch, pad_id)
+        loss = evaluate(pipe, eval_data, args.batch_size, args.num_microbatch)
         result.eval_losses.append((step, loss))
-        unwritten.append(dict(step=step, eval_loss=loss, eval_perplexity=math.exp(loss)))
+        metrics.add_eval(step, loss)
         if writer is not None:
             writer.add_scalar("eval/loss", loss, step)
 
     start = last = time.perf_counter()
     try:
         for step in range(total_steps):
-            # Each rank batches its contiguous share of every batch's
+            # Each rank batches its contiguous share of every call's
             # examples; the loss divides by the step's labelled tokens over
-            # all shares (counted here: no collective on this thread) over
-            # the ranks, whose gradients are then averaged.
-            whole = step_examples(data, args, step)
-            share = args.batch_size // world
-            batches = [batch_of(examples[rank * share:(rank + 1) * share], args, rows_at_least, pad_id)
-                       for examples in whole]
-            items = sum(labelled_tokens(examples) for examples in whole)
+            # all shares (counted by StepData: no collective on this
+            # thread) over the ranks, whose gradients are then averaged.
+            batches, _, items = steps.at(step)
             # (A step whose examples have no labels, cut by seq_len, gets
             # zero loss and gradients rather than 0 / 0.)
             tokens = sum(n for _, n in batches)
@@ -405,7 +331,7 @@ def train(model, data, args: Optional[TrainingArguments] = None, **kwargs) -> Tr
                         device_peak_bytes=int(torch.cuda.max_memory_allocated())
                         if torch.cuda.is_available() else 0)
             last = now
-            unwritten.append(line)
+            metrics.add_step(json.dumps(line))
             if writer is not None:
                 writer.add_scalar("train/tokens_per_second", line["tokens_per_second"], step + 1)
             if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 < total_steps:
@@ -428,7 +354,6 @@ def train(model, data, args: Optional[TrainingArguments] = None, **kwargs) -> Tr
         write_known()
     finally:
         write_known(final=True)
-        metrics.close()
         if writer is not None:
             writer.close()
     result.steps = total_steps
@@ -437,13 +362,3 @@ def train(model, data, args: Optional[TrainingArguments] = None, **kwargs) -> Tr
         hf.save_pretrained(args.output_dir)
     return result
 
-
-class _Subset(Sequence):
-    def __init__(self, base, indices):
-        self.base, self.indices = base, indices
-
-    def __len__(self):
-        return len(self.indices)
-
-    def __getitem__(self, i):
-        return self.base[self.indices[i]]

@@ -15,12 +15,14 @@
 #include "process_group.h"
 #include "py_layer.h"
 #include "pytree.h"
+#include "quantized.h"
 #include "roundpipe/distributed.h"
 #include "roundpipe/models/causal_lm.h"
 #include "roundpipe/optim/adam.h"
 #include "roundpipe/optim/grad_scaler.h"
 #include "roundpipe/recompute.h"
 #include "roundpipe/roundpipe.h"
+#include "training.h"
 
 namespace roundpipe::python {
 namespace {
@@ -503,4 +505,7 @@ PYBIND11_MODULE(_C, m) {
   m.def("save_for_recompute", [](py::object data) { save_for_recompute(to_ivalue(data)); });
   m.def("doing_recompute", &doing_recompute);
   m.def("get_recompute_data", [] { return to_python(get_recompute_data()); });
+
+  bind_training(m);
+  bind_quantized(m);
 }

@@ -240,6 +240,17 @@ Batch collate(const std::vector<Example>& examples, const std::vector<int64_t>& 
   return batch;
 }
 
+Batch collate_range(const Dataset& data, int64_t begin, int64_t count) {
+  TORCH_CHECK(begin >= 0 && begin < data.size() && count >= 1, "examples ", begin, " + ", count,
+              " are not in the data's ", data.size());
+  const int64_t n = std::min(count, data.size() - begin);
+  std::vector<int64_t> order(n);
+  std::iota(order.begin(), order.end(), begin);
+  const auto examples = gather(data, order, 0, n);
+  std::iota(order.begin(), order.end(), 0);  // (now of `examples`)
+  return collate(examples, order, 0, n);
+}
+
 namespace {
 
 // Documents into rows: longest first, each into the row with the fewest

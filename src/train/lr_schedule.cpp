@@ -16,6 +16,12 @@ LrScheduleKind lr_schedule_from_string(const std::string& text) {
               "': use constant, linear or cosine");
 }
 
+int64_t warmup_steps_of(double warmup_ratio, int64_t warmup_steps, int64_t total_steps) {
+  return warmup_ratio > 0
+             ? static_cast<int64_t>(std::ceil(warmup_ratio * static_cast<double>(total_steps)))
+             : warmup_steps;
+}
+
 double LrSchedule::at(int64_t done) const {
   if (done < warmup_steps) {
     return peak_lr * static_cast<double>(done) /

@@ -93,8 +93,8 @@ TokenFile::TokenFile(const std::string& path, int64_t max_tokens)
   mapping_ = mapping;
   const auto* bytes = static_cast<const char*>(mapping_);
   const auto fail = [&](const std::string& what) {
-    TORCH_CHECK(false, path, " is not a valid token file (", what,
-                "): write it again with python -m roundpipe.prepare");
+    TORCH_CHECK_VALUE(false, path, " is not a valid token file (", what,
+                      "): write it again with python -m roundpipe.prepare");
   };
   try {
     if (mapped_bytes_ < 16 || std::memcmp(bytes, kMagic, sizeof(kMagic)) != 0)
@@ -106,9 +106,9 @@ TokenFile::TokenFile(const std::string& path, int64_t max_tokens)
     const auto header = nlohmann::json::parse(header_json_, nullptr, false);
     if (!header.is_object() || header.value("format", "") != "roundpipe-tokens")
       fail("its header is not a roundpipe-tokens JSON object");
-    TORCH_CHECK(header.value("version", 0) == 1, path, " is a token file of version ",
-                header.value("version", 0),
-                "; this roundpipe reads version 1: prepare it again with this roundpipe");
+    TORCH_CHECK_VALUE(header.value("version", 0) == 1, path, " is a token file of version ",
+                      header.value("version", 0),
+                      "; this roundpipe reads version 1: prepare it again with this roundpipe");
     num_examples_ = header.value("num_examples", int64_t{-1});
     num_tokens_ = header.value("num_tokens", int64_t{-1});
     max_token_id_ = header.value("max_token_id", int64_t{-1});
@@ -149,8 +149,8 @@ TokenFile::TokenFile(const std::string& path, int64_t max_tokens)
   } catch (const nlohmann::json::exception& e) {
     ::munmap(mapping_, mapped_bytes_);
     mapping_ = nullptr;
-    TORCH_CHECK(false, path, " is not a valid token file (its header: ", e.what(),
-                "): write it again with python -m roundpipe.prepare");
+    TORCH_CHECK_VALUE(false, path, " is not a valid token file (its header: ", e.what(),
+                      "): write it again with python -m roundpipe.prepare");
   } catch (...) {
     ::munmap(mapping_, mapped_bytes_);
     mapping_ = nullptr;

@@ -7,6 +7,7 @@
 #include <roundpipe/distributed.h>
 #include <roundpipe/models/causal_lm.h>
 #include <roundpipe/train/data.h>
+#include <roundpipe/train/step_data.h>
 #include <roundpipe/wrap.h>
 #include <signal.h>
 #include <unistd.h>
@@ -14,22 +15,21 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
-#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
-#include <map>
-#include <numeric>
-#include <random>
 #include <sstream>
 #include <thread>
 
 #include "io/atomic_directory.h"
 #include "train/hf_cache.h"
+#include "train/metrics_log.h"
+#include "train/option_checks.h"
 #include "train/output_dir.h"
 #include "train/run_settings.h"
+#include "train/stop_signals.h"
 
 namespace roundpipe::train {
 namespace {
@@ -44,48 +44,6 @@ std::string eta(double seconds) {
                 static_cast<long long>(s / 60 % 60), static_cast<long long>(s % 60));
   return text;
 }
-
-// ---------------------------------------------------------------- signals
-
-std::atomic<int> stop_signal{0};
-
-extern "C" void on_stop_signal(int signal) {
-  if (stop_signal.exchange(signal) != 0) {  // the second one: stop at once
-    ::signal(signal, SIG_DFL);
-    ::raise(signal);
-    return;
-  }
-  static const char message[] =
-      "\nroundpipe-train: stopping after the current step (a training checkpoint is saved "
-      "unless it was the last; send the signal again to quit at once)\n";
-  [[maybe_unused]] auto written = ::write(STDERR_FILENO, message, sizeof(message) - 1);
-}
-
-// SIGINT and SIGTERM ask the loop to stop after the step in flight, while
-// it runs; the previous handlers come back when it ends.
-class StopSignals {
- public:
-  StopSignals() {
-    stop_signal = 0;
-    struct sigaction action {};
-    action.sa_handler = on_stop_signal;
-    sigemptyset(&action.sa_mask);
-    ::sigaction(SIGINT, &action, &previous_int_);
-    ::sigaction(SIGTERM, &action, &previous_term_);
-  }
-  ~StopSignals() {
-    ::sigaction(SIGINT, &previous_int_, nullptr);
-    ::sigaction(SIGTERM, &previous_term_, nullptr);
-    stop_signal = 0;
-  }
-  StopSignals(const StopSignals&) = delete;
-  StopSignals& operator=(const StopSignals&) = delete;
-  int received() const { return stop_signal.load(); }
-
- private:
-  struct sigaction previous_int_ {};
-  struct sigaction previous_term_ {};
-};
 
 }  // namespace
 
@@ -106,103 +64,12 @@ int64_t resident_bytes() {
 
 // ---------------------------------------------------------------- numbers
 
-std::vector<int64_t> identity_order(int64_t count) {
-  std::vector<int64_t> order(count);
-  std::iota(order.begin(), order.end(), 0);
-  return order;
-}
-
 bool all_finite(const std::vector<at::Tensor>& tensors) {
   return std::all_of(tensors.begin(), tensors.end(),
                      [](const at::Tensor& t) { return at::isfinite(t).all().item<bool>(); });
 }
 
-void check(bool ok, const char* option, const std::string& accepted, const std::string& got) {
-  TORCH_CHECK(ok, option, " must be ", accepted, ", got ", got);
-}
-
 }  // namespace
-
-namespace {
-
-// The sizes against the data (before the model loads): a step needs
-// batch-size x grad-accum examples, and a microbatch at least one row of
-// each process's share of a batch.
-void check_sizes(const TrainOptions& a, int64_t train_examples, int processes) {
-  const int64_t step_examples = a.batch_size * a.grad_accum;
-  TORCH_CHECK(a.batch_size <= train_examples && step_examples <= train_examples, "--batch-size ",
-              a.batch_size,
-              a.grad_accum > 1 ? " x --grad-accum " + std::to_string(a.grad_accum) : std::string(),
-              " needs ", step_examples, " examples a step, more than the ", train_examples,
-              " training examples there are: lower it (or give more data)");
-  const int64_t rows = a.batch_size / std::max(processes, 1);
-  TORCH_CHECK(a.microbatches <= rows, "--microbatches ", a.microbatches, " is more than the ", rows,
-              " examples of a batch", processes > 1 ? " per process" : "",
-              ": a microbatch needs at least one; give --microbatches ", rows,
-              " or fewer (or a larger --batch-size)");
-}
-
-}  // namespace
-
-void validate(const TrainOptions& a) {
-  auto text = [](auto v) { return std::to_string(v); };
-  check(a.batch_size >= 1, "--batch-size", "at least 1", text(a.batch_size));
-  check(a.seq_len >= 2, "--seq-len", "at least 2 (a token and the next)", text(a.seq_len));
-  check(a.steps >= 0, "--steps", ">= 0 (0: one epoch, or --epochs)", text(a.steps));
-  check(a.epochs >= 0, "--epochs", ">= 0", text(a.epochs));
-  check(a.checkpoint_every >= 0, "--checkpoint-every", ">= 0 (0: no periodic checkpoints)",
-        text(a.checkpoint_every));
-  check(a.log_every >= 1, "--log-every", "at least 1", text(a.log_every));
-  check(a.grad_accum >= 1, "--grad-accum", "at least 1 (batches per optimizer step)",
-        text(a.grad_accum));
-  check(a.eval_every >= 0, "--eval-every", ">= 0 (0: at the end only)", text(a.eval_every));
-  check(a.reduce_dtype == "float32" || a.reduce_dtype == "bfloat16", "--reduce-dtype",
-        "float32 or bfloat16", a.reduce_dtype);
-  check(a.dist_timeout_s > 0, "--dist-timeout", "> 0 seconds", text(a.dist_timeout_s));
-  check(!a.shard_optimizer_state || a.dtype != "float16", "--shard-optimizer-state",
-        "bfloat16 or float32 training (float16's loss scaling would need every process's "
-        "inf/NaN check)",
-        "set with --dtype float16");
-  check(a.microbatches >= 0, "--microbatches", ">= 0 (0: devices + 1)", text(a.microbatches));
-  check(a.train_examples >= 1, "--train-examples", "at least 1", text(a.train_examples));
-  check(a.eval_examples >= 0, "--eval-examples", ">= 0", text(a.eval_examples));
-  check(a.loss_chunk >= 1, "--loss-chunk", "at least 1", text(a.loss_chunk));
-  check(a.lora_rank >= 0, "--lora-rank", ">= 0 (0: no LoRA)", text(a.lora_rank));
-  check(std::isfinite(a.lora_alpha) && a.lora_alpha > 0, "--lora-alpha", "a positive number",
-        text(a.lora_alpha));
-  check(a.lora_dropout >= 0 && a.lora_dropout < 1, "--lora-dropout", "in [0, 1)",
-        text(a.lora_dropout));
-  check(!a.merge || a.lora_rank > 0, "--merge", "only with --lora-rank", "set without LoRA");
-  check(a.digits >= 1 && a.digits <= 9, "--digits", "between 1 and 9", text(a.digits));
-  check(a.length >= 1, "--length", "at least 1", text(a.length));
-  check(std::isfinite(a.lr) && a.lr > 0, "--lr", "a positive number", text(a.lr));
-  lr_schedule_from_string(a.lr_schedule);  // (names the choices)
-  check(a.warmup_steps >= 0, "--warmup-steps", ">= 0", text(a.warmup_steps));
-  check(std::isfinite(a.warmup_ratio) && a.warmup_ratio >= 0 && a.warmup_ratio < 1,
-        "--warmup-ratio", "in [0, 1)", text(a.warmup_ratio));
-  check(a.warmup_steps == 0 || a.warmup_ratio == 0, "--warmup-steps",
-        "0 when --warmup-ratio is given (one or the other)", text(a.warmup_steps));
-  check(std::isfinite(a.weight_decay) && a.weight_decay >= 0, "--weight-decay", ">= 0",
-        text(a.weight_decay));
-  check(std::isfinite(a.max_grad_norm) && a.max_grad_norm >= 0, "--max-grad-norm",
-        ">= 0 (0: no clipping)", text(a.max_grad_norm));
-  check(std::isfinite(a.eval_fraction) && a.eval_fraction >= 0 && a.eval_fraction < 1,
-        "--eval-fraction", "in [0, 1)", text(a.eval_fraction));
-  check(a.eval_fraction == 0 || a.eval_data.empty(), "--eval-fraction",
-        "0 when --eval-data is given (one or the other)", text(a.eval_fraction));
-  check(a.eval_fraction == 0 || !a.data.empty(), "--eval-fraction",
-        "used with --data (the built-in tasks hold out their own examples)", text(a.eval_fraction));
-  check(a.recompute.empty() || a.recompute == "stage" || a.recompute == "layer", "--recompute",
-        "stage or layer", a.recompute);
-  check(std::isfinite(a.memory_limit_gib) && a.memory_limit_gib >= 0, "--memory-limit",
-        "a size in GiB (0: what the device grants)", text(a.memory_limit_gib));
-  dtype_from_string(a.dtype);
-  pin_mode_from_string(a.pin);
-  if (a.data.empty()) {
-    check(a.task == "addition" || a.task == "reverse", "--task",
-          "reverse or addition (or give --data)", a.task);
-  }
-}
 
 TrainSummary run_training(const TrainOptions& given) {
   validate(given);
@@ -247,18 +114,9 @@ TrainSummary run_training(const TrainOptions& given) {
   if (!args.data.empty()) {
     auto all = open_dataset(args.data, args.seq_len, vocab_size, args.model);
     if (args.eval_fraction > 0) {
-      // The last examples of a shuffle by seed are held out.
-      std::vector<int64_t> order(all->size());
-      std::iota(order.begin(), order.end(), 0);
-      std::shuffle(order.begin(), order.end(), std::mt19937_64(args.seed + 7919));
-      const auto count =
-          std::max<int64_t>(1, std::llround(args.eval_fraction * static_cast<double>(all->size())));
-      TORCH_CHECK(count < all->size(), "--eval-fraction ", args.eval_fraction, " holds out all ",
-                  all->size(), " examples of ", args.data, ": give a smaller fraction");
-      eval_data = subset(all, {order.end() - count, order.end()});
-      order.resize(order.size() - count);
-      std::sort(order.begin(), order.end());
-      train = subset(all, std::move(order));
+      auto split = hold_out(all, args.eval_fraction, args.seed);
+      train = split.train;
+      eval_data = split.eval;
     } else {
       train = all;
     }
@@ -342,8 +200,8 @@ TrainSummary run_training(const TrainOptions& given) {
       std::chrono::duration<double>(Clock::now() - start_load).count());
 
   // A step adds the gradients of grad_accum batches of batch_size examples.
-  const int64_t step_examples = args.batch_size * args.grad_accum;
-  const int64_t steps_per_epoch = std::max<int64_t>(1, train->size() / step_examples);
+  const int64_t steps_per_epoch =
+      roundpipe::train::steps_per_epoch(train->size(), args.batch_size, args.grad_accum);
   const int64_t total_steps = args.steps > 0    ? args.steps
                               : args.epochs > 0 ? args.epochs * steps_per_epoch
                                                 : steps_per_epoch;
@@ -378,12 +236,7 @@ TrainSummary run_training(const TrainOptions& given) {
   auto evaluate = [&]() -> double {
     if (!eval_data) return -1;
     torch::NoGradGuard no_grad;
-    std::vector<int64_t> order(eval_data->size());
-    std::iota(order.begin(), order.end(), 0);
-    const auto batch_at = [&](int64_t b) {
-      const auto count = std::min<int64_t>(args.batch_size, eval_data->size() - b);
-      return collate(gather(*eval_data, order, b, count), identity_order(count), 0, count);
-    };
+    const auto batch_at = [&](int64_t b) { return collate_range(*eval_data, b, args.batch_size); };
     // Two passes, one batch in memory at a time: the labelled tokens of
     // all, then each batch's share of their mean.
     int64_t labelled = 0;
@@ -463,10 +316,7 @@ TrainSummary run_training(const TrainOptions& given) {
   schedule.kind = roundpipe::train::lr_schedule_from_string(args.lr_schedule);
   schedule.peak_lr = args.lr;
   schedule.total_steps = total_steps;
-  schedule.warmup_steps =
-      args.warmup_ratio > 0
-          ? static_cast<int64_t>(std::ceil(args.warmup_ratio * static_cast<double>(total_steps)))
-          : args.warmup_steps;
+  schedule.warmup_steps = warmup_steps_of(args.warmup_ratio, args.warmup_steps, total_steps);
 
   int64_t first_step = 0;
   int64_t last_good_checkpoint = -1;  // the step of the newest checkpoint of finite weights
@@ -527,47 +377,23 @@ TrainSummary run_training(const TrainOptions& given) {
     throw TrainingInterrupted("interrupted before training started", signals.received(), "");
   }
 
-  std::vector<int64_t> order(train->size());
-  std::iota(order.begin(), order.end(), 0);
+  StepData steps(train, StepDataOptions()
+                            .set_batch_size(args.batch_size)
+                            .set_grad_accum(args.grad_accum)
+                            .set_seq_len(args.seq_len)
+                            .set_packing(args.packing)
+                            .set_min_rows(microbatches)
+                            .set_seed(args.seed)
+                            .set_process(launch.rank, processes));
   const bool tty = ::isatty(STDOUT_FILENO);
   // One JSON line per step in the output folder. A resumed run keeps the
   // lines of the steps it resumes after and rewrites the rest (the
   // interrupted run may have gone past its last checkpoint).
-  const std::string metrics_path = (fs::path(paths.output) / "metrics.jsonl").string();
-  std::vector<std::string> kept;
-  if (first_step > 0 && leader) {
-    std::ifstream earlier(metrics_path);
-    for (std::string line; std::getline(earlier, line);) {
-      const auto entry = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
-      if (entry.is_object() && entry.value("step", int64_t{0}) <= first_step) kept.push_back(line);
-    }
-  }
-  std::ofstream metrics;
-  if (leader) {
-    metrics.open(metrics_path, std::ios::trunc);
-    TORCH_CHECK(metrics, "cannot write the metrics file ", metrics_path);
-  }
-  for (const auto& line : kept) metrics << line << "\n";
-  // A step's line waits for its gradient norm, known once its update has
-  // run on the optimizer thread (for an async step, during the next one):
-  // lines are written in order as their norms arrive.
-  std::vector<nlohmann::json> unwritten;
+  MetricsLog metrics(leader ? (fs::path(paths.output) / "metrics.jsonl").string() : "", first_step);
   auto write_metrics = [&] {
-    const auto norms = clip.norms();
-    size_t written = 0;
-    for (auto& line : unwritten) {
-      if (line.contains("loss")) {
-        const auto update = static_cast<size_t>(line["step"].get<int64_t>() - 1 - first_step);
-        if (update >= norms.size()) break;
-        // (JSON has no inf: a step the scaler skipped has a null norm.)
-        line["grad_norm"] =
-            std::isfinite(norms[update]) ? nlohmann::json(norms[update]) : nlohmann::json(nullptr);
-      }
-      metrics << line.dump() << "\n";
-      ++written;
-    }
-    unwritten.erase(unwritten.begin(), unwritten.begin() + static_cast<std::ptrdiff_t>(written));
-    metrics << std::flush;
+    std::vector<MetricsLog::Update> updates;
+    for (double norm : clip.norms()) updates.push_back({norm, std::nullopt, std::nullopt});
+    metrics.write_known(updates);
   };
   flush_metrics = write_metrics;
   const auto start = Clock::now();
@@ -577,32 +403,12 @@ TrainSummary run_training(const TrainOptions& given) {
   double loss_avg = 0, last_loss = 0;
   bool first_logged = false;
   for (int64_t step = first_step; step < total_steps; ++step) {
-    const int64_t epoch = step / steps_per_epoch;
-    if (step % steps_per_epoch == 0 || step == first_step) {
-      order.assign(train->size(), 0);
-      std::iota(order.begin(), order.end(), 0);
-      std::shuffle(order.begin(), order.end(), std::mt19937_64(args.seed + epoch));
-    }
-    const int64_t first = (step % steps_per_epoch) * step_examples;
-    std::vector<roundpipe::train::Batch> batches;
-    int64_t step_tokens = 0, loss_tokens = 0;
-    // Data parallel: the batch's examples in WORLD_SIZE consecutive
-    // shares, one a process; each process batches every share to count the
-    // step's labelled tokens (the loss is their mean) and trains on its own.
-    const int64_t share = args.batch_size / processes;
-    const auto in_order = identity_order(args.batch_size);
-    for (int64_t a = 0; a < args.grad_accum; ++a) {
-      // Only this batch's examples are read (a token file's pages).
-      const auto examples = gather(*train, order, first + a * args.batch_size, args.batch_size);
-      for (int rank = 0; rank < processes; ++rank) {
-        auto batch = args.packing ? pack(examples, in_order, rank * share, share, args.seq_len,
-                                         std::min<int64_t>(microbatches, share))
-                                  : collate(examples, in_order, rank * share, share);
-        step_tokens += batch.tokens;
-        loss_tokens += batch.loss_tokens;
-        if (rank == launch.rank) batches.push_back(std::move(batch));
-      }
-    }
+    // Data parallel: each process batches its share of every call's
+    // examples; the step's labelled tokens are counted over all shares
+    // (the loss is their mean).
+    auto step_data = steps.at(step);
+    const auto& batches = step_data.batches;
+    const int64_t step_tokens = step_data.tokens, loss_tokens = step_data.loss_tokens;
     last_loss = 0;
     for (const auto& batch : batches) {
       // (Without padding the mask is all ones: to_ivalue() leaves it out.)
@@ -665,11 +471,8 @@ TrainSummary run_training(const TrainOptions& given) {
                           {"tokens_per_second", step_tokens / std::max(step_seconds, 1e-9)},
                           {"device_peak_bytes", device_peak},
                           {"host_resident_bytes", resident_bytes()}};
-      if (eval_loss >= 0) {
-        line["eval_loss"] = eval_loss;
-        line["eval_perplexity"] = std::exp(eval_loss);
-      }
-      unwritten.push_back(std::move(line));
+      metrics.add_step(line.dump());
+      if (eval_loss >= 0) metrics.add_eval(step + 1, eval_loss);
       write_metrics();
     }
     tokens += step_tokens;
@@ -746,9 +549,7 @@ TrainSummary run_training(const TrainOptions& given) {
   if (summary.eval_loss >= 0) {
     say("held-out loss %.4f, perplexity %.2f (%lld examples)\n", summary.eval_loss,
         std::exp(summary.eval_loss), static_cast<long long>(eval_data->size()));
-    unwritten.push_back({{"step", total_steps},
-                         {"eval_loss", summary.eval_loss},
-                         {"eval_perplexity", std::exp(summary.eval_loss)}});
+    metrics.add_eval(total_steps, summary.eval_loss);
     write_metrics();
   }
   if (!held_out.empty()) {

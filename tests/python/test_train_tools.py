@@ -21,7 +21,7 @@ from roundpipe.plot import read_metrics
 from roundpipe.prepare import (main as prepare_main, tokenize_chat, tokenize_prompt_completion,
                                tokenize_text, to_messages)
 from roundpipe.token_file import Example, TokenFile, write_token_file
-from roundpipe.trainer import collate, labelled_tokens, pack, step_batches
+from roundpipe.trainer import collate, pack, step_batches
 
 CHAT = [{"role": "system", "content": "you are a helpful bot"},
         {"role": "user", "content": "what is two plus three ?"},
@@ -160,7 +160,7 @@ def test_token_file_round_trip_and_cut(tmp_path):
     assert f[1].input_ids == [9] * 4
     with open(str(tmp_path / "bad.rpt"), "wb") as bad:
         bad.write(b"not a token file")
-    with pytest.raises(ValueError, match="not a roundpipe token file"):
+    with pytest.raises(ValueError, match="not a valid token file"):
         TokenFile(str(tmp_path / "bad.rpt"))
 
 
@@ -249,9 +249,28 @@ def test_packed_rows_keep_examples_apart():
     assert int((b["labels"] != -100).sum()) == 3 - 1 + 1 + 4 - 1
     padded = collate(examples)
     assert padded["attention_mask"].sum() == 9
-    # the loss's count (the targets of the shift), from the examples alone
+    # the loss's count (the targets of the shift): each example's trained
+    # tokens after its first, packed or padded alike
     for batch in (b, padded):
-        assert labelled_tokens(examples) == int((batch["labels"][:, 1:] != -100).sum()) == 6
+        assert int((batch["labels"][:, 1:] != -100).sum()) == sum(sum(e.trained[1:]) for e in examples) == 6
+
+
+@pytest.mark.parametrize("kind", ["constant", "linear", "cosine"])
+def test_learning_rates_are_transformers_schedules(kind):
+    """roundpipe.train's (and roundpipe-train's) schedule, roundpipe._C's,
+    against transformers' get_scheduler, update by update."""
+    from transformers import get_scheduler
+    from roundpipe import _C
+    total, ratio = 11, 0.2
+    ours = _C.LrSchedule(kind, 3e-3, ratio, 0, total)
+    assert ours.warmup_steps == math.ceil(ratio * total) == 3
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=3e-3)
+    sched = get_scheduler(kind if kind != "constant" else "constant_with_warmup", opt,
+                          num_warmup_steps=3, num_training_steps=total)
+    for done in range(total):
+        assert ours.at(done) == pytest.approx(opt.param_groups[0]["lr"], rel=1e-12, abs=1e-18), done
+        opt.step()
+        sched.step()
 
 
 def test_metrics_tensorboard_evaluation_and_plot(tmp_path):

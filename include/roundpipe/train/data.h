@@ -70,6 +70,8 @@ struct Batch {
 // Examples order[begin .. begin + count) (wrapping around), one a row.
 Batch collate(const std::vector<Example>& examples, const std::vector<int64_t>& order,
               int64_t begin, int64_t count);
+// Examples [begin, begin + count) of `data` (fewer at its end), one a row.
+Batch collate_range(const Dataset& data, int64_t begin, int64_t count);
 // The same examples packed into rows of at most max_length tokens and at
 // least min_rows rows (so that every microbatch gets a row): longest
 // first, each into the row holding the fewest tokens it fits in, so rows

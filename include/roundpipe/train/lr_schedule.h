@@ -13,6 +13,10 @@ enum class LrScheduleKind { kConstant, kLinear, kCosine };
 // "constant", "linear" or "cosine"; throws naming the choices.
 LrScheduleKind lr_schedule_from_string(const std::string& text);
 
+// A run's warmup updates: ceil(warmup_ratio * total_steps) when a ratio is
+// given (transformers' TrainingArguments.get_warmup_steps), else warmup_steps.
+int64_t warmup_steps_of(double warmup_ratio, int64_t warmup_steps, int64_t total_steps);
+
 struct LrSchedule {
   LrScheduleKind kind = LrScheduleKind::kConstant;
   double peak_lr = 3e-4;

@@ -1,0 +1,69 @@
+// Frozen base weights in 4 bits (QLoRA, Note [4-bit base weights]): NF4 or
+// FP4 codes in blocks of 64 values, each block scaled by its absolute
+// maximum, the block scales themselves quantized to 8 bits (double
+// quantization), in bitsandbytes' layout, so that a model loaded with
+// transformers' BitsAndBytesConfig(load_in_4bit=True) is used as it is.
+// The weights stay packed in host memory and over PCIe; a layer's are
+// dequantized where they are used (a CUDA kernel on a GPU, a CPU loop on
+// the simulated devices).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/ScalarType.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace roundpipe::models {
+
+enum class QuantType { kNF4, kFP4 };
+// "nf4" or "fp4"; throws naming the choices.
+QuantType quant_type_from_string(const std::string& text);
+const char* to_string(QuantType type);
+
+struct Quantized4Bit {
+  QuantType type = QuantType::kNF4;
+  int64_t blocksize = 64;
+  std::vector<int64_t> shape;              // of the weight
+  c10::ScalarType dtype = c10::kBFloat16;  // what dequantization gives
+  // uint8 [ceil(n / 2)]: the codes of the row-major flattened weight, two a
+  // byte, the even element's in the high nibble (an odd n pads with 0.0's).
+  at::Tensor packed;
+  // The blocks' absolute maxima [ceil(n / blocksize)]: float32, or (double
+  // quantized) uint8 codes of `nested_code` in blocks of 256, each scaled by
+  // its `nested_absmax`, plus `nested_offset`.
+  at::Tensor absmax;
+  at::Tensor nested_absmax;  // float32 [ceil(blocks / 256)]; undefined: not nested
+  at::Tensor nested_code;    // float32 [256]: bitsandbytes' signed dynamic map
+  float nested_offset = 0;
+
+  bool double_quantized() const { return nested_absmax.defined(); }
+  int64_t numel() const;
+  // The bytes a copy of it moves (what crosses PCIe for this weight).
+  int64_t nbytes() const;
+  // The same on `device` (non_blocking copies from pinned memory).
+  Quantized4Bit to(const c10::Device& device, bool non_blocking = false) const;
+};
+
+// The 16 values of a 4-bit code, float32: NF4 (the normal quantiles of the
+// QLoRA paper, as bitsandbytes tabulates them) or FP4 (bitsandbytes' e2m1,
+// sign in bit 3, scaled to [-1, 1]).
+at::Tensor code_table(QuantType type);
+// bitsandbytes' signed dynamic 8-bit map (create_dynamic_map(signed=True)):
+// 256 sorted float32 values in [-1, 1], for the block scales.
+at::Tensor dynamic_map_signed();
+
+// `weight` (any float dtype, on the CPU) in 4 bits: each value times
+// 1 / its block's absmax (float32) rounded to the nearest code (a tie to the
+// lower one); with double_quant, the absmaxes less their mean rounded to
+// the nearest value of the dynamic map in blocks of 256.
+Quantized4Bit quantize_4bit(const at::Tensor& weight, QuantType type, int64_t blocksize = 64,
+                            bool double_quant = true);
+
+// The weight back, [shape] in `dtype`, on the device q's tensors live on:
+// code * absmax in float32, rounded once to dtype (bitsandbytes' result,
+// bit for bit). A CUDA kernel on a GPU, a CPU loop otherwise.
+at::Tensor dequantize_4bit(const Quantized4Bit& q);
+
+}  // namespace roundpipe::models

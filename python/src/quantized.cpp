@@ -1,0 +1,69 @@
+// roundpipe._C's 4-bit formats (include/roundpipe/models/quantized.h): a
+// quantized weight crosses as a dict of its tensors and fields, the names
+// bitsandbytes' QuantState uses.
+#include "quantized.h"
+
+#include "roundpipe/models/quantized.h"
+#include "roundpipe/options.h"
+
+namespace roundpipe::python {
+namespace {
+
+using models::Quantized4Bit;
+
+py::dict to_dict(const Quantized4Bit& q) {
+  py::dict d;
+  d["quant_type"] = models::to_string(q.type);
+  d["blocksize"] = q.blocksize;
+  d["shape"] = q.shape;
+  d["dtype"] = q.dtype == at::kFloat ? "float32" : q.dtype == at::kHalf ? "float16" : "bfloat16";
+  d["packed"] = q.packed;
+  d["absmax"] = q.absmax;
+  if (q.double_quantized()) {
+    d["nested_absmax"] = q.nested_absmax;
+    d["nested_code"] = q.nested_code;
+    d["nested_offset"] = q.nested_offset;
+  }
+  return d;
+}
+
+Quantized4Bit from_dict(const py::dict& d) {
+  Quantized4Bit q;
+  q.type = models::quant_type_from_string(d["quant_type"].cast<std::string>());
+  q.blocksize = d["blocksize"].cast<int64_t>();
+  q.shape = d["shape"].cast<std::vector<int64_t>>();
+  q.dtype = dtype_from_string(d["dtype"].cast<std::string>());
+  q.packed = d["packed"].cast<at::Tensor>().reshape({-1});
+  q.absmax = d["absmax"].cast<at::Tensor>().reshape({-1});
+  if (d.contains("nested_absmax") && !d["nested_absmax"].is_none()) {
+    q.nested_absmax = d["nested_absmax"].cast<at::Tensor>().reshape({-1});
+    q.nested_code = d["nested_code"].cast<at::Tensor>().reshape({-1});
+    q.nested_offset = d["nested_offset"].cast<float>();
+  }
+  return q;
+}
+
+}  // namespace
+
+void bind_quantized(py::module_& m) {
+  m.def(
+      "quantize_4bit",
+      [](const at::Tensor& weight, const std::string& quant_type, int64_t blocksize,
+         bool double_quant) {
+        return to_dict(models::quantize_4bit(weight, models::quant_type_from_string(quant_type),
+                                             blocksize, double_quant));
+      },
+      py::arg("weight"), py::arg("quant_type") = "nf4", py::arg("blocksize") = 64,
+      py::arg("double_quant") = true,
+      "a CPU float tensor in bitsandbytes' 4-bit layout: a dict of packed, absmax (and "
+      "nested_absmax, nested_code, nested_offset), quant_type, blocksize, shape, dtype "
+      "(float32, float16 or bfloat16)");
+  m.def(
+      "dequantize_4bit", [](const py::dict& q) { return models::dequantize_4bit(from_dict(q)); },
+      py::arg("quantized"), "the weight back (on the quantized tensors' device)");
+  m.def("code_table",
+        [](const std::string& t) { return models::code_table(models::quant_type_from_string(t)); });
+  m.def("dynamic_map_signed", &models::dynamic_map_signed);
+}
+
+}  // namespace roundpipe::python
