@@ -77,10 +77,11 @@ fi
 for run in "${list[@]}"; do
   read -ra words <<< "$run"
   for r in $(seq 1 "${REPEAT:-1}"); do
+    both=""; [ -n "${BASE:-}" ] && [[ "$run" =~ $BASE ]] && both=1
+    # (BASE_FIRST=1: the earlier version first, to see an order effect)
+    if [ -n "$both" ] && [ -n "${BASE_FIRST:-}" ]; then n=$((n + 1)); one base "$out/run$n.log" "${words[@]}"; fi
     n=$((n + 1)); one ours "$out/run$n.log" "${words[@]}"
-    if [ -n "${BASE:-}" ] && [[ "$run" =~ $BASE ]]; then
-      n=$((n + 1)); one base "$out/run$n.log" "${words[@]}"
-    fi
+    if [ -n "$both" ] && [ -z "${BASE_FIRST:-}" ]; then n=$((n + 1)); one base "$out/run$n.log" "${words[@]}"; fi
   done
   if [ -n "${ORIGINAL:-}" ] && [[ "$run" =~ $ORIGINAL ]]; then
     n=$((n + 1)); one original "$out/run$n.log" "${words[@]}"

@@ -297,8 +297,10 @@ at::Tensor dequantize_4bit(const Quantized4Bit& q) {
 #ifdef ROUNDPIPE_WITH_CUDA
   if (device.is_cuda()) {
     const bool nested = q.double_quantized();
+    kernels::Code16 code{};
+    std::copy(table_of(q.type).begin(), table_of(q.type).end(), code.value);
     ops::check_launch(kernels::dequantize_4bit(
-        ops::kernel_dtype(out), q.type == QuantType::kNF4, q.packed.const_data_ptr<uint8_t>(),
+        ops::kernel_dtype(out), code, q.packed.const_data_ptr<uint8_t>(),
         nested ? nullptr : q.absmax.const_data_ptr<float>(),
         nested ? q.absmax.const_data_ptr<uint8_t>() : nullptr,
         nested ? q.nested_absmax.const_data_ptr<float>() : nullptr,
