@@ -95,7 +95,8 @@ int64_t take_capped_budget(c10::DeviceIndex index) {
   if (record.cap_bytes == 0) return 0;
   reading.cap_bytes = record.cap_bytes;
   const int64_t usable = usable_device_bytes(reading);
-  const double lowered = std::max(1.0, static_cast<double>(usable)) / static_cast<double>(total);
+  const double lowered =
+      static_cast<double>(allocator_limit_bytes(usable)) / static_cast<double>(total);
   if (lowered < fraction) {
     c10::cuda::CUDACachingAllocator::setMemoryFraction(lowered, index);
     record.set_by_us = c10::cuda::CUDACachingAllocator::getMemoryFraction(index);

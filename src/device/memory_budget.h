@@ -22,9 +22,14 @@ namespace roundpipe {
 // between the engine's start and the end of a run on the H200). The engine
 // lowers a cap's per-process fraction to this budget, so that the caching
 // allocator itself keeps its reserved memory within it (it releases cached
-// blocks before going past).
-constexpr int64_t kCappedHeadroomBytes = int64_t{3} << 29;  // 1.5 GiB
-constexpr int64_t kUncappedMarginBytes = int64_t{1} << 29;  // 0.5 GiB
+// blocks before going past). It sets the fraction kAllocatorSlackBytes
+// lower still: with expandable segments the allocator's reserved memory was
+// measured 5-10 MiB past its fraction (14.51 GiB peak at a 14.5 GiB
+// fraction on an H200), within one of its 20 MiB large-block roundings, so
+// the fraction sits one rounding below the budget and the peak stays in it.
+constexpr int64_t kCappedHeadroomBytes = int64_t{3} << 29;   // 1.5 GiB
+constexpr int64_t kUncappedMarginBytes = int64_t{1} << 29;   // 0.5 GiB
+constexpr int64_t kAllocatorSlackBytes = int64_t{20} << 20;  // 20 MiB
 
 struct DeviceMemoryReading {
   int64_t total_bytes = 0;     // the device's memory
@@ -40,6 +45,12 @@ inline int64_t usable_device_bytes(const DeviceMemoryReading& r) {
   if (r.cap_bytes > 0 && r.cap_bytes - kCappedHeadroomBytes < usable)
     usable = r.cap_bytes - kCappedHeadroomBytes;
   return usable > 0 ? usable : 0;
+}
+
+// The caching allocator's limit for a budget of `usable` bytes (see the
+// Note): one large-block rounding below it, never below one byte.
+inline int64_t allocator_limit_bytes(int64_t usable) {
+  return usable > kAllocatorSlackBytes ? usable - kAllocatorSlackBytes : 1;
 }
 
 }  // namespace roundpipe

@@ -42,6 +42,20 @@ TEST(MemoryBudget, WithoutACapTheContextIsAlreadyOutside) {
   EXPECT_EQ(usable_device_bytes(r), 23 * kGiB - kUncappedMarginBytes);
 }
 
+// The allocator's limit under a cap: its measured overshoot (up to one
+// 20 MiB large-block rounding past its fraction) still ends within the
+// budget of a 24, 16 or 12 GiB card, and little more is given up.
+TEST(MemoryBudget, TheAllocatorsOvershootStaysWithinTheBudget) {
+  constexpr int64_t kMiB = int64_t{1} << 20;
+  for (int64_t cap : {24, 16, 12}) {
+    const int64_t budget = usable_device_bytes({141 * kGiB, 140 * kGiB, 0, cap * kGiB});
+    const int64_t limit = allocator_limit_bytes(budget);
+    EXPECT_LE(limit + 20 * kMiB, budget) << cap;
+    EXPECT_GE(limit, budget - 32 * kMiB) << cap;
+  }
+  EXPECT_EQ(allocator_limit_bytes(0), 1);  // a positive fraction: 0 would allow nothing either
+}
+
 TEST(MemoryBudget, NeverNegative) {
   EXPECT_EQ(usable_device_bytes({24 * kGiB, 0, 0, 0}), 0);
   EXPECT_EQ(usable_device_bytes({141 * kGiB, 140 * kGiB, 0, kGiB}), 0);
