@@ -114,6 +114,40 @@ TEST_P(ErrorsTest, RecomputeFailureInBackgroundBackwardIsReported) {
   }
 }
 
+// A step over a call that failed in the background reports the failure and
+// updates nothing; the calls after it train as on a fresh RoundPipe (the
+// step's weight version was once never published, and the next call's
+// uploads waited for it forever).
+TEST_P(ErrorsTest, AStepOverABackgroundFailureReportsItAndTheNextCallsTrain) {
+  auto config =
+      RunConfig().set_num_microbatch(2).set_execute_plan(ExecutePlan::one_layer_per_stage(4, true));
+  const auto x = at::randn({4, 6}), y = at::randn({4, 2});
+  for (bool is_async : {false, true}) {
+    SCOPED_TRACE(is_async ? "async step" : "sync step");
+    auto m = model();
+    RoundPipe pipe(m, RoundPipeOptions().set_devices(GetParam()).set_name("flaky"));
+    int updates = 0;
+    fail_in_recompute = true;
+    const std::string what = message_of([&] {
+      pipe.forward_backward(x, y, mse, false, config);
+      pipe.step([&] { ++updates; }, is_async);
+      pipe.synchronize();
+    });
+    fail_in_recompute = false;
+    EXPECT_HAS(what, "injected recompute failure");
+    EXPECT_EQ(updates, 0);
+    const auto loss = pipe.forward_backward(x, y, mse, false, config).loss;
+    pipe.step([&] { ++updates; }, is_async);
+    pipe.synchronize();
+    EXPECT_EQ(updates, 1);
+    auto fresh_model = model();
+    RoundPipe fresh(fresh_model, RoundPipeOptions().set_devices(GetParam()));
+    const auto fresh_loss = fresh.forward_backward(x, y, mse, false, config).loss;
+    fresh.synchronize();
+    EXPECT_TENSOR_NEAR(loss, fresh_loss, 1e-6, "loss after the failed step");
+  }
+}
+
 TEST_P(ErrorsTest, LossFunctionErrorsNameThePhase) {
   auto m = model();
   RoundPipe pipe(m, RoundPipeOptions().set_devices(GetParam()));

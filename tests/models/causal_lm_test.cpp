@@ -5,14 +5,17 @@
 // with packed documents, tied and untied embeddings, Llama 3.1 rope scaling;
 // the loss token-weighted over any number of microbatches; save_pretrained
 // read back by transformers; config errors.
+#include <fcntl.h>
 #include <gtest/gtest.h>
 #include <roundpipe/microbatch.h>
 #include <roundpipe/models/causal_lm.h>
 #include <roundpipe/optim/adam.h>
 #include <roundpipe/safetensors.h>
 #include <roundpipe/wrap.h>
+#include <sys/file.h>
 #include <unistd.h>
 
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -34,21 +37,39 @@ namespace fs = std::filesystem;
 // element; 1e-4 leaves room for the 3-layer model's growth of them.
 constexpr double kTol = 1e-4;
 
-// Made once per test process by transformers (tests/models/hf_reference.py).
+std::string file_text(const fs::path& path) {
+  std::ifstream file(path);
+  return std::string((std::istreambuf_iterator<char>(file)), std::istreambuf_iterator<char>());
+}
+
+// Made by transformers (tests/models/hf_reference.py) once per build tree
+// and shared by the test processes: CTest runs each test in a process of
+// its own, and making it takes ~25 s. The first process makes it under a
+// file lock while the others wait; it is made again when the script or the
+// Python changes (its stamp).
 const fs::path& reference_root() {
   static const fs::path root = [] {
-    fs::path dir = process_temp_dir() / "hf";
-    const std::string cmd = std::string(ROUNDPIPE_PYTHON) + " " + ROUNDPIPE_SOURCE_DIR +
-                            "/tests/models/hf_reference.py make " + dir.string() + " > " +
-                            dir.string() + ".log 2>&1";
-    if (std::system(cmd.c_str()) != 0) {
-      std::ifstream log(dir.string() + ".log");
-      std::stringstream text;
-      text << log.rdbuf();
-      ADD_FAILURE() << "could not make the transformers reference (is transformers==5.17.0 "
-                       "installed? scripts/setup.sh installs it):\n"
-                    << text.str();
+    const fs::path dir = fs::path(ROUNDPIPE_BINARY_DIR) / "hf_reference";
+    const std::string script = std::string(ROUNDPIPE_SOURCE_DIR) + "/tests/models/hf_reference.py";
+    const std::string stamp =
+        std::to_string(std::hash<std::string>{}(file_text(script) + ROUNDPIPE_PYTHON));
+    const std::string lock_path = dir.string() + ".lock";
+    const int lock = ::open(lock_path.c_str(), O_CREAT | O_RDWR, 0644);
+    if (lock < 0 || ::flock(lock, LOCK_EX) != 0)
+      ADD_FAILURE() << "cannot lock " << lock_path << ": " << std::strerror(errno);
+    if (file_text(dir / "stamp") != stamp) {
+      fs::remove_all(dir);
+      const std::string cmd = std::string(ROUNDPIPE_PYTHON) + " " + script + " make " +
+                              dir.string() + " > " + dir.string() + ".log 2>&1";
+      if (std::system(cmd.c_str()) == 0) {
+        std::ofstream(dir / "stamp") << stamp;
+      } else {
+        ADD_FAILURE() << "could not make the transformers reference (is transformers==5.17.0 "
+                         "installed? scripts/setup.sh installs it):\n"
+                      << file_text(dir.string() + ".log");
+      }
     }
+    if (lock >= 0) ::close(lock);  // releases the lock
     return dir;
   }();
   return root;
@@ -178,21 +199,25 @@ TEST_P(CausalLMTest, ThroughRoundPipeMatchesTransformers) {
 TEST_P(CausalLMTest, SavePretrainedLoadsInTransformers) {
   const auto dir = reference_root() / GetParam();
   auto model = models::CausalLM::from_pretrained(dir.string());
+  std::string outs;
   for (int64_t shard : {int64_t{5} << 30, int64_t{20000}}) {  // single file and sharded
-    const auto out = reference_root() / (GetParam() + "_ours_" + std::to_string(shard));
+    const auto out = process_temp_dir() / (GetParam() + "_ours_" + std::to_string(shard));
     model.save_pretrained(out.string(), shard);
     EXPECT_EQ(fs::exists(out / "model.safetensors.index.json"), shard == 20000);
-    const std::string cmd = std::string(ROUNDPIPE_PYTHON) + " " + ROUNDPIPE_SOURCE_DIR +
-                            "/tests/models/hf_reference.py check " + out.string() + " " +
-                            dir.string() + " > " + out.string() + ".log 2>&1";
-    EXPECT_EQ(std::system(cmd.c_str()), 0) << "transformers rejected " << out;
-    // And ours reads it back identically.
+    outs += out.string() + " ";
+    // Ours reads it back identically.
     auto again = models::CausalLM::from_pretrained(out.string());
     auto a = model.hf_state_dict(), b = again.hf_state_dict();
     ASSERT_EQ(a.size(), b.size());
     for (size_t i = 0; i < a.size(); ++i)
       EXPECT_TRUE(at::equal(a[i].second, b[i].second)) << a[i].first;
   }
+  // Both load in transformers and give its logits.
+  const auto log = process_temp_dir() / (GetParam() + "_check.log");
+  const std::string cmd = std::string(ROUNDPIPE_PYTHON) + " " + ROUNDPIPE_SOURCE_DIR +
+                          "/tests/models/hf_reference.py check " + outs + dir.string() + " > " +
+                          log.string() + " 2>&1";
+  EXPECT_EQ(std::system(cmd.c_str()), 0) << "transformers rejected them:\n" << file_text(log);
 }
 
 INSTANTIATE_TEST_SUITE_P(Presets, CausalLMTest, ::testing::ValuesIn(kCases),
@@ -887,7 +912,7 @@ TEST(CausalLMConfig, ErrorsNameTheFieldAndTheFix) {
 
 TEST(CausalLMCheckpoint, MissingAndMismatchedWeightsGiveClearErrors) {
   const auto dir = reference_root() / "qwen3";
-  const auto broken = reference_root() / "qwen3_broken";
+  const auto broken = process_temp_dir() / "qwen3_broken";
   fs::remove_all(broken);
   fs::create_directories(broken);
   fs::copy_file(dir / "config.json", broken / "config.json");
@@ -916,7 +941,7 @@ TEST(CausalLMCheckpoint, MissingAndMismatchedWeightsGiveClearErrors) {
 // files are replaced, and the shards of an earlier, sharded save go.
 TEST(CausalLMCheckpoint, SavingKeepsOtherFilesAndDropsStaleShards) {
   auto model = models::CausalLM::from_pretrained((reference_root() / "qwen3").string());
-  const auto out = reference_root() / "qwen3_resaved";
+  const auto out = process_temp_dir() / "qwen3_resaved";
   fs::remove_all(out);
   fs::create_directories(out);
   std::ofstream(out / "tokenizer.json") << "{}";
@@ -939,7 +964,7 @@ TEST(CausalLMCheckpoint, SavingKeepsOtherFilesAndDropsStaleShards) {
   auto again = models::CausalLM::from_pretrained(out.string());
   EXPECT_TRUE(at::equal(again.hf_state_dict()[0].second, model.hf_state_dict()[0].second));
   // A regular file where the directory should be is refused, and left alone.
-  const auto file = reference_root() / "qwen3_not_a_dir";
+  const auto file = process_temp_dir() / "qwen3_not_a_dir";
   std::ofstream(file) << "mine";
   EXPECT_THROW(model.save_pretrained(file.string()), c10::Error);
   EXPECT_TRUE(fs::is_regular_file(file));
@@ -966,7 +991,7 @@ TEST(WrapModel, PresetFromACheckpointKeepsTheOriginalModelsAttributes) {
       model_input(ref), c10::IValue(),
       [](const c10::IValue& out, const c10::IValue&) { return out.toTensor(); });
   wrapped->pipe().step(adam);
-  const auto out = reference_root() / "wrapped_saved";
+  const auto out = process_temp_dir() / "wrapped_saved";
   wrapped->save_pretrained(out.string());
   auto reloaded = models::CausalLM::from_pretrained(out.string());
   auto before = models::CausalLM::from_pretrained(dir.string());
@@ -996,7 +1021,7 @@ TEST(WrapModel, PresetChoicesAndUnknownTypes) {
               wrap_model_to_roundpipe(dir.string(), WrapOptions().set_use_sequential_preset(false));
             }).find("automatic splitting"),
             std::string::npos);
-  const auto other = reference_root() / "gpt2_like";
+  const auto other = process_temp_dir() / "gpt2_like";
   fs::create_directories(other);
   std::ofstream(other / "config.json") << R"({"model_type": "gpt2", "vocab_size": 10})";
   EXPECT_NE(what([&] {

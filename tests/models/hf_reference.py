@@ -187,21 +187,27 @@ def two_microbatches(model, ids, mask, labels):
     return out
 
 
-def check(directory, reference):
+def check(directories, reference):
+    """Each of `directories` (checkpoints of the model in `reference`) loads in
+    transformers and gives the reference's logits; one process for all of
+    them (importing transformers is most of the time)."""
     ref = load_file(f"{reference}/reference.safetensors")
-    config = json.load(open(f"{directory}/config.json"))
-    attention = "eager" if config["model_type"] == "gpt_oss" else "sdpa"
-    model = AutoModelForCausalLM.from_pretrained(directory, attn_implementation=attention).float()
-    with torch.no_grad():
-        logits = model(input_ids=ref["input_ids"], attention_mask=ref.get("attention_mask"),
-                       position_ids=ref.get("position_ids"), use_cache=False).logits
-    err = ((logits - ref["logits"]).abs().max() / ref["logits"].abs().max()).item()
-    print(f"max relative logits error {err:.3e}")
-    sys.exit(0 if err <= 1e-5 else 1)
+    worst = 0.0
+    for directory in directories:
+        config = json.load(open(f"{directory}/config.json"))
+        attention = "eager" if config["model_type"] == "gpt_oss" else "sdpa"
+        model = AutoModelForCausalLM.from_pretrained(directory, attn_implementation=attention).float()
+        with torch.no_grad():
+            logits = model(input_ids=ref["input_ids"], attention_mask=ref.get("attention_mask"),
+                           position_ids=ref.get("position_ids"), use_cache=False).logits
+        err = ((logits - ref["logits"]).abs().max() / ref["logits"].abs().max()).item()
+        print(f"{directory}: max relative logits error {err:.3e}")
+        worst = max(worst, err)
+    sys.exit(0 if worst <= 1e-5 else 1)
 
 
 if __name__ == "__main__":
     if sys.argv[1] == "make":
         make(sys.argv[2])
-    else:
-        check(sys.argv[2], sys.argv[3])
+    else:  # check DIRECTORY... REFERENCE
+        check(sys.argv[2:-1], sys.argv[-1])

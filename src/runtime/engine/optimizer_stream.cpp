@@ -190,27 +190,35 @@ void OptimizerStream::run_whole(std::vector<std::shared_ptr<CallState>> calls, c
     pending_publish_ = -1;
     stats_.add_since(&PipelineStats::optimizer_publish_seconds, start);
   }
+  // Calls already wait for this version: publish it even when gathering
+  // the gradients (a call that failed in the background) or the update
+  // throws (the masters hold whatever it left), then report; else the next
+  // call's uploads would wait for it forever.
+  std::exception_ptr error;
   start = Clock::now();
   std::map<int, at::Tensor> grads;
-  if (averager_) {
-    // Averaged bucket by bucket while backward still runs; the update
-    // needs them all (a scaler, a clipper or the user's step function).
-    update_as_gradients_arrive(std::move(calls), -1,
-                               [&](std::map<int, at::Tensor>& batch) { grads.merge(batch); });
-  } else {
-    grads = take_gradients(std::move(calls));
+  try {
+    if (averager_) {
+      // Averaged bucket by bucket while backward still runs; the update
+      // needs them all (a scaler, a clipper or the user's step function).
+      update_as_gradients_arrive(std::move(calls), -1,
+                                 [&](std::map<int, at::Tensor>& batch) { grads.merge(batch); });
+    } else {
+      grads = take_gradients(std::move(calls));
+    }
+  } catch (...) {
+    error = std::current_exception();
   }
   ROUNDPIPE_TRACE("update v%lld: gradients ready after %.1f ms", static_cast<long long>(version),
                   ms_since(start));
   stats_.add_since(&PipelineStats::optimizer_grad_wait_seconds, start);
-  // Calls already wait for this version: publish it even when the update
-  // throws (the masters hold whatever it left), then report.
-  std::exception_ptr error;
   start = Clock::now();
-  try {
-    update(grads);
-  } catch (...) {
-    error = std::current_exception();
+  if (!error) {
+    try {
+      update(grads);
+    } catch (...) {
+      error = std::current_exception();
+    }
   }
   if (averager_ && averager_->sharded() && !error) {
     // The owners' new weights to the others (each updated what it owns).
