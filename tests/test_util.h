@@ -15,6 +15,8 @@
 #include <stdlib.h>
 
 #include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <string>
 #include <vector>
 
@@ -163,6 +165,23 @@ inline at::Tensor plain_microbatch_loss(torch::nn::Sequential& model, const at::
   for (int m = 0; m < n; ++m) loss = loss + mse_loss(model->forward(xs[m]), ys[m]);
   return loss;
 }
+
+#ifdef ROUNDPIPE_PYTHON
+// Runs `code` with the test's Python (transformers, peft, bitsandbytes:
+// scripts/setup.sh) and `args`, then the path of a file it writes its
+// answer to; returns that answer (the script's log is `tag`.txt.log).
+inline std::string run_python(const std::string& tag, const std::string& code,
+                              const std::string& args) {
+  const auto dir = process_temp_dir();
+  const std::string script = (dir / (tag + ".py")).string(), out = (dir / (tag + ".txt")).string();
+  std::ofstream(script) << code;
+  const std::string cmd = std::string(ROUNDPIPE_PYTHON) + " " + script + " " + args + " " + out +
+                          " > " + out + ".log 2>&1";
+  EXPECT_EQ(std::system(cmd.c_str()), 0) << "see " << out << ".log";
+  std::ifstream file(out);
+  return std::string((std::istreambuf_iterator<char>(file)), std::istreambuf_iterator<char>());
+}
+#endif
 
 // ---------------------------------------------------------------- models
 

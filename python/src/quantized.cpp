@@ -22,7 +22,7 @@ py::dict to_dict(const Quantized4Bit& q) {
   if (q.double_quantized()) {
     d["nested_absmax"] = q.nested_absmax;
     d["nested_code"] = q.nested_code;
-    d["nested_offset"] = q.nested_offset;
+    d["nested_offset"] = q.nested_offset.item<float>();
   }
   return d;
 }
@@ -38,7 +38,7 @@ Quantized4Bit from_dict(const py::dict& d) {
   if (d.contains("nested_absmax") && !d["nested_absmax"].is_none()) {
     q.nested_absmax = d["nested_absmax"].cast<at::Tensor>().reshape({-1});
     q.nested_code = d["nested_code"].cast<at::Tensor>().reshape({-1});
-    q.nested_offset = d["nested_offset"].cast<float>();
+    q.nested_offset = at::full({1}, d["nested_offset"].cast<float>(), at::kFloat);
   }
   return q;
 }

@@ -30,9 +30,9 @@ __device__ __nv_bfloat16 store_as<__nv_bfloat16>(float v) {
 
 __device__ __forceinline__ float block_scale(int64_t block, const float* absmax,
                                              const uint8_t* codes, const float* nested_absmax,
-                                             const float* nested_code, float offset) {
+                                             const float* nested_code, const float* offset) {
   if (absmax != nullptr) return absmax[block];
-  return __fadd_rn(__fmul_rn(nested_code[codes[block]], nested_absmax[block / 256]), offset);
+  return __fadd_rn(__fmul_rn(nested_code[codes[block]], nested_absmax[block / 256]), *offset);
 }
 
 template <typename T>
@@ -40,8 +40,9 @@ __global__ void dequantize_4bit_kernel(Code16 code, const uint8_t* __restrict__ 
                                        const float* __restrict__ absmax,
                                        const uint8_t* __restrict__ codes,
                                        const float* __restrict__ nested_absmax,
-                                       const float* __restrict__ nested_code, float offset,
-                                       T* __restrict__ out, int64_t n, int64_t blocksize) {
+                                       const float* __restrict__ nested_code,
+                                       const float* __restrict__ offset, T* __restrict__ out,
+                                       int64_t n, int64_t blocksize) {
   const int64_t byte = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   const int64_t i = 2 * byte;
   if (i >= n) return;
@@ -54,8 +55,8 @@ __global__ void dequantize_4bit_kernel(Code16 code, const uint8_t* __restrict__ 
 
 template <typename T>
 int launch(const Code16& code, const uint8_t* packed, const float* absmax, const uint8_t* codes,
-           const float* nested_absmax, const float* nested_code, float offset, void* out, int64_t n,
-           int64_t blocksize, void* stream) {
+           const float* nested_absmax, const float* nested_code, const float* offset, void* out,
+           int64_t n, int64_t blocksize, void* stream) {
   constexpr int kThreads = 256;
   const int64_t bytes = (n + 1) / 2;
   const int64_t grid = (bytes + kThreads - 1) / kThreads;
@@ -70,7 +71,7 @@ int launch(const Code16& code, const uint8_t* packed, const float* absmax, const
 
 int dequantize_4bit(DType dtype, const Code16& code, const uint8_t* packed, const float* absmax,
                     const uint8_t* absmax_codes, const float* nested_absmax,
-                    const float* nested_code, float nested_offset, void* out, int64_t n,
+                    const float* nested_code, const float* nested_offset, void* out, int64_t n,
                     int64_t blocksize, void* stream) {
   if (n <= 0) return 0;
   switch (dtype) {

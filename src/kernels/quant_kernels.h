@@ -16,10 +16,10 @@ struct Code16 {
 // out[i] = code[q_i] * absmax[i / blocksize] in float, stored as `dtype`,
 // for n values packed two a byte (the even one in the high nibble). The block scales are absmax
 // (float), or absmax_codes (uint8) decoded as nested_code[c] * nested_absmax[b / 256]
-// + nested_offset (Note [4-bit base weights]).
+// + *nested_offset (Note [4-bit base weights]).
 int dequantize_4bit(DType dtype, const Code16& code, const uint8_t* packed, const float* absmax,
                     const uint8_t* absmax_codes, const float* nested_absmax,
-                    const float* nested_code, float nested_offset, void* out, int64_t n,
+                    const float* nested_code, const float* nested_offset, void* out, int64_t n,
                     int64_t blocksize, void* stream);
 
 }  // namespace roundpipe::kernels

@@ -13,6 +13,7 @@
 #include <set>
 
 #include "io/atomic_directory.h"
+#include "models/modules.h"
 #include "roundpipe/models/causal_lm.h"
 #include "roundpipe/safetensors.h"
 
@@ -153,6 +154,20 @@ safetensors::NamedTensors per_expert_tensors(const std::string& name, const at::
 
 }  // namespace
 
+std::map<std::string, std::shared_ptr<torch::nn::Module>> CausalLM::four_bit_projections() const {
+  std::map<std::string, std::shared_ptr<torch::nn::Module>> found;
+  size_t layer = 0;
+  for (const auto& child : sequential_->children()) {
+    for (const auto& item : child->named_modules("", /*include_self=*/false)) {
+      const auto* linear = dynamic_cast<const detail::LinearImpl*>(item.value().get());
+      if (linear != nullptr && linear->quant)
+        found[hf_name(layer, item.key() + ".weight")] = item.value();
+    }
+    ++layer;
+  }
+  return found;
+}
+
 CausalLM CausalLM::from_pretrained(const std::string& dir, CausalLMOptions options) {
   auto config = CausalLMConfig::from_json_file((fs::path(dir) / "config.json").string());
   const bool map = options.map_weights && !options.pin_memory;
@@ -183,8 +198,23 @@ CausalLM CausalLM::from_pretrained(const std::string& dir, CausalLMOptions optio
   };
   c10::NoGradGuard no_grad;
   const bool per_expert_on_disk = !config.gpt_oss_experts;
+  const auto four_bit = model.four_bit_projections();
   for (auto& [name, p] : model.hf_state_dict()) {
-    if (is_lora_name(name)) continue;  // an adapter, not the base model's
+    if (is_lora_name(name)) continue;                    // an adapter, not the base model's
+    if (detail::is_four_bit_scale_name(name)) continue;  // made with its weight
+    if (auto it = four_bit.find(name); it != four_bit.end()) {
+      // Quantized as it is read: one projection's full-precision weight at a time.
+      const auto t = tensor_named(name);
+      auto& linear = *std::dynamic_pointer_cast<detail::LinearImpl>(it->second);
+      TORCH_CHECK(t.dim() == 2 && t.size(0) == linear.out && t.size(1) == linear.in, dir, ": '",
+                  name, "' has shape ", t.sizes(), " in the checkpoint but the config gives [",
+                  linear.out, ", ", linear.in, "]");
+      TORCH_CHECK(at::isFloatingType(t.scalar_type()), dir, ": '", name, "' is ", t.scalar_type(),
+                  "; quantize_base reads a full-precision checkpoint (a checkpoint saved "
+                  "already quantized by bitsandbytes is not read yet)");
+      linear.set_base_weight(t);
+      continue;
+    }
     at::Tensor t;
     if (!per_expert_on_disk && is_stacked_expert_name(name) && !find_tensor(name).defined()) {
       // Note [MXFP4 experts]
@@ -286,8 +316,14 @@ void CausalLM::save_pretrained(const std::string& dir, int64_t max_shard_bytes) 
         // Shards of at most max_shard_bytes (a larger single tensor gets its own).
         std::vector<safetensors::NamedTensors> shards(1);
         int64_t shard_bytes = 0, total = 0;
-        for (auto& [name, t] : hf_state_dict()) {
+        const auto four_bit = four_bit_projections();
+        for (auto [name, t] : hf_state_dict()) {
           if (is_lora_name(name)) continue;  // the base model's weights only
+          if (detail::is_four_bit_scale_name(name)) continue;
+          // A 4-bit weight is written dequantized, in the model's dtype.
+          if (auto it = four_bit.find(name); it != four_bit.end())
+            t = std::dynamic_pointer_cast<detail::LinearImpl>(it->second)
+                    ->base_weight(options_.dtype);
           if (shard_bytes > 0 && shard_bytes + static_cast<int64_t>(t.nbytes()) > max_shard_bytes) {
             shards.emplace_back();
             shard_bytes = 0;

@@ -114,6 +114,11 @@ void CausalLM::init_lora() {
 void CausalLM::merge_lora() {
   const auto& lora = options_.lora;
   if (lora.rank <= 0) return;
+  TORCH_CHECK(!options_.quantize_base,
+              "merge_lora: the base weights are in 4 bits (quantize_base); adding the adapters "
+              "would quantize the sum again and lose them. Save the adapter (save_adapter: peft "
+              "loads it onto the quantized base), or load the base without quantize_base to "
+              "merge.");
   c10::NoGradGuard no_grad;
   for (const auto& module : sequential_->modules(/*include_self=*/false)) {
     if (auto* experts = dynamic_cast<MoeExpertsImpl*>(module.get())) {  // Note [Expert LoRA]

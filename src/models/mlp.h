@@ -94,23 +94,29 @@ struct MLPImpl : torch::nn::Cloneable<MLPImpl> {
   Linear gate_proj{nullptr}, up_proj{nullptr}, down_proj{nullptr};
   int64_t chunk_tokens = 0;  // > 0: longer inputs go by TokenChunkedMLP
   LoraOptions lora;
-  MLPImpl(CausalLMConfig c, LoraOptions l) : config(std::move(c)), lora(std::move(l)) { reset(); }
+  std::optional<QuantType> quant;  // the projections' base weights in 4 bits
+  MLPImpl(CausalLMConfig c, LoraOptions l, std::optional<QuantType> q = std::nullopt)
+      : config(std::move(c)), lora(std::move(l)), quant(q) {
+    reset();
+  }
   void reset() override {
     const auto& c = config;
     gate_proj = register_module("gate_proj", make_linear(c.hidden_size, c.intermediate_size,
-                                                         c.mlp_bias, lora, "gate_proj"));
-    up_proj = register_module(
-        "up_proj", make_linear(c.hidden_size, c.intermediate_size, c.mlp_bias, lora, "up_proj"));
+                                                         c.mlp_bias, lora, "gate_proj", quant));
+    up_proj = register_module("up_proj", make_linear(c.hidden_size, c.intermediate_size, c.mlp_bias,
+                                                     lora, "up_proj", quant));
     down_proj = register_module("down_proj", make_linear(c.intermediate_size, c.hidden_size,
-                                                         c.mlp_bias, lora, "down_proj"));
+                                                         c.mlp_bias, lora, "down_proj", quant));
   }
   at::Tensor forward(const at::Tensor& x) {
     // With or without grad: without, the function keeps nothing and its
     // chunks alone bound the intermediates.
     if (chunk_tokens > 0 && x.numel() / x.size(-1) > chunk_tokens)
       return TokenChunkedMLP::apply(
-          x, gate_proj->weight, TokenChunkedMLP::no_bias_if_absent(gate_proj->bias),
-          up_proj->weight, TokenChunkedMLP::no_bias_if_absent(up_proj->bias), down_proj->weight,
+          x, gate_proj->base_weight(x.scalar_type()),
+          TokenChunkedMLP::no_bias_if_absent(gate_proj->bias),
+          up_proj->base_weight(x.scalar_type()), TokenChunkedMLP::no_bias_if_absent(up_proj->bias),
+          down_proj->base_weight(x.scalar_type()),
           TokenChunkedMLP::no_bias_if_absent(down_proj->bias), chunk_tokens);
     return down_proj(ops::swiglu(gate_proj(x), up_proj(x)));
   }

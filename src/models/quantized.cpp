@@ -199,7 +199,8 @@ int64_t Quantized4Bit::numel() const {
 
 int64_t Quantized4Bit::nbytes() const {
   int64_t bytes = packed.nbytes() + absmax.nbytes();
-  if (double_quantized()) bytes += nested_absmax.nbytes() + nested_code.nbytes();
+  if (double_quantized())
+    bytes += nested_absmax.nbytes() + nested_code.nbytes() + nested_offset.nbytes();
   return bytes;
 }
 
@@ -209,6 +210,7 @@ Quantized4Bit Quantized4Bit::to(const c10::Device& device, bool non_blocking) co
   out.absmax = absmax.to(device, non_blocking);
   if (double_quantized()) {
     out.nested_absmax = nested_absmax.to(device, non_blocking);
+    out.nested_offset = nested_offset.to(device, non_blocking);
     out.nested_code = nested_code.to(device, non_blocking);
   }
   return out;
@@ -264,7 +266,8 @@ Quantized4Bit quantize_4bit(const at::Tensor& weight, QuantType type, int64_t bl
     q.absmax = absmax;
     return q;
   }
-  q.nested_offset = at::mean(absmax).item<float>();
+  const float offset = at::mean(absmax).item<float>();
+  q.nested_offset = at::full({1}, offset, at::kFloat);
   const int64_t nested_blocks = (blocks + kNestedBlock - 1) / kNestedBlock;
   q.nested_absmax = at::empty({nested_blocks}, at::kFloat);
   q.nested_code = dynamic_map_signed();
@@ -272,7 +275,7 @@ Quantized4Bit quantize_4bit(const at::Tensor& weight, QuantType type, int64_t bl
   float* amax2 = q.nested_absmax.mutable_data_ptr<float>();
   uint8_t* codes = q.absmax.mutable_data_ptr<uint8_t>();
   std::vector<float> centered(blocks);
-  for (int64_t b = 0; b < blocks; ++b) centered[b] = amax[b] - q.nested_offset;
+  for (int64_t b = 0; b < blocks; ++b) centered[b] = amax[b] - offset;
   for (int64_t j = 0; j < nested_blocks; ++j) {
     const int64_t begin = j * kNestedBlock, end = std::min(blocks, begin + kNestedBlock);
     amax2[j] = block_absmax(centered.data() + begin, end - begin);
@@ -291,6 +294,13 @@ at::Tensor dequantize_4bit(const Quantized4Bit& q) {
   TORCH_CHECK_VALUE(q.absmax.numel() == blocks, "a 4-bit weight of ", q.numel(),
                     " values in blocks of ", q.blocksize, " needs ", blocks, " scales, got ",
                     q.absmax.numel());
+  TORCH_CHECK_VALUE(
+      !q.double_quantized() ||
+          (q.nested_offset.defined() && q.nested_offset.numel() == 1 &&
+           q.nested_offset.scalar_type() == at::kFloat && q.nested_offset.device() == device),
+      "double-quantized 4-bit scales need their offset: a float32 tensor of one "
+      "value on ",
+      device);
   TORCH_CHECK_VALUE(q.dtype == at::kFloat || q.dtype == at::kHalf || q.dtype == at::kBFloat16,
                     "4-bit weights dequantize to float32, float16 or bfloat16, not ", q.dtype);
   auto out = at::empty(q.shape, at::TensorOptions().dtype(q.dtype).device(device));
@@ -304,8 +314,9 @@ at::Tensor dequantize_4bit(const Quantized4Bit& q) {
         nested ? nullptr : q.absmax.const_data_ptr<float>(),
         nested ? q.absmax.const_data_ptr<uint8_t>() : nullptr,
         nested ? q.nested_absmax.const_data_ptr<float>() : nullptr,
-        nested ? q.nested_code.const_data_ptr<float>() : nullptr, q.nested_offset,
-        out.mutable_data_ptr(), q.numel(), q.blocksize, ops::current_stream()));
+        nested ? q.nested_code.const_data_ptr<float>() : nullptr,
+        nested ? q.nested_offset.const_data_ptr<float>() : nullptr, out.mutable_data_ptr(),
+        q.numel(), q.blocksize, ops::current_stream()));
     return out;
   }
 #endif
@@ -318,10 +329,11 @@ at::Tensor dequantize_4bit(const Quantized4Bit& q) {
     const uint8_t* codes = q.absmax.const_data_ptr<uint8_t>();
     const float* code2 = q.nested_code.const_data_ptr<float>();
     const float* amax2 = q.nested_absmax.const_data_ptr<float>();
+    const float offset = q.nested_offset.item<float>();
     float* a = absmax.mutable_data_ptr<float>();
     for (int64_t b = 0; b < blocks; ++b) {
       const float scaled = code2[codes[b]] * amax2[b / kNestedBlock];
-      a[b] = scaled + q.nested_offset;
+      a[b] = scaled + offset;
     }
   }
   const float* a = absmax.const_data_ptr<float>();

@@ -26,24 +26,26 @@ struct AttentionImpl : torch::nn::Cloneable<AttentionImpl> {
   RMSNorm q_norm{nullptr}, k_norm{nullptr};
   at::Tensor sinks;  // GPT-OSS: Note [Attention sinks]
   LoraOptions lora;
-  AttentionImpl(CausalLMConfig c, int64_t w, LoraOptions l)
-      : config(std::move(c)), window(w), lora(std::move(l)) {
+  std::optional<QuantType> quant;  // the projections' base weights in 4 bits
+  AttentionImpl(CausalLMConfig c, int64_t w, LoraOptions l,
+                std::optional<QuantType> q = std::nullopt)
+      : config(std::move(c)), window(w), lora(std::move(l)), quant(q) {
     reset();
   }
   void reset() override {
     const auto& c = config;
     q_proj =
         register_module("q_proj", make_linear(c.hidden_size, c.num_attention_heads * c.head_dim,
-                                              c.attention_bias, lora, "q_proj"));
+                                              c.attention_bias, lora, "q_proj", quant));
     k_proj =
         register_module("k_proj", make_linear(c.hidden_size, c.num_key_value_heads * c.head_dim,
-                                              c.attention_bias, lora, "k_proj"));
+                                              c.attention_bias, lora, "k_proj", quant));
     v_proj =
         register_module("v_proj", make_linear(c.hidden_size, c.num_key_value_heads * c.head_dim,
-                                              c.attention_bias, lora, "v_proj"));
+                                              c.attention_bias, lora, "v_proj", quant));
     o_proj =
         register_module("o_proj", make_linear(c.num_attention_heads * c.head_dim, c.hidden_size,
-                                              c.attention_bias, lora, "o_proj"));
+                                              c.attention_bias, lora, "o_proj", quant));
     if (c.qk_norm) {
       q_norm = register_module("q_norm", RMSNorm(c.head_dim, c.rms_norm_eps));
       k_norm = register_module("k_norm", RMSNorm(c.head_dim, c.rms_norm_eps));

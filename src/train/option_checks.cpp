@@ -64,6 +64,15 @@ void validate(const TrainOptions& a) {
   check(a.lora_dropout >= 0 && a.lora_dropout < 1, "--lora-dropout", "in [0, 1)",
         text(a.lora_dropout));
   check(!a.merge || a.lora_rank > 0, "--merge", "only with --lora-rank", "set without LoRA");
+  check(a.quantize_base.empty() || a.quantize_base == "nf4" || a.quantize_base == "fp4",
+        "--quantize-base", "nf4 or fp4 (8-bit bases are not implemented yet)", a.quantize_base);
+  check(a.quantize_base.empty() || a.lora_rank > 0, "--quantize-base",
+        "used with --lora-rank (the 4-bit base weights are frozen: only adapters train)",
+        "set without LoRA");
+  check(a.quantize_base.empty() || !a.merge, "--quantize-base",
+        "without --merge (merging would quantize the adapters away; the adapter is written in "
+        "peft's layout)",
+        "set with --merge");
   check(a.digits >= 1 && a.digits <= 9, "--digits", "between 1 and 9", text(a.digits));
   check(a.length >= 1, "--length", "at least 1", text(a.length));
   check(std::isfinite(a.lr) && a.lr > 0, "--lr", "a positive number", text(a.lr));

@@ -33,7 +33,8 @@ json fixed_settings(const TrainOptions& a) {
           {"lora-alpha", a.lora_alpha},
           {"lora-dropout", a.lora_dropout},
           {"lora-targets", a.lora_rank > 0 ? a.lora_targets : std::string()},
-          {"lora-target-parameters", a.lora_target_parameters}};
+          {"lora-target-parameters", a.lora_target_parameters},
+          {"quantize-base", a.quantize_base}};
 }
 
 // Settings that may change with --allow-resume-change.

@@ -165,6 +165,8 @@ TrainSummary run_training(const TrainOptions& given) {
                                .set_target_parameters(split(args.lora_target_parameters)));
     model_options.lora.dtype = c10::kFloat;
   }
+  if (!args.quantize_base.empty())
+    model_options.set_quantize_base(roundpipe::models::quant_type_from_string(args.quantize_base));
   roundpipe::RunConfig run_config;
   if (args.microbatches > 0) run_config.set_num_microbatch(args.microbatches);
   // Its loss_fn returns the model's loss, scaled: it adds up over rows.

@@ -87,11 +87,12 @@ TEST(Quantized4Bit, DoubleQuantizedScalesAreWithinHalfAStepOfTheDynamicMap) {
   EXPECT_EQ(q.absmax.scalar_type(), at::kByte);
   EXPECT_EQ(q.nested_absmax.numel(), 3);
   EXPECT_TRUE(at::equal(q.packed, plain.packed)) << "the codes do not depend on the scales' form";
-  EXPECT_FLOAT_EQ(q.nested_offset, plain.absmax.mean().item<float>());
+  const float offset = q.nested_offset.item<float>();
+  EXPECT_FLOAT_EQ(offset, plain.absmax.mean().item<float>());
   const auto steps = map.slice(0, 1) - map.slice(0, 0, -1);
   for (int64_t b = 0; b < 600; ++b) {
     const float amax2 = q.nested_absmax[b / 256].item<float>();
-    const float centered = plain.absmax[b].item<float>() - q.nested_offset;
+    const float centered = plain.absmax[b].item<float>() - offset;
     const int code = q.absmax[b].item<uint8_t>();
     const float got = map[code].item<float>() * amax2;
     const float step = steps[std::min(code, 254)].item<float>() +
@@ -103,7 +104,7 @@ TEST(Quantized4Bit, DoubleQuantizedScalesAreWithinHalfAStepOfTheDynamicMap) {
   auto decoded = plain;
   decoded.absmax = map.index({q.absmax.to(at::kLong)}) *
                        q.nested_absmax.repeat_interleave(256).slice(0, 0, 600) +
-                   q.nested_offset;
+                   offset;
   EXPECT_TRUE(at::equal(models::dequantize_4bit(q), models::dequantize_4bit(decoded)));
 }
 

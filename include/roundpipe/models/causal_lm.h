@@ -41,6 +41,7 @@
 #include <vector>
 
 #include "roundpipe/models/config.h"
+#include "roundpipe/models/quantized.h"
 
 namespace roundpipe::models {
 
@@ -174,6 +175,18 @@ struct CausalLMOptions {
     lora = std::move(v);
     return *this;
   }
+  // QLoRA (Note [4-bit base weights in the presets]): the decoder layers'
+  // dense projections (attention q/k/v/o, MLP gate/up/down) keep their base
+  // weights in 4 bits (NF4 or FP4 codes in blocks of 64, double-quantized
+  // scales: bitsandbytes' layout), frozen, in host memory and over PCIe, and
+  // dequantized into the compute dtype where they run. from_pretrained
+  // quantizes a full-precision checkpoint as it reads it, tensor by tensor.
+  // Embeddings, norms, lm_head, routers and experts stay in `dtype`.
+  std::optional<QuantType> quantize_base;
+  CausalLMOptions& set_quantize_base(std::optional<QuantType> v) {
+    quantize_base = v;
+    return *this;
+  }
 };
 
 // The model's input (see the top of this file).
@@ -218,7 +231,8 @@ class CausalLM {
   // in `dir` are left alone. `base_model` names the base for peft.
   void save_adapter(const std::string& dir, const std::string& base_model = "") const;
   // Folds the adapters into the base weights (W += scaling * B A) and zeroes
-  // B, so that save_pretrained writes the fine-tuned model whole.
+  // B, so that save_pretrained writes the fine-tuned model whole. Refused on
+  // a 4-bit base (it would quantize the sum again): save the adapter.
   void merge_lora();
 
   const CausalLMConfig& config() const { return config_; }
@@ -237,6 +251,9 @@ class CausalLM {
   CausalLMOptions options_;
   torch::nn::Sequential sequential_;
   void init_lora();
+  // The projections whose base weight is in 4 bits, by the HuggingFace name
+  // of their weight (Note [4-bit base weights in the presets]).
+  std::map<std::string, std::shared_ptr<torch::nn::Module>> four_bit_projections() const;
 };
 
 // Whether `name` is a weight file of a HuggingFace checkpoint

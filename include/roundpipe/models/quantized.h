@@ -36,7 +36,10 @@ struct Quantized4Bit {
   at::Tensor absmax;
   at::Tensor nested_absmax;  // float32 [ceil(blocks / 256)]; undefined: not nested
   at::Tensor nested_code;    // float32 [256]: bitsandbytes' signed dynamic map
-  float nested_offset = 0;
+  // float32 [1]: the block maxima's mean, added back. A tensor, so that it
+  // travels to the device with the rest and dequantization never waits for
+  // the host.
+  at::Tensor nested_offset;
 
   bool double_quantized() const { return nested_absmax.defined(); }
   int64_t numel() const;
