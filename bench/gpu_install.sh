@@ -4,6 +4,8 @@
 # $out/machine.txt. Expects $out and $py; starts SECONDS.
 SECONDS=0
 $py -m pip install -q --no-index --find-links .deps/wheels "scikit-build-core>=0.10" peft==0.21.2 pytest 2>&1 | tail -2
+# bitsandbytes (slimmed: its CPU and CUDA 13.0 libraries) for the QLoRA baseline.
+$py -m pip install -q --no-index --no-deps --find-links .deps/wheels bitsandbytes==0.50.2 2>&1 | tail -1
 $py -c 'import peft, transformers, torch; print("peft", peft.__version__, "transformers", transformers.__version__, "torch", torch.__version__)' | tee "$out/machine.txt"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee -a "$out/machine.txt"
 if ! $py -c 'import roundpipe' 2>/dev/null || [ -n "${REINSTALL:-}" ]; then

@@ -6,6 +6,11 @@ attention_mask. One configuration per process; prints one result line.
   lora_bench.py resident SHAPE BATCH SEQ STEPS
       GPU-resident peft + transformers, gradient checkpointing, no cap, AdamW
       (fused) on the adapters: the baseline.
+  lora_bench.py resident_qlora SHAPE BATCH SEQ STEPS
+      The same on a 4-bit base (QLoRA): the decoder layers' projections as
+      bitsandbytes' Linear4bit (NF4, double quantization, bf16 compute), what
+      BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+      bnb_4bit_use_double_quant=True) makes.
   lora_bench.py roundpipe SHAPE CAP_GIB BATCH SEQ STEPS PIN [CHECKPOINT_DIR]
       wrap_model_to_roundpipe(peft_model, pin_model=PIN) on a card capped to
       CAP_GIB, roundpipe.optim.Adam with the async step. With CHECKPOINT_DIR
@@ -96,6 +101,24 @@ def resident(shape, batch, seq, steps):
     train_resident(lora(random_model(shape, seq, "cuda")), shape, batch, seq, steps)
 
 
+def resident_qlora(shape, batch, seq, steps):
+    import bitsandbytes as bnb
+    model = random_model(shape, seq, "cuda")
+    for layer in model.model.layers:
+        for parent in (layer.self_attn, layer.mlp):
+            for name, child in list(parent.named_children()):
+                if not isinstance(child, torch.nn.Linear):
+                    continue
+                q = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=child.bias is not None,
+                                      compute_dtype=torch.bfloat16, compress_statistics=True,
+                                      quant_type="nf4", device="cuda")
+                q.weight = bnb.nn.Params4bit(child.weight.data, requires_grad=False,
+                                             compress_statistics=True, quant_type="nf4")
+                setattr(parent, name, q.to("cuda"))  # quantized on the move
+    torch.cuda.empty_cache()
+    train_resident(lora(model), shape + " NF4", batch, seq, steps)
+
+
 def train_resident(model, shape, batch, seq, steps):
     """GPU-resident training of a peft model: gradient checkpointing, fused
     AdamW on the adapters; prints the steps and one result line."""
@@ -183,6 +206,8 @@ if __name__ == "__main__":
     mode = sys.argv[1]
     if mode == "resident":
         resident(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]))
+    elif mode == "resident_qlora":
+        resident_qlora(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]))
     elif mode == "roundpipe":
         with_roundpipe(sys.argv[2], float(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]),
                        int(sys.argv[6]), sys.argv[7], sys.argv[8] if len(sys.argv) > 8 else None)

@@ -16,6 +16,8 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <fstream>
+#include <map>
 #include <string>
 
 #ifdef ROUNDPIPE_WITH_CUDA
@@ -33,9 +35,15 @@ using Clock = std::chrono::steady_clock;
 using roundpipe::DevicePtr;
 
 std::string shape_json(const std::string& shape) {
-  // Qwen3 shapes as published (vocab 151936, tied embeddings for these sizes).
+  // Qwen3 shapes as published (vocab 151936; tied embeddings up to 4B).
   std::string dims;
-  if (shape == "1.7B") {
+  if (shape == "32B") {
+    dims = R"("hidden_size": 5120, "intermediate_size": 25600, "num_hidden_layers": 64,
+              "num_attention_heads": 64, "num_key_value_heads": 8)";
+  } else if (shape == "8B") {
+    dims = R"("hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
+              "num_attention_heads": 32, "num_key_value_heads": 8)";
+  } else if (shape == "1.7B") {
     dims = R"("hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 28,
               "num_attention_heads": 16, "num_key_value_heads": 8)";
   } else if (shape == "4B") {
@@ -45,13 +53,14 @@ std::string shape_json(const std::string& shape) {
     dims = R"("hidden_size": 128, "intermediate_size": 384, "num_hidden_layers": 4,
               "num_attention_heads": 4, "num_key_value_heads": 2)";
   } else {
-    throw std::invalid_argument("unknown --shape " + shape + " (tiny, 1.7B, 4B)");
+    throw std::invalid_argument("unknown --shape " + shape + " (tiny, 1.7B, 4B, 8B, 32B)");
   }
   const std::string vocab = shape == "tiny" ? "1024" : "151936";
   return R"({"model_type": "qwen3", "vocab_size": )" + vocab + ", " + dims + R"(, "head_dim": )" +
          (shape == "tiny" ? "32" : "128") +
          R"(, "max_position_embeddings": 262144, "rms_norm_eps": 1e-6,
-             "rope_theta": 1000000.0, "tie_word_embeddings": true, "torch_dtype": "bfloat16"})";
+             "rope_theta": 1000000.0, "torch_dtype": "bfloat16", "tie_word_embeddings": )" +
+         (shape == "8B" || shape == "32B" ? "false}" : "true}");
 }
 
 void synchronize(const DevicePtr& device) {
@@ -98,7 +107,39 @@ struct Setup {
   bool max_seq = false, verbose = false;
   bool freeze_linear = false;  // train only the norms: uploads, not compute, bound a small batch
   int profile_steps = 0;
+  int64_t lora_rank = 0;      // > 0: LoRA adapters on every projection, the base frozen
+  std::string quantize_base;  // "nf4" or "fp4": the base's projections in 4 bits (QLoRA)
 };
+
+// The first layer's down_proj dequantized on `device` equals the CPU
+// path's result bit for bit (tests/models/quantized_test.cpp checks the
+// kernel where the tests run on a GPU; this, on the machine the numbers
+// come from), and how fast.
+void check_dequantization(const roundpipe::models::CausalLM& model, const DevicePtr& device) {
+  if (!device->torch_device().is_cuda()) return;
+  std::map<std::string, at::Tensor> named;
+  for (const auto& [name, p] : model.hf_state_dict()) named[name] = p;
+  const std::string w = "model.layers.0.mlp.down_proj.weight";
+  roundpipe::models::Quantized4Bit q;
+  q.type = *model.options().quantize_base;
+  q.shape = {model.config().hidden_size, model.config().intermediate_size};
+  q.packed = named.at(w);
+  q.absmax = named.at(w + "_absmax");
+  q.nested_absmax = named.at(w + "_nested_absmax");
+  q.nested_code = named.at(w + "_nested_code");
+  q.nested_offset = named.at(w + "_nested_offset");
+  const auto on_device = q.to(device->torch_device());
+  const bool same = at::equal(roundpipe::models::dequantize_4bit(q),
+                              roundpipe::models::dequantize_4bit(on_device).cpu());
+  const double seconds =
+      time_on(device, 20, [&] { roundpipe::models::dequantize_4bit(on_device); });
+  std::printf(
+      "4-bit dequantization (%s, %lld x %lld to bf16) on %s equals the CPU path: %s; %.0f us, "
+      "%.0f GB/s moved\n",
+      roundpipe::models::to_string(q.type), static_cast<long long>(q.shape[0]),
+      static_cast<long long>(q.shape[1]), device->name().c_str(), same ? "yes" : "NO",
+      seconds * 1e6, (q.nbytes() + 2.0 * q.numel()) / seconds / 1e9);
+}
 
 std::unique_ptr<roundpipe::RoundPipe> wrap(roundpipe::models::CausalLM& model, const Setup& s) {
   auto options =
@@ -250,7 +291,19 @@ void profile_kernels(int steps, const roundpipe::DevicePool& pool, Step step,
 int train(const Setup& s) {
   auto config = roundpipe::models::CausalLMConfig::from_json_string(shape_json(s.shape), s.shape);
   const auto dtype = roundpipe::dtype_from_string(s.dtype);
-  roundpipe::models::CausalLM model(config, roundpipe::models::CausalLMOptions().set_dtype(dtype));
+  auto model_options = roundpipe::models::CausalLMOptions().set_dtype(dtype);
+  if (s.lora_rank > 0) {  // peft's defaults for QLoRA recipes: alpha 2 r, fp32 factors
+    model_options.set_lora(roundpipe::models::LoraOptions()
+                               .set_rank(s.lora_rank)
+                               .set_alpha(2.0 * s.lora_rank)
+                               .set_targets({"all-linear"}));
+    model_options.lora.dtype = torch::kFloat;
+  }
+  if (!s.quantize_base.empty())
+    model_options.set_quantize_base(roundpipe::models::quant_type_from_string(s.quantize_base));
+  const auto made = Clock::now();
+  roundpipe::models::CausalLM model(config, model_options);
+  std::printf("model made in %.1f s\n", std::chrono::duration<double>(Clock::now() - made).count());
   if (s.freeze_linear) {
     for (auto& p : model.sequential()->parameters()) {
       if (p.dim() == 2) p.requires_grad_(false);
@@ -259,6 +312,7 @@ int train(const Setup& s) {
   auto pipe = wrap(model, s);
   const auto& pool = pipe->devices();
   const auto device = pool.at(0);
+  if (!s.quantize_base.empty()) check_dequantization(model, device);
   std::printf(
       "roundpipe-bench: qwen3 %s, %d layers, dtype %s, %d device(s) %s, batch %lld x %lld tokens\n",
       s.shape.c_str(), pipe->num_layers(), s.dtype.c_str(), pool.size(), device->name().c_str(),
@@ -271,10 +325,13 @@ int train(const Setup& s) {
 
   // Linear-layer parameters (2-D weights; the tied embedding counts once, as lm_head).
   int64_t linear = 0, all = 0, trainable = 0;
-  for (const auto& p : pipe->parameters()) {
-    all += p.numel();
+  for (const auto& [name, p] : pipe->named_parameters()) {
+    // (A 4-bit weight is its packed codes, two values a byte.)
+    const bool packed = p.scalar_type() == torch::kByte && name.size() > 7 &&
+                        name.compare(name.size() - 7, 7, ".weight") == 0;
+    all += packed ? 2 * p.numel() : p.numel();
     if (p.requires_grad()) trainable += p.numel();
-    if (p.dim() == 2) linear += p.numel();
+    if (p.dim() == 2 || packed) linear += packed ? 2 * p.numel() : p.numel();
   }
   roundpipe::optim::Adam adam(pipe->optim_parameters(),
                               roundpipe::optim::AdamConfig().set_lr(1e-5));
@@ -318,7 +375,7 @@ int train(const Setup& s) {
   const double tokens_per_step = static_cast<double>(s.batch) * s.seq;
   // Model FLOPs (no recompute): 2 forward, 2 input gradient, 2 weight
   // gradient per weight and token; frozen weights have no weight gradient.
-  const int flops_per_weight = s.freeze_linear ? 4 : 6;
+  const int flops_per_weight = s.freeze_linear || s.lora_rank > 0 ? 4 : 6;
   const double tflops = flops_per_weight * linear * tokens_per_step / step_seconds / 1e12;
   const double h2d = (params_up + acts_up) / s.steps / step_seconds / 1e9 / pool.size();
   std::printf("train: %d timed steps in %.2fs, loss %.4f (sum over microbatches)\n", s.steps,
@@ -366,6 +423,13 @@ int train(const Setup& s) {
           std::max<int64_t>(host.arena.peak_allocated_bytes, 1),
       host.arena.peak_allocated_bytes / 1073741824.0, host.model_state_bytes / 1073741824.0,
       (host.arena.peak_allocated_bytes - host.model_state_bytes) / 1073741824.0);
+  // The process's peak resident memory (/proc's VmHWM): everything the host
+  // holds, LibTorch's own included, as a user's `top` shows it.
+  std::ifstream status("/proc/self/status");
+  for (std::string line; std::getline(status, line);)
+    if (line.rfind("VmHWM:", 0) == 0)
+      std::printf("  host peak resident memory     %12.2f GiB\n",
+                  std::stod(line.substr(6)) / 1048576.0);
   // What the threads waited for, per timed step: an optimizer slower than
   // the devices shows as workers waiting for weights.
   const auto waits = pipe->pipeline_stats();
@@ -463,6 +527,10 @@ int main(int argc, char** argv) {
   app.add_flag("--freeze-linear", s.freeze_linear,
                "freeze every 2-D weight (train the norms only): with a small batch the "
                "parameter uploads, not compute or the optimizer, set the pace");
+  app.add_option("--lora-rank", s.lora_rank,
+                 "LoRA adapters of this rank on every projection (alpha 2 r), the base frozen");
+  app.add_option("--quantize-base", s.quantize_base,
+                 "nf4 or fp4: the base's projections in 4 bits (QLoRA; with --lora-rank)");
   app.add_option("--profile", s.profile_steps,
                  "after timing, profile this many steps' kernels (CUDA only)");
   app.add_option("--seq-start", s.seq_start, "--max-seq: first length tried (doubling)");

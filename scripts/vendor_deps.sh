@@ -29,6 +29,28 @@ done
 # an environment with torch and transformers may lack).
 "${PYTHON:-$root/.venv/bin/python}" -m pip download -q --no-deps --only-binary=:all: \
   --dest "$root/.deps/wheels" peft==0.21.2 accelerate psutil
+# bitsandbytes for the GPU-resident QLoRA baseline (bench/lora_bench.py
+# resident_qlora), slimmed to its CPU and CUDA 13.0 libraries (the wheel
+# carries every CUDA and ROCm build, 43 MB; the device tool carries 64 MiB).
+"${PYTHON:-$root/.venv/bin/python}" -m pip download -q --no-deps --only-binary=:all: \
+  --dest "$root/.deps/bnb-full" bitsandbytes==0.50.2
+"${PYTHON:-$root/.venv/bin/python}" - "$root/.deps/bnb-full" "$root/.deps/wheels" <<'PY'
+import base64, csv, hashlib, io, pathlib, re, sys, zipfile
+keep = re.compile(r"libbitsandbytes_(cpu|cuda130)\.so$")
+for src in pathlib.Path(sys.argv[1]).glob("bitsandbytes-*.whl"):
+    dst = pathlib.Path(sys.argv[2]) / src.name
+    with zipfile.ZipFile(src) as zin, zipfile.ZipFile(dst, "w", zipfile.ZIP_DEFLATED) as zout:
+        names = [n for n in zin.namelist() if not n.endswith(".so") or keep.search(n)]
+        record = next(n for n in names if n.endswith(".dist-info/RECORD"))
+        rows = [r for r in csv.reader(io.StringIO(zin.read(record).decode())) if r and r[0] in names]
+        for n in names:
+            if n != record:
+                zout.writestr(zin.getinfo(n), zin.read(n))
+        text = io.StringIO()
+        csv.writer(text, lineterminator="\n").writerows(rows)
+        zout.writestr(record, text.getvalue())
+PY
+rm -rf "$root/.deps/bnb-full"
 # The original RoundPipe (and what it needs beyond torch, transformers and
 # tqdm), for bench/gpu_user.sh's side-by-side runs: pure Python (its CPU
 # Adam compiles at first use with torch's ninja build).

@@ -12,7 +12,11 @@
 #include <torch/nn/modules/dropout.h>
 #include <torch/nn/modules/linear.h>
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
 #include <stdlib.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include <filesystem>
 #include <fstream>
@@ -164,6 +168,33 @@ inline at::Tensor plain_microbatch_loss(torch::nn::Sequential& model, const at::
   at::Tensor loss = at::zeros({}, dev);
   for (int m = 0; m < n; ++m) loss = loss + mse_loss(model->forward(xs[m]), ys[m]);
   return loss;
+}
+
+// A port no one listens on now (the kernel's pick; free again at once).
+inline int free_port() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t length = sizeof(address);
+  TORCH_CHECK(::bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)) == 0 &&
+                  ::getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length) == 0,
+              "cannot find a free port");
+  ::close(fd);
+  return ntohs(address.sin_port);
+}
+
+// A tensor input cut into chunks of `rows` rows (a test layer's
+// SplitsInputRows::split_input_rows).
+inline std::vector<c10::IValue> split_tensor_rows(const c10::IValue& input,
+                                                  const std::vector<int64_t>& rows) {
+  std::vector<c10::IValue> chunks;
+  int64_t first = 0;
+  for (int64_t n : rows) {
+    chunks.emplace_back(input.toTensor().narrow(0, first, n));
+    first += n;
+  }
+  return chunks;
 }
 
 #ifdef ROUNDPIPE_PYTHON

@@ -3,6 +3,8 @@
 // bitsandbytes' QuantState uses.
 #include "quantized.h"
 
+#include <ATen/ops/full.h>
+
 #include "roundpipe/models/quantized.h"
 #include "roundpipe/options.h"
 

@@ -136,8 +136,10 @@ struct Rounder {
   uint8_t operator()(float scaled) const {
     const int count = sign_bit ? 7 : 15;
     const float v = sign_bit ? std::fabs(scaled) : scaled;
+    // The midpoints below v, counted without branches (they are sorted, so
+    // this is the first one not below it; a tie stays with the lower code).
     int rank = 0;
-    while (rank < count && v > midpoints[rank]) ++rank;
+    for (int k = 0; k < count; ++k) rank += v > midpoints[k];
     const uint8_t code = code_of_rank[rank];
     return sign_bit && scaled < 0 ? static_cast<uint8_t>(code | 8) : code;
   }

@@ -26,20 +26,6 @@ constexpr int kSteps = 3;
 constexpr int64_t kBatch = 12;  // divisible by 2 and 3 ranks
 constexpr double kLr = 2e-2;
 
-// A port no one listens on now (the kernel's pick; free again at once).
-int free_port() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in address{};
-  address.sin_family = AF_INET;
-  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t length = sizeof(address);
-  TORCH_CHECK(::bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)) == 0 &&
-                  ::getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length) == 0,
-              "cannot find a free port");
-  ::close(fd);
-  return ntohs(address.sin_port);
-}
-
 // Runs body(rank, group) on `world` threads, one process group each; returns
 // each rank's error (null: none).
 std::vector<std::exception_ptr> run_ranks(

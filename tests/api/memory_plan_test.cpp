@@ -438,13 +438,7 @@ struct RowSplitProbeImpl : torch::nn::Cloneable<RowSplitProbeImpl>, SplitsInputR
   static inline int inject_at = 0;
   std::vector<c10::IValue> split_input_rows(const c10::IValue& input,
                                             const std::vector<int64_t>& rows) const override {
-    std::vector<c10::IValue> chunks;
-    int64_t first = 0;
-    for (int64_t n : rows) {
-      chunks.emplace_back(input.toTensor().narrow(0, first, n));
-      first += n;
-    }
-    return chunks;
+    return split_tensor_rows(input, rows);
   }
 };
 TORCH_MODULE(RowSplitProbe);

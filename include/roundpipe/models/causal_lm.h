@@ -236,6 +236,7 @@ class CausalLM {
   void merge_lora();
 
   const CausalLMConfig& config() const { return config_; }
+  const CausalLMOptions& options() const { return options_; }
   int64_t vocab_size() const { return config_.vocab_size; }
   // Sequential(input adapter, decoder layers..., output adapter).
   torch::nn::Sequential& sequential() { return sequential_; }

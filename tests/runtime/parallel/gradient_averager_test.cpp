@@ -67,20 +67,6 @@ TEST(GradientAverager, ShardedBucketsAreCutWhereTheOwnerChanges) {
   }
 }
 
-// A port no one listens on now (the kernel's pick; free again at once).
-int free_port() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in address{};
-  address.sin_family = AF_INET;
-  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t length = sizeof(address);
-  TORCH_CHECK(::bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)) == 0 &&
-                  ::getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length) == 0,
-              "cannot find a free port");
-  ::close(fd);
-  return ntohs(address.sin_port);
-}
-
 // Runs body(rank, group) on 2 threads, a Gloo group each; rethrows the
 // first rank's error (after both ended: a failed rank fails the other's
 // collectives within the timeout, it does not hang it).

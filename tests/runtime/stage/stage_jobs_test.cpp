@@ -112,13 +112,7 @@ struct RowsLinearImpl : torch::nn::Cloneable<RowsLinearImpl>, SplitsInputRows {
   at::Tensor forward(at::Tensor x) { return linear(x); }
   std::vector<c10::IValue> split_input_rows(const c10::IValue& input,
                                             const std::vector<int64_t>& rows) const override {
-    std::vector<c10::IValue> chunks;
-    int64_t first = 0;
-    for (int64_t r : rows) {
-      chunks.emplace_back(input.toTensor().narrow(0, first, r));
-      first += r;
-    }
-    return chunks;
+    return split_tensor_rows(input, rows);
   }
 };
 TORCH_MODULE(RowsLinear);
