@@ -35,12 +35,21 @@ CausalLM::CausalLM(CausalLMConfig config, CausalLMOptions options)
   for (const auto* linear : quantized)
     for (const auto& p : linear->parameters(/*recurse=*/false))
       if (!p.is_same(linear->bias)) four_bit.insert(p.unsafeGetTensorImpl());
+  auto pin_if_asked = [&] {
+    if (!options_.pin_memory) return;
+    // Tied weights are one tensor: pin each once.
+    std::set<const c10::TensorImpl*> done;
+    for (auto& p : sequential_->parameters()) {
+      if (done.insert(p.unsafeGetTensorImpl()).second) p.set_data(p.pin_memory());
+    }
+  };
   if (!options_.init_weights) {
     // Uninitialised, in the model dtype, memory untouched (rotary tables stay fp32).
     for (auto& p : sequential_->parameters())
       if (!four_bit.count(p.unsafeGetTensorImpl()))
         p.set_data(at::empty(p.sizes(), p.options().dtype(options_.dtype)));
     init_lora();
+    pin_if_asked();
     return;
   }
   // transformers' initialisation for new weights: normal(0, 0.02), norms 1.
@@ -60,13 +69,7 @@ CausalLM::CausalLM(CausalLMConfig config, CausalLMOptions options)
         at::empty({linear->out, linear->in}).normal_(0, 0.02).to(options_.dtype));
   input->inv_freq.set_data(inverse_frequencies(config_));  // rotary tables stay fp32
   init_lora();
-  if (options_.pin_memory) {
-    // Tied weights are one tensor: pin each once.
-    std::set<const c10::TensorImpl*> done;
-    for (auto& p : sequential_->parameters()) {
-      if (done.insert(p.unsafeGetTensorImpl()).second) p.set_data(p.pin_memory());
-    }
-  }
+  pin_if_asked();
 }
 
 }  // namespace roundpipe::models

@@ -173,7 +173,10 @@ CausalLM CausalLM::from_pretrained(const std::string& dir, CausalLMOptions optio
   const bool map = options.map_weights && !options.pin_memory;
   // Mapped: the weights are about to be replaced by the file's pages, so
   // they are allocated untouched (no resident memory) instead of initialised.
-  CausalLM model(config, map ? CausalLMOptions(options).set_init_weights(false) : options);
+  // A 4-bit base too: its projections are quantized as they are read, so
+  // drawing and quantizing random ones first would do that work twice.
+  const bool skip_init = map || options.quantize_base.has_value();
+  CausalLM model(config, skip_init ? CausalLMOptions(options).set_init_weights(false) : options);
   const auto files = weight_files(dir);
   std::map<std::string, safetensors::File> loaded;
   // The tensor `name`, undefined if the checkpoint has none.

@@ -7,7 +7,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <sstream>
 #include <string>
+#include <vector>
 
 namespace roundpipe::train {
 namespace {
@@ -102,6 +104,32 @@ void validate(const TrainOptions& a) {
     check(a.task == "addition" || a.task == "reverse", "--task",
           "reverse or addition (or give --data)", a.task);
   }
+}
+
+models::CausalLMOptions model_options(const TrainOptions& args, c10::ScalarType dtype) {
+  auto model_options =
+      models::CausalLMOptions().set_dtype(dtype).set_loss_chunk_tokens(args.loss_chunk);
+  if (args.lora_rank > 0) {
+    auto split = [](const std::string& text) {
+      std::vector<std::string> names;
+      std::stringstream list(text);
+      for (std::string t; std::getline(list, t, ',');)
+        if (!t.empty()) names.push_back(t);
+      return names;
+    };
+    const auto targets = split(args.lora_targets);
+    // Adapters in float32 on a half-precision base, as peft keeps them.
+    model_options.set_lora(models::LoraOptions()
+                               .set_rank(args.lora_rank)
+                               .set_alpha(args.lora_alpha)
+                               .set_dropout(args.lora_dropout)
+                               .set_targets(targets)
+                               .set_target_parameters(split(args.lora_target_parameters)));
+    model_options.lora.dtype = c10::kFloat;
+  }
+  if (!args.quantize_base.empty())
+    model_options.set_quantize_base(models::quant_type_from_string(args.quantize_base));
+  return model_options;
 }
 
 }  // namespace roundpipe::train

@@ -145,28 +145,7 @@ TrainSummary run_training(const TrainOptions& given) {
   TrainSummary summary;
   torch::manual_seed(args.seed);
   const auto dtype = dtype_from_string(args.dtype);
-  auto model_options =
-      roundpipe::models::CausalLMOptions().set_dtype(dtype).set_loss_chunk_tokens(args.loss_chunk);
-  if (args.lora_rank > 0) {
-    auto split = [](const std::string& text) {
-      std::vector<std::string> names;
-      std::stringstream list(text);
-      for (std::string t; std::getline(list, t, ',');)
-        if (!t.empty()) names.push_back(t);
-      return names;
-    };
-    const auto targets = split(args.lora_targets);
-    // Adapters in float32 on a half-precision base, as peft keeps them.
-    model_options.set_lora(roundpipe::models::LoraOptions()
-                               .set_rank(args.lora_rank)
-                               .set_alpha(args.lora_alpha)
-                               .set_dropout(args.lora_dropout)
-                               .set_targets(targets)
-                               .set_target_parameters(split(args.lora_target_parameters)));
-    model_options.lora.dtype = c10::kFloat;
-  }
-  if (!args.quantize_base.empty())
-    model_options.set_quantize_base(roundpipe::models::quant_type_from_string(args.quantize_base));
+  const auto model_options = train::model_options(args, dtype);
   roundpipe::RunConfig run_config;
   if (args.microbatches > 0) run_config.set_num_microbatch(args.microbatches);
   // Its loss_fn returns the model's loss, scaled: it adds up over rows.

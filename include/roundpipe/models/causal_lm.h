@@ -123,8 +123,8 @@ struct CausalLMOptions {
   // copies the mapped checkpoint straight into memory the GPUs upload from
   // (RoundPipe's pin_model=alloc then keeps it as is). Needs CUDA.
   bool pin_memory = false;
-  // false: leave the weights uninitialised (their memory untouched), for a
-  // model whose weights are loaded or replaced at once.
+  // false: leave the weights uninitialised (their memory untouched, unless
+  // pin_memory), for a model whose weights are loaded or replaced at once.
   bool init_weights = true;
 
   CausalLMOptions& set_dtype(c10::ScalarType v) {
