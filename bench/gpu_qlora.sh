@@ -2,13 +2,14 @@
 # On the GPU machine, in one call: QLoRA against LoRA on a full-precision
 # base (issue 35). Builds roundpipe-bench, then for each of SHAPES (default
 # 8B) runs it with LoRA r=16 on every projection under CAP (default 24 GiB)
-# on an NF4 base and on the bf16 base (BASES, default "nf4 bf16"), BATCH x
-# SEQ tokens (16 x 4096), and with RESIDENT=1 the GPU-resident peft +
-# bitsandbytes QLoRA of the same shape (bench/lora_bench.py resident_qlora,
-# RESIDENT_BATCH rows, default 8).
+# on an NF4 base and on the bf16 base (BASES, default "nf4 bf16"; fp4, int8
+# and fp8 too), BATCH x SEQ tokens (16 x 4096), and with RESIDENT=1 the
+# GPU-resident peft + bitsandbytes QLoRA of the same shape
+# (bench/lora_bench.py resident_qlora, RESIDENT_BATCH rows, default 8).
 # Each run prints tokens/s, parameter bytes uploaded per step, peak device
-# memory, host memory, and for NF4 the CUDA dequantization checked against
-# the CPU path. Logs go to $OUT (or ./bench-out); a summary to qlora.txt.
+# memory, host memory, and for a quantized base the CUDA dequantization
+# checked against the CPU path. Logs go to $OUT (or ./bench-out); a summary
+# to qlora.txt.
 set -uo pipefail
 out="${OUT:-$PWD/bench-out}"; mkdir -p "$out"
 py=python3

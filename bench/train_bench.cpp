@@ -17,6 +17,7 @@
 #include <cmath>
 #include <cstdio>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <string>
 
@@ -108,37 +109,57 @@ struct Setup {
   bool freeze_linear = false;  // train only the norms: uploads, not compute, bound a small batch
   int profile_steps = 0;
   int64_t lora_rank = 0;      // > 0: LoRA adapters on every projection, the base frozen
-  std::string quantize_base;  // "nf4" or "fp4": the base's projections in 4 bits (QLoRA)
+  std::string quantize_base;  // nf4, fp4, int8 or fp8: the base quantized (QLoRA)
 };
 
 // The first layer's down_proj dequantized on `device` equals the CPU
-// path's result bit for bit (tests/models/quantized_test.cpp checks the
-// kernel where the tests run on a GPU; this, on the machine the numbers
-// come from), and how fast.
+// path's result bit for bit (tests/models/quantized_test.cpp and
+// quantized_8bit_test.cpp check it where the tests run on a GPU; this, on
+// the machine the numbers come from), and how fast.
 void check_dequantization(const roundpipe::models::CausalLM& model, const DevicePtr& device) {
+  namespace m = roundpipe::models;
   if (!device->torch_device().is_cuda()) return;
   std::map<std::string, at::Tensor> named;
   for (const auto& [name, p] : model.hf_state_dict()) named[name] = p;
   const std::string w = "model.layers.0.mlp.down_proj.weight";
-  roundpipe::models::Quantized4Bit q;
-  q.type = *model.options().quantize_base;
-  q.shape = {model.config().hidden_size, model.config().intermediate_size};
-  q.packed = named.at(w);
-  q.absmax = named.at(w + "_absmax");
-  q.nested_absmax = named.at(w + "_nested_absmax");
-  q.nested_code = named.at(w + "_nested_code");
-  q.nested_offset = named.at(w + "_nested_offset");
-  const auto on_device = q.to(device->torch_device());
-  const bool same = at::equal(roundpipe::models::dequantize_4bit(q),
-                              roundpipe::models::dequantize_4bit(on_device).cpu());
-  const double seconds =
-      time_on(device, 20, [&] { roundpipe::models::dequantize_4bit(on_device); });
+  const auto type = *model.options().quantize_base;
+  const std::vector<int64_t> shape = {model.config().hidden_size, model.config().intermediate_size};
+  // The weight dequantized where `on` puts its tensors; its bytes.
+  int64_t bytes = 0;
+  auto dequantize = [&](const std::function<at::Tensor(const at::Tensor&)>& on) {
+    if (!m::is_4bit(type)) {
+      const m::Quantized8Bit q{type, at::kBFloat16, on(named.at(w)), on(named.at(w + "_scale"))};
+      bytes = q.values.nbytes() + q.scale.nbytes();
+      return m::dequantize_8bit(q);
+    }
+    m::Quantized4Bit q;
+    q.type = type;
+    q.shape = shape;
+    q.packed = on(named.at(w));
+    q.absmax = on(named.at(w + "_absmax"));
+    if (model.options().double_quant) {
+      q.nested_absmax = on(named.at(w + "_nested_absmax"));
+      q.nested_code = on(named.at(w + "_nested_code"));
+      q.nested_offset = on(named.at(w + "_nested_offset"));
+    }
+    bytes = q.nbytes();
+    return m::dequantize_4bit(q);
+  };
+  const auto cpu = dequantize([](const at::Tensor& t) { return t; });
+  std::map<const void*, at::Tensor> uploaded;  // (each once, outside the timing)
+  auto upload = [&](const at::Tensor& t) {
+    auto& u = uploaded[t.data_ptr()];
+    if (!u.defined()) u = t.to(device->torch_device());
+    return u;
+  };
+  const bool same = at::equal(cpu, dequantize(upload).cpu());
+  const double seconds = time_on(device, 20, [&] { dequantize(upload); });
   std::printf(
-      "4-bit dequantization (%s, %lld x %lld to bf16) on %s equals the CPU path: %s; %.0f us, "
+      "%s dequantization (%lld x %lld to bf16) on %s equals the CPU path: %s; %.0f us, "
       "%.0f GB/s moved\n",
-      roundpipe::models::to_string(q.type), static_cast<long long>(q.shape[0]),
-      static_cast<long long>(q.shape[1]), device->name().c_str(), same ? "yes" : "NO",
-      seconds * 1e6, (q.nbytes() + 2.0 * q.numel()) / seconds / 1e9);
+      m::to_string(type), static_cast<long long>(shape[0]), static_cast<long long>(shape[1]),
+      device->name().c_str(), same ? "yes" : "NO", seconds * 1e6,
+      (bytes + 2.0 * cpu.numel()) / seconds / 1e9);
 }
 
 std::unique_ptr<roundpipe::RoundPipe> wrap(roundpipe::models::CausalLM& model, const Setup& s) {
@@ -529,8 +550,9 @@ int main(int argc, char** argv) {
                "parameter uploads, not compute or the optimizer, set the pace");
   app.add_option("--lora-rank", s.lora_rank,
                  "LoRA adapters of this rank on every projection (alpha 2 r), the base frozen");
-  app.add_option("--quantize-base", s.quantize_base,
-                 "nf4 or fp4: the base's projections in 4 bits (QLoRA; with --lora-rank)");
+  app.add_option(
+      "--quantize-base", s.quantize_base,
+      "nf4, fp4, int8 or fp8: the base's projections quantized (QLoRA; with --lora-rank)");
   app.add_option("--profile", s.profile_steps,
                  "after timing, profile this many steps' kernels (CUDA only)");
   app.add_option("--seq-start", s.seq_start, "--max-seq: first length tried (doubling)");

@@ -93,8 +93,8 @@ int main(int argc, char** argv) {
   app.add_flag("--merge", a.merge,
                "LoRA: write the merged full weights instead of the adapter (peft's layout)");
   app.add_option("--quantize-base", a.quantize_base,
-                 "QLoRA: the base's dense projections in 4 bits (nf4 or fp4), quantized as the "
-                 "checkpoint loads; with --lora-rank");
+                 "QLoRA: the base's projections and experts quantized (nf4 or fp4: 4 bits; int8 "
+                 "or fp8: 8 bits) as the checkpoint loads; with --lora-rank");
   app.add_option("--log-every", a.log_every, "steps between progress lines");
   app.add_option("--seed", a.seed, "random seed");
   app.add_option("--reduce-dtype", a.reduce_dtype,

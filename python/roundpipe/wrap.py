@@ -13,6 +13,7 @@ from torch import nn
 
 from . import _C, distributed
 from .roundpipe import RoundPipe
+from ._bnb import _strip_base_layers, quantized_base
 from .auto_wrap import AutoRoundPipe, _auto_wrap, _param_bytes
 from .run_config import RoundPipeRunConfig, default_num_microbatch
 
@@ -60,7 +61,9 @@ class CausalLMRoundPipe(RoundPipe):
     def __init__(self, model: nn.Module, return_logits: Optional[bool] = None, loss_chunk_tokens: int = 2048,
                  grouped_experts: bool = True, expert_chunk_tokens: int = 4096, **kwargs):
         hf, parameters, lora = _peft_view(model)
-        dtypes = {p.dtype for n, p in parameters.items() if ".lora_" not in n}
+        # A bitsandbytes-quantized model's projections: their own tensors.
+        quantize_base, quantized = quantized_base(hf, parameters)
+        dtypes = {p.dtype for n, p in parameters.items() if ".lora_" not in n and n not in quantized}
         if len(dtypes) != 1:
             raise ValueError(f"the {type(hf).__name__} preset needs one parameter dtype, found {sorted(map(str, dtypes))}; "
                              "convert the model with .to(dtype) first")
@@ -70,7 +73,7 @@ class CausalLMRoundPipe(RoundPipe):
         logits_default = True if return_logits is None else bool(return_logits)
         layers = _C.preset_layers(hf.config.to_json_string(), dtypes.pop(), parameters,
                                   logits_default, int(loss_chunk_tokens), lora, bool(grouped_experts),
-                                  int(expert_chunk_tokens))
+                                  int(expert_chunk_tokens), quantize_base)
         super().__init__(model, _layers=layers, **kwargs)
         object.__setattr__(self, "_logits_by_default", return_logits is None)
 
@@ -271,15 +274,6 @@ def _peft_view(model: nn.Module):
                                 expert_rank=expert_rank, expert_alpha=expert_alpha, dtype=dtype)
 
 
-def _strip_base_layers(name):
-    """peft's wrapped name without its wrappers: "experts.base_layer.base_layer.down_proj" -> "experts.down_proj"."""
-    while ".base_layer." in name or name.endswith(".base_layer"):
-        name = name.replace(".base_layer.", ".")
-        if name.endswith(".base_layer"):
-            name = name[:-len(".base_layer")]
-    return name
-
-
 def _loss_labels(labels, shift_labels, ignore_index):
     """transformers' loss keywords as the preset's labels (which it shifts
     left by one, -100 ignored): `ignore_index` values become -100, and
@@ -345,6 +339,10 @@ def wrap_model_to_roundpipe(
       expert_chunk_tokens (4096: a microbatch of more tokens runs its
       experts chunk by chunk, recomputing a chunk's activations in
       backward; 0: never); the rest go to RoundPipe()
+    - a preset model that transformers loaded with bitsandbytes
+      (BitsAndBytesConfig load_in_4bit or load_in_8bit, device_map="cpu"),
+      peft on top or not, keeps its quantized projections as they are: the
+      preset dequantizes them on the device (README, QLoRA)
     Returns a RoundPipe (CausalLMRoundPipe for presets), or an AutoRoundPipe
     when the model cannot become one Sequential.
     """

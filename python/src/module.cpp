@@ -254,7 +254,7 @@ PYBIND11_MODULE(_C, m) {
       "preset_layers",
       [](const std::string& config_json, at::ScalarType dtype, py::dict hf_parameters,
          bool return_logits, int64_t loss_chunk_tokens, py::object lora, bool grouped_experts,
-         int64_t expert_chunk_tokens) {
+         int64_t expert_chunk_tokens, py::object quantize_base) {
         auto config = models::CausalLMConfig::from_json_string(config_json, "the model's config");
         models::LoraOptions adapters;
         if (!lora.is_none()) {  // {rank, alpha, dropout, use_rslora, targets,
@@ -269,14 +269,21 @@ PYBIND11_MODULE(_C, m) {
           adapters.expert_alpha = lora["expert_alpha"].cast<std::map<std::string, double>>();
           adapters.dtype = lora["dtype"].cast<at::ScalarType>();
         }
-        models::CausalLM skeleton(config, models::CausalLMOptions()
-                                              .set_dtype(dtype)
-                                              .set_return_logits(return_logits)
-                                              .set_loss_chunk_tokens(loss_chunk_tokens)
-                                              .set_grouped_experts(grouped_experts)
-                                              .set_expert_chunk_tokens(expert_chunk_tokens)
-                                              .set_init_weights(false)
-                                              .set_lora(adapters));
+        auto options = models::CausalLMOptions()
+                           .set_dtype(dtype)
+                           .set_return_logits(return_logits)
+                           .set_loss_chunk_tokens(loss_chunk_tokens)
+                           .set_grouped_experts(grouped_experts)
+                           .set_expert_chunk_tokens(expert_chunk_tokens)
+                           .set_init_weights(false)
+                           .set_lora(adapters);
+        if (!quantize_base.is_none())  // {type, double_quant, experts}: wrap.py's _quantized_base
+          options
+              .set_quantize_base(
+                  models::quant_type_from_string(quantize_base["type"].cast<std::string>()))
+              .set_double_quant(quantize_base["double_quant"].cast<bool>())
+              .set_quantize_experts(quantize_base["experts"].cast<bool>());
+        models::CausalLM skeleton(config, options);
         std::vector<LayerPtr> layers;
         size_t index = 0;
         for (const auto& child : *skeleton.sequential()) {
@@ -295,7 +302,8 @@ PYBIND11_MODULE(_C, m) {
       },
       py::arg("config_json"), py::arg("dtype"), py::arg("hf_parameters"), py::arg("return_logits"),
       py::arg("loss_chunk_tokens"), py::arg("lora") = py::none(), py::arg("grouped_experts") = true,
-      py::arg("expert_chunk_tokens") = models::CausalLMOptions().expert_chunk_tokens);
+      py::arg("expert_chunk_tokens") = models::CausalLMOptions().expert_chunk_tokens,
+      py::arg("quantize_base") = py::none());
 
   py::class_<RoundPipe, EnginePtr>(m, "Engine")
       .def(py::init([](std::vector<LayerPtr> layers, std::optional<at::ScalarType> optim_dtype,

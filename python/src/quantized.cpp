@@ -1,6 +1,6 @@
-// roundpipe._C's 4-bit formats (include/roundpipe/models/quantized.h): a
-// quantized weight crosses as a dict of its tensors and fields, the names
-// bitsandbytes' QuantState uses.
+// roundpipe._C's 4- and 8-bit formats (include/roundpipe/models/quantized.h):
+// a quantized weight crosses as a dict of its tensors and fields (4 bits:
+// the names bitsandbytes' QuantState uses).
 #include "quantized.h"
 
 #include <ATen/ops/full.h>
@@ -62,6 +62,32 @@ void bind_quantized(py::module_& m) {
       "(float32, float16 or bfloat16)");
   m.def(
       "dequantize_4bit", [](const py::dict& q) { return models::dequantize_4bit(from_dict(q)); },
+      py::arg("quantized"), "the weight back (on the quantized tensors' device)");
+  m.def(
+      "quantize_8bit",
+      [](const at::Tensor& weight, const std::string& quant_type) {
+        const auto q = models::quantize_8bit(weight, models::quant_type_from_string(quant_type));
+        py::dict d;
+        d["quant_type"] = models::to_string(q.type);
+        d["dtype"] = q.dtype == at::kFloat  ? "float32"
+                     : q.dtype == at::kHalf ? "float16"
+                                            : "bfloat16";
+        d["values"] = q.values;
+        d["scale"] = q.scale;
+        return d;
+      },
+      py::arg("weight"), py::arg("quant_type") = "int8",
+      "a 2-D CPU float tensor in 8 bits, a scale a row (Note [8-bit base weights]): a dict of "
+      "values (int8: bitsandbytes' CB; fp8: e4m3 bytes as uint8), scale (float32: int8, the row "
+      "absmax, bitsandbytes' SCB; fp8, absmax / 448), quant_type (int8 or fp8), dtype");
+  m.def(
+      "dequantize_8bit",
+      [](const py::dict& d) {
+        return models::dequantize_8bit(
+            {models::quant_type_from_string(d["quant_type"].cast<std::string>()),
+             dtype_from_string(d["dtype"].cast<std::string>()), d["values"].cast<at::Tensor>(),
+             d["scale"].cast<at::Tensor>()});
+      },
       py::arg("quantized"), "the weight back (on the quantized tensors' device)");
   m.def("code_table",
         [](const std::string& t) { return models::code_table(models::quant_type_from_string(t)); });

@@ -23,18 +23,18 @@ CausalLM::CausalLM(CausalLMConfig config, CausalLMOptions options)
   InputAdapter input(config_);
   sequential_->push_back(input);
   for (int64_t i = 0; i < config_.num_hidden_layers; ++i)
-    sequential_->push_back(DecoderLayer(config_, options_.mlp_chunk_tokens,
-                                        options_.expert_chunk_tokens, i, options_.grouped_experts,
-                                        options_.lora, options_.quantize_base));
+    sequential_->push_back(
+        DecoderLayer(config_, options_.mlp_chunk_tokens, options_.expert_chunk_tokens, i,
+                     options_.grouped_experts, options_.lora, options_.base_quantization(),
+                     options_.quantize_experts ? options_.base_quantization() : std::nullopt));
   sequential_->push_back(OutputAdapter(
       config_, options_, config_.tie_word_embeddings ? input->embed_tokens->weight : at::Tensor()));
   c10::NoGradGuard no_grad;
   check_lora(config_, options_.lora);
-  const auto quantized = quantized_linears(*sequential_);
-  std::set<const c10::TensorImpl*> four_bit;  // their tensors keep their own dtypes
-  for (const auto* linear : quantized)
-    for (const auto& p : linear->parameters(/*recurse=*/false))
-      if (!p.is_same(linear->bias)) four_bit.insert(p.unsafeGetTensorImpl());
+  const auto quantized = quantized_weights();
+  std::set<const c10::TensorImpl*> kept;  // quantized: their tensors keep their own dtypes
+  for (const auto& [name, q] : quantized)
+    for (const auto& t : q->tensors()) kept.insert(t.unsafeGetTensorImpl());
   auto pin_if_asked = [&] {
     if (!options_.pin_memory) return;
     // Tied weights are one tensor: pin each once.
@@ -46,7 +46,7 @@ CausalLM::CausalLM(CausalLMConfig config, CausalLMOptions options)
   if (!options_.init_weights) {
     // Uninitialised, in the model dtype, memory untouched (rotary tables stay fp32).
     for (auto& p : sequential_->parameters())
-      if (!four_bit.count(p.unsafeGetTensorImpl()))
+      if (!kept.count(p.unsafeGetTensorImpl()))
         p.set_data(at::empty(p.sizes(), p.options().dtype(options_.dtype)));
     init_lora();
     pin_if_asked();
@@ -55,7 +55,7 @@ CausalLM::CausalLM(CausalLMConfig config, CausalLMOptions options)
   // transformers' initialisation for new weights: normal(0, 0.02), norms 1.
   for (auto& item : sequential_->named_parameters()) {
     const auto& name = item.key();
-    if (four_bit.count(item.value().unsafeGetTensorImpl())) continue;  // below
+    if (kept.count(item.value().unsafeGetTensorImpl())) continue;  // below
     if (name.size() >= 5 && name.substr(name.size() - 5) == ".bias") {
       item.value().zero_();
     } else if (name.find("norm") == std::string::npos) {
@@ -63,10 +63,8 @@ CausalLM::CausalLM(CausalLMConfig config, CausalLMOptions options)
     }
   }
   sequential_->to(options_.dtype);
-  // A new 4-bit weight: transformers' normal(0, 0.02) in dtype, quantized.
-  for (auto* linear : quantized)
-    linear->set_base_weight(
-        at::empty({linear->out, linear->in}).normal_(0, 0.02).to(options_.dtype));
+  // A new quantized weight: transformers' normal(0, 0.02) in dtype, quantized.
+  for (auto& [name, q] : quantized) q->set(at::empty(q->shape).normal_(0, 0.02).to(options_.dtype));
   input->inv_freq.set_data(inverse_frequencies(config_));  // rotary tables stay fp32
   init_lora();
   pin_if_asked();

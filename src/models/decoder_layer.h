@@ -29,23 +29,27 @@ struct DecoderLayerImpl : torch::nn::Cloneable<DecoderLayerImpl>, SplitsInputRow
   SparseMoe moe{nullptr};  // a sparse one's (registered as "mlp", as transformers names it)
   RMSNorm input_layernorm{nullptr}, post_attention_layernorm{nullptr};
   LoraOptions lora;
-  std::optional<QuantType> quant;  // the dense projections' base weights in 4 bits
+  std::optional<BaseQuantization> quant;         // the dense projections' base weights quantized
+  std::optional<BaseQuantization> expert_quant;  // the experts' (Note [Quantized experts])
   DecoderLayerImpl(CausalLMConfig c, int64_t mlp_chunk, int64_t expert_chunk, int64_t layer,
-                   bool grouped, LoraOptions l, std::optional<QuantType> q = std::nullopt)
+                   bool grouped, LoraOptions l, std::optional<BaseQuantization> q = std::nullopt,
+                   std::optional<BaseQuantization> eq = std::nullopt)
       : config(std::move(c)),
         mlp_chunk_tokens(mlp_chunk),
         expert_chunk_tokens(expert_chunk),
         index(layer),
         grouped_experts(grouped),
         lora(std::move(l)),
-        quant(q) {
+        quant(q),
+        expert_quant(eq) {
     reset();
   }
   void reset() override {
     self_attn = register_module("self_attn",
                                 Attention(config, config.attention_window(index), lora, quant));
     if (config.sparse_layer(index)) {
-      moe = register_module("mlp", SparseMoe(config, grouped_experts, expert_chunk_tokens, lora));
+      moe = register_module(
+          "mlp", SparseMoe(config, grouped_experts, expert_chunk_tokens, lora, expert_quant));
     } else {
       mlp = register_module("mlp", MLP(config, lora, quant));
       // (The token-chunked MLP takes the base weights only.)
@@ -77,7 +81,7 @@ struct DecoderLayerImpl : torch::nn::Cloneable<DecoderLayerImpl>, SplitsInputRow
       const std::optional<c10::Device>& device = std::nullopt) const override {
     return copy_module(*this, [&] {
       return std::make_shared<DecoderLayerImpl>(config, mlp_chunk_tokens, expert_chunk_tokens,
-                                                index, grouped_experts, lora, quant);
+                                                index, grouped_experts, lora, quant, expert_quant);
     });
   }
   std::vector<c10::IValue> split_input_rows(const c10::IValue& input,

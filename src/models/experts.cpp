@@ -298,7 +298,7 @@ at::Tensor SparseMoeImpl::forward(const at::Tensor& x, const std::optional<Seque
   if (stats) *stats = *stats + router_statistics(probs, top_e, layout);
   if (config.norm_topk_prob) top_p = top_p / top_p.sum(-1, /*keepdim=*/true);
   const auto weights = top_p.to(logits.scalar_type());
-  const auto tensors = experts->tensors();
+  const auto tensors = experts->tensors(x.scalar_type());
   // With or without grad: without, the chunks alone bound the
   // intermediates (Note [Expert token chunks]).
   if (chunk_tokens > 0 && flat.size(0) > chunk_tokens)

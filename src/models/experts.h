@@ -70,18 +70,58 @@ inline at::Tensor stacked_out_in(const at::Tensor& weight, bool gpt_oss) {
 // what the routing here computes. The attention has biases and a sink per
 // head (Note [Attention sinks]); layers alternate sliding-window (128) and
 // full attention; rotary is yarn-scaled.
+// Note [Quantized experts]
+// With a quantized base (CausalLMOptions::quantize_base and
+// quantize_experts), each stacked expert weight is kept quantized as it is
+// stored ([E, out, in], GPT-OSS's [E, in, out]) as one QuantizedWeight: in
+// 4 bits its flattened values in blocks of 64 (an expert's weight is a
+// whole number of blocks in every real model, so no block spans two
+// experts), in 8 bits a scale for each row of the last dimension. The
+// layer dequantizes both stacks into the input's dtype where it runs, as
+// the dense projections do: the device holds the full-precision stacks
+// the bf16 model would upload, the host and PCIe a quarter (or half) of
+// them. transformers' bitsandbytes loading quantizes nn.Linear modules
+// only, so a model it loads keeps its stacked experts in full precision:
+// quantize_experts = false keeps them so.
 struct MoeExpertsImpl : torch::nn::Cloneable<MoeExpertsImpl> {
   int64_t experts, hidden, intermediate;
   bool gpt_oss;  // Note [GPT-OSS]
   LoraOptions lora;
+  std::optional<BaseQuantization> quant;  // Note [Quantized experts]
   at::Tensor gate_up_proj, down_proj, gate_up_proj_bias, down_proj_bias;
+  QuantizedWeight gate_up_quantized, down_quantized;      // with `quant`
   LoraFactors gate_up_lora{nullptr}, down_lora{nullptr};  // Note [Expert LoRA]
-  MoeExpertsImpl(int64_t e, int64_t h, int64_t i, bool gpt_oss_layout, LoraOptions l)
-      : experts(e), hidden(h), intermediate(i), gpt_oss(gpt_oss_layout), lora(std::move(l)) {
+  MoeExpertsImpl(int64_t e, int64_t h, int64_t i, bool gpt_oss_layout, LoraOptions l,
+                 std::optional<BaseQuantization> q = std::nullopt)
+      : experts(e),
+        hidden(h),
+        intermediate(i),
+        gpt_oss(gpt_oss_layout),
+        lora(std::move(l)),
+        quant(q) {
     reset();
   }
   void reset() override {
-    if (gpt_oss) {
+    if (quant) {
+      // (Biases stay in full precision.)
+      const std::vector<int64_t> gate_up =
+          gpt_oss ? std::vector<int64_t>{experts, hidden, 2 * intermediate}
+                  : std::vector<int64_t>{experts, 2 * intermediate, hidden};
+      const std::vector<int64_t> down = gpt_oss
+                                            ? std::vector<int64_t>{experts, intermediate, hidden}
+                                            : std::vector<int64_t>{experts, hidden, intermediate};
+      gate_up_quantized = QuantizedWeight{*quant, gate_up};
+      gate_up_quantized.register_on(*this, "gate_up_proj");
+      gate_up_proj = gate_up_quantized.codes;
+      if (gpt_oss)
+        gate_up_proj_bias =
+            register_parameter("gate_up_proj_bias", at::empty({experts, 2 * intermediate}));
+      down_quantized = QuantizedWeight{*quant, down};
+      down_quantized.register_on(*this, "down_proj");
+      down_proj = down_quantized.codes;
+      if (gpt_oss)
+        down_proj_bias = register_parameter("down_proj_bias", at::empty({experts, hidden}));
+    } else if (gpt_oss) {
       gate_up_proj =
           register_parameter("gate_up_proj", at::empty({experts, hidden, 2 * intermediate}));
       gate_up_proj_bias =
@@ -114,15 +154,16 @@ struct MoeExpertsImpl : torch::nn::Cloneable<MoeExpertsImpl> {
   }
   // A stacked weight as [E, out, in] (a view).
   at::Tensor out_in(const at::Tensor& weight) const { return stacked_out_in(weight, gpt_oss); }
-  // The tensors ExpertMath computes with, in its order (absent: empty).
-  std::vector<at::Tensor> tensors() const {
+  // The tensors ExpertMath computes with, in its order (absent: empty); a
+  // quantized stack dequantized into `dtype`.
+  std::vector<at::Tensor> tensors(c10::ScalarType dtype) const {
     const auto none = at::empty({0});
     auto or_none = [&](const at::Tensor& t) { return t.defined() ? t : none; };
     auto factor = [&](const LoraFactors& f, bool b) {
       return f ? (b ? f->lora_B->weight : f->lora_A->weight) : none;
     };
-    return {gate_up_proj,
-            down_proj,
+    return {quant ? gate_up_quantized.dequantize(dtype) : gate_up_proj,
+            quant ? down_quantized.dequantize(dtype) : down_proj,
             or_none(gate_up_proj_bias),
             or_none(down_proj_bias),
             factor(gate_up_lora, false),
@@ -140,11 +181,17 @@ struct SparseMoeImpl : torch::nn::Cloneable<SparseMoeImpl> {
   bool grouped;
   int64_t chunk_tokens;  // > 0: longer inputs go by TokenChunkedExperts
   LoraOptions lora;
-  BareWeight gate{nullptr};  // the router (Qwen3-MoE)
-  Linear router{nullptr};    // GPT-OSS's, with a bias
+  std::optional<BaseQuantization> quant;  // the experts' (Note [Quantized experts])
+  BareWeight gate{nullptr};               // the router (Qwen3-MoE)
+  Linear router{nullptr};                 // GPT-OSS's, with a bias
   MoeExperts experts{nullptr};
-  SparseMoeImpl(CausalLMConfig c, bool grouped_experts, int64_t chunk, LoraOptions l)
-      : config(std::move(c)), grouped(grouped_experts), chunk_tokens(chunk), lora(std::move(l)) {
+  SparseMoeImpl(CausalLMConfig c, bool grouped_experts, int64_t chunk, LoraOptions l,
+                std::optional<BaseQuantization> q = std::nullopt)
+      : config(std::move(c)),
+        grouped(grouped_experts),
+        chunk_tokens(chunk),
+        lora(std::move(l)),
+        quant(q) {
     reset();
   }
   void reset() override {
@@ -155,12 +202,12 @@ struct SparseMoeImpl : torch::nn::Cloneable<SparseMoeImpl> {
     }
     experts = register_module(
         "experts", MoeExperts(config.num_experts, config.hidden_size, config.moe_intermediate_size,
-                              config.gpt_oss_experts, lora));
+                              config.gpt_oss_experts, lora, quant));
   }
   std::shared_ptr<torch::nn::Module> clone(
       const std::optional<c10::Device>& device = std::nullopt) const override {
     return copy_module(*this, [&] {
-      return std::make_shared<SparseMoeImpl>(config, grouped, chunk_tokens, lora);
+      return std::make_shared<SparseMoeImpl>(config, grouped, chunk_tokens, lora, quant);
     });
   }
   ExpertMath math() const;

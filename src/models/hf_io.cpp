@@ -13,6 +13,7 @@
 #include <set>
 
 #include "io/atomic_directory.h"
+#include "models/experts.h"
 #include "models/modules.h"
 #include "roundpipe/models/causal_lm.h"
 #include "roundpipe/safetensors.h"
@@ -154,14 +155,19 @@ safetensors::NamedTensors per_expert_tensors(const std::string& name, const at::
 
 }  // namespace
 
-std::map<std::string, std::shared_ptr<torch::nn::Module>> CausalLM::four_bit_projections() const {
-  std::map<std::string, std::shared_ptr<torch::nn::Module>> found;
+std::map<std::string, detail::QuantizedWeight*> CausalLM::quantized_weights() const {
+  std::map<std::string, detail::QuantizedWeight*> found;
   size_t layer = 0;
   for (const auto& child : sequential_->children()) {
     for (const auto& item : child->named_modules("", /*include_self=*/false)) {
-      const auto* linear = dynamic_cast<const detail::LinearImpl*>(item.value().get());
-      if (linear != nullptr && linear->quant)
-        found[hf_name(layer, item.key() + ".weight")] = item.value();
+      if (auto* linear = dynamic_cast<detail::LinearImpl*>(item.value().get());
+          linear != nullptr && linear->quant)
+        found[hf_name(layer, item.key() + ".weight")] = &linear->base;
+      if (auto* experts = dynamic_cast<detail::MoeExpertsImpl*>(item.value().get());
+          experts != nullptr && experts->quant) {
+        found[hf_name(layer, item.key() + ".gate_up_proj")] = &experts->gate_up_quantized;
+        found[hf_name(layer, item.key() + ".down_proj")] = &experts->down_quantized;
+      }
     }
     ++layer;
   }
@@ -173,7 +179,7 @@ CausalLM CausalLM::from_pretrained(const std::string& dir, CausalLMOptions optio
   const bool map = options.map_weights && !options.pin_memory;
   // Mapped: the weights are about to be replaced by the file's pages, so
   // they are allocated untouched (no resident memory) instead of initialised.
-  // A 4-bit base too: its projections are quantized as they are read, so
+  // A quantized base too: its weights are quantized as they are read, so
   // drawing and quantizing random ones first would do that work twice.
   const bool skip_init = map || options.quantize_base.has_value();
   CausalLM model(config, skip_init ? CausalLMOptions(options).set_init_weights(false) : options);
@@ -201,23 +207,16 @@ CausalLM CausalLM::from_pretrained(const std::string& dir, CausalLMOptions optio
   };
   c10::NoGradGuard no_grad;
   const bool per_expert_on_disk = !config.gpt_oss_experts;
-  const auto four_bit = model.four_bit_projections();
-  for (auto& [name, p] : model.hf_state_dict()) {
-    if (is_lora_name(name)) continue;                    // an adapter, not the base model's
-    if (detail::is_four_bit_scale_name(name)) continue;  // made with its weight
-    if (auto it = four_bit.find(name); it != four_bit.end()) {
-      // Quantized as it is read: one projection's full-precision weight at a time.
-      const auto t = tensor_named(name);
-      auto& linear = *std::dynamic_pointer_cast<detail::LinearImpl>(it->second);
-      TORCH_CHECK(t.dim() == 2 && t.size(0) == linear.out && t.size(1) == linear.in, dir, ": '",
-                  name, "' has shape ", t.sizes(), " in the checkpoint but the config gives [",
-                  linear.out, ", ", linear.in, "]");
-      TORCH_CHECK(at::isFloatingType(t.scalar_type()), dir, ": '", name, "' is ", t.scalar_type(),
-                  "; quantize_base reads a full-precision checkpoint (a checkpoint saved "
-                  "already quantized by bitsandbytes is not read yet)");
-      linear.set_base_weight(t);
-      continue;
-    }
+  const auto quantized = model.quantized_weights();
+  for (auto& [name, param] : model.hf_state_dict()) {
+    if (is_lora_name(name)) continue;                        // an adapter, not the base model's
+    if (detail::is_quantization_scale_name(name)) continue;  // made with its weight
+    // A quantized weight is read in full precision (a tensor, or an
+    // expert stack, at a time) and quantized: `p` stands for it.
+    const auto q = quantized.find(name);
+    const auto p = q == quantized.end()
+                       ? param
+                       : at::empty(q->second->shape, at::device(at::kMeta).dtype(options.dtype));
     at::Tensor t;
     if (!per_expert_on_disk && is_stacked_expert_name(name) && !find_tensor(name).defined()) {
       // Note [MXFP4 experts]
@@ -240,6 +239,14 @@ CausalLM CausalLM::from_pretrained(const std::string& dir, CausalLMOptions optio
     }
     TORCH_CHECK(t.sizes() == p.sizes(), dir, ": '", name, "' has shape ", t.sizes(),
                 " in the checkpoint but the config gives ", p.sizes());
+    if (q != quantized.end()) {
+      TORCH_CHECK(at::isFloatingType(t.scalar_type()), dir, ": '", name, "' is ", t.scalar_type(),
+                  "; quantize_base reads a full-precision checkpoint (a checkpoint saved "
+                  "already quantized by bitsandbytes is not read yet)");
+      // (In the model's dtype first, as transformers does before bitsandbytes quantizes.)
+      q->second->set(t.to(options.dtype));
+      continue;
+    }
     if (map && t.scalar_type() == p.scalar_type()) {
       p.set_data(t);  // the mapped pages themselves
     } else {
@@ -319,14 +326,13 @@ void CausalLM::save_pretrained(const std::string& dir, int64_t max_shard_bytes) 
         // Shards of at most max_shard_bytes (a larger single tensor gets its own).
         std::vector<safetensors::NamedTensors> shards(1);
         int64_t shard_bytes = 0, total = 0;
-        const auto four_bit = four_bit_projections();
+        const auto quantized = quantized_weights();
         for (auto [name, t] : hf_state_dict()) {
           if (is_lora_name(name)) continue;  // the base model's weights only
-          if (detail::is_four_bit_scale_name(name)) continue;
-          // A 4-bit weight is written dequantized, in the model's dtype.
-          if (auto it = four_bit.find(name); it != four_bit.end())
-            t = std::dynamic_pointer_cast<detail::LinearImpl>(it->second)
-                    ->base_weight(options_.dtype);
+          if (detail::is_quantization_scale_name(name)) continue;
+          // A quantized weight is written dequantized, in the model's dtype.
+          if (auto it = quantized.find(name); it != quantized.end())
+            t = it->second->dequantize(options_.dtype);
           if (shard_bytes > 0 && shard_bytes + static_cast<int64_t>(t.nbytes()) > max_shard_bytes) {
             shards.emplace_back();
             shard_bytes = 0;

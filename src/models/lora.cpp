@@ -115,7 +115,7 @@ void CausalLM::merge_lora() {
   const auto& lora = options_.lora;
   if (lora.rank <= 0) return;
   TORCH_CHECK(!options_.quantize_base,
-              "merge_lora: the base weights are in 4 bits (quantize_base); adding the adapters "
+              "merge_lora: the base weights are quantized (quantize_base); adding the adapters "
               "would quantize the sum again and lose them. Save the adapter (save_adapter: peft "
               "loads it onto the quantized base), or load the base without quantize_base to "
               "merge.");

@@ -94,8 +94,8 @@ struct MLPImpl : torch::nn::Cloneable<MLPImpl> {
   Linear gate_proj{nullptr}, up_proj{nullptr}, down_proj{nullptr};
   int64_t chunk_tokens = 0;  // > 0: longer inputs go by TokenChunkedMLP
   LoraOptions lora;
-  std::optional<QuantType> quant;  // the projections' base weights in 4 bits
-  MLPImpl(CausalLMConfig c, LoraOptions l, std::optional<QuantType> q = std::nullopt)
+  std::optional<BaseQuantization> quant;  // the projections' base weights quantized
+  MLPImpl(CausalLMConfig c, LoraOptions l, std::optional<BaseQuantization> q = std::nullopt)
       : config(std::move(c)), lora(std::move(l)), quant(q) {
     reset();
   }

@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "models/quantized_weight.h"
 #include "roundpipe/layer.h"
 #include "roundpipe/models/causal_lm.h"
 #include "roundpipe/models/fused_ops.h"
@@ -33,17 +34,20 @@ struct BareWeightImpl : torch::nn::Cloneable<BareWeightImpl> {
 };
 TORCH_MODULE(BareWeight);
 
-// Note [4-bit base weights in the presets]
+// Note [Quantized base weights in the presets]
 // With CausalLMOptions::quantize_base, each decoder layer's dense projection
-// keeps its base weight in bitsandbytes' 4-bit layout (quantized.h, Note
-// [4-bit base weights]): the packed codes in `weight`, the double-quantized
-// block scales in `weight_absmax`, `weight_nested_absmax`,
-// `weight_nested_code` (the dynamic map) and `weight_nested_offset`. All are
-// frozen parameters: RoundPipe uploads them with the layer (4.13 bits a
-// value instead of 16: 3.9 x fewer host and PCIe bytes for these weights),
-// never downloads or updates them (no gradient), and the projection
-// dequantizes its weight into the input's dtype where it runs (a CUDA
-// kernel on a GPU) before its matmul. The dequantized weight lives while
+// keeps its base weight quantized. In 4 bits, bitsandbytes' layout
+// (quantized.h, Note [4-bit base weights]): the packed codes in `weight`,
+// the block scales in `weight_absmax` (float32, or double quantized: uint8
+// codes, with `weight_nested_absmax`, `weight_nested_code` (the dynamic
+// map) and `weight_nested_offset`). In 8 bits (Note [8-bit base weights]):
+// int8 or e4m3 bytes [out, in] in `weight`, a float32 scale a row in
+// `weight_scale`. All are frozen parameters: RoundPipe uploads them with
+// the layer (4.13 or 8 bits a value instead of 16: 3.9 or 2 x fewer host
+// and PCIe bytes for these weights), never downloads or updates them (no
+// gradient), and the projection dequantizes its weight into the input's
+// dtype where it runs (a CUDA kernel on a GPU for 4 bits, tensor
+// operations for 8) before its matmul. The dequantized weight lives while
 // autograd needs it for the input's gradient (to the layer's backward): on
 // the device, the bytes the full-precision weight would take, plus the
 // packed ones (the plan measures it as the layer's kept memory). The LoRA
@@ -51,35 +55,32 @@ TORCH_MODULE(BareWeight);
 // as it reads it, so the full-precision model is never held;
 // save_pretrained writes the weights dequantized in the model's dtype (the
 // values the model computes with); merge_lora is refused. The experts of
-// mixture-of-experts layers are not quantized yet.
+// mixture-of-experts layers are quantized only in 4 bits
+// (Note [Quantized experts]).
 // A projection, with a LoRA adapter where `lora.rank` > 0 (LoraOptions),
-// and its base weight in 4 bits where `quant` is set (Note [4-bit base
+// and its base weight quantized where `quant` is set (Note [Quantized base
 // weights in the presets]).
 struct LinearImpl : torch::nn::Cloneable<LinearImpl> {
   int64_t in, out;
   bool has_bias;
   LoraOptions lora;
-  std::optional<QuantType> quant;
-  // `weight`: [out, in], or with `quant` the packed codes (uint8
-  // [ceil(out in / 2)]), their double-quantized block scales beside them;
-  // all of these frozen parameters, so that they travel with the layer and
-  // are never written back.
+  std::optional<BaseQuantization> quant;
+  // `weight`: [out, in], or with `quant` its codes, their scales beside
+  // them (`base`); all frozen parameters, so that they travel with the
+  // layer and are never written back.
   at::Tensor weight, bias;
-  at::Tensor weight_absmax, weight_nested_absmax, weight_nested_code, weight_nested_offset;
+  QuantizedWeight base;
   BareWeight lora_A{nullptr}, lora_B{nullptr};
-  LinearImpl(int64_t i, int64_t o, bool b, LoraOptions l = {}, std::optional<QuantType> q = {})
+  LinearImpl(int64_t i, int64_t o, bool b, LoraOptions l = {},
+             std::optional<BaseQuantization> q = {})
       : in(i), out(o), has_bias(b), lora(std::move(l)), quant(q) {
     reset();
   }
   void reset() override {
     if (quant) {
-      const int64_t n = out * in, blocks = (n + kQuantBlock - 1) / kQuantBlock;
-      weight = register_parameter("weight", at::empty({(n + 1) / 2}, at::kByte), false);
-      weight_absmax = register_parameter("weight_absmax", at::empty({blocks}, at::kByte), false);
-      weight_nested_absmax =
-          register_parameter("weight_nested_absmax", at::empty({(blocks + 255) / 256}), false);
-      weight_nested_code = register_parameter("weight_nested_code", dynamic_map_signed(), false);
-      weight_nested_offset = register_parameter("weight_nested_offset", at::empty({1}), false);
+      base = QuantizedWeight{*quant, {out, in}};
+      base.register_on(*this, "weight");
+      weight = base.codes;
     } else {
       weight = register_parameter("weight", at::empty({out, in}));
     }
@@ -98,45 +99,19 @@ struct LinearImpl : torch::nn::Cloneable<LinearImpl> {
   // bf16, 1.27 x. Fusing A's matmul with the base one ([W; A] in one
   // matmul) was slower still: 1.57 x, the concatenation included
   // (bench/lora_matmul_bench.py). On a float32 base nothing changes.
-  static constexpr int64_t kQuantBlock = 64;  // bitsandbytes' and QLoRA's block size
   // The base weight [out, in]: `weight`, or dequantized into `dtype`.
   at::Tensor base_weight(c10::ScalarType dtype) const {
-    if (!quant) return weight;
-    Quantized4Bit q;
-    q.type = *quant;
-    q.blocksize = kQuantBlock;
-    q.shape = {out, in};
-    q.dtype = dtype;
-    q.packed = weight;
-    q.absmax = weight_absmax;
-    q.nested_absmax = weight_nested_absmax;
-    q.nested_code = weight_nested_code;
-    q.nested_offset = weight_nested_offset;
-    return dequantize_4bit(q);
+    return quant ? base.dequantize(dtype) : weight;
   }
   // Sets the base weight from `w` [out, in] (quantized where `quant` is set).
   void set_base_weight(const at::Tensor& w) {
     c10::NoGradGuard no_grad;
-    TORCH_CHECK(w.sizes() == weight.sizes() ||
-                    (quant && w.dim() == 2 && w.size(0) == out && w.size(1) == in),
-                "a base weight of shape ", w.sizes(), " for a projection of ", in, " -> ", out);
-    if (!quant) {
+    TORCH_CHECK(w.dim() == 2 && w.size(0) == out && w.size(1) == in, "a base weight of shape ",
+                w.sizes(), " for a projection of ", in, " -> ", out);
+    if (quant)
+      base.set(w);
+    else
       weight.copy_(w);
-      return;
-    }
-    const auto q = quantize_4bit(w, *quant, kQuantBlock, /*double_quant=*/true);
-    const std::pair<at::Tensor*, const at::Tensor*> parts[] = {
-        {&weight, &q.packed},
-        {&weight_absmax, &q.absmax},
-        {&weight_nested_absmax, &q.nested_absmax},
-        {&weight_nested_code, &q.nested_code},
-        {&weight_nested_offset, &q.nested_offset}};
-    for (auto [mine, theirs] : parts) {
-      if (mine->sizes() == theirs->sizes() && mine->dtype() == theirs->dtype())
-        mine->copy_(*theirs);  // (keeps pinned memory pinned)
-      else
-        mine->set_data(*theirs);
-    }
   }
   at::Tensor forward(const at::Tensor& x) {
     auto y = at::linear(x, base_weight(x.scalar_type()), bias);
@@ -150,32 +125,10 @@ TORCH_MODULE(Linear);
 
 // A projection named `projection` ("q_proj", ...): with an adapter where
 // `lora` targets it.
-// The projections of `model` whose base weight is in 4 bits.
-inline std::vector<LinearImpl*> quantized_linears(torch::nn::Module& model) {
-  std::vector<LinearImpl*> found;
-  for (const auto& m : model.modules(/*include_self=*/false)) {
-    auto* linear = dynamic_cast<LinearImpl*>(m.get());
-    if (linear != nullptr && linear->quant) found.push_back(linear);
-  }
-  return found;
-}
-
-// Whether a parameter name is one of a 4-bit weight's scales (saved and
-// loaded with its weight, never on their own).
-inline bool is_four_bit_scale_name(const std::string& name) {
-  for (const char* suffix : {".weight_absmax", ".weight_nested_absmax", ".weight_nested_code",
-                             ".weight_nested_offset"}) {
-    const std::string s(suffix);
-    if (name.size() > s.size() && name.compare(name.size() - s.size(), s.size(), s) == 0)
-      return true;
-  }
-  return false;
-}
-
-// `quant`: its base weight in 4 bits.
+// `quant`: its base weight quantized.
 inline Linear make_linear(int64_t in, int64_t out, bool bias, const LoraOptions& lora = {},
                           const std::string& projection = "",
-                          std::optional<QuantType> quant = std::nullopt) {
+                          std::optional<BaseQuantization> quant = std::nullopt) {
   return Linear(in, out, bias, lora.targets_projection(projection) ? lora : LoraOptions{}, quant);
 }
 

@@ -82,6 +82,7 @@ std::array<float, 16> fp4_table() {
 }
 
 const std::array<float, 16>& table_of(QuantType type) {
+  TORCH_CHECK_VALUE(is_4bit(type), to_string(type), " is not a 4-bit type: use nf4 or fp4");
   static const std::array<float, 16> fp4 = fp4_table();
   return type == QuantType::kNF4 ? kNF4 : fp4;
 }
@@ -186,11 +187,22 @@ void dequantize_cpu(const Quantized4Bit& q, const float* absmax, T* out) {
 QuantType quant_type_from_string(const std::string& text) {
   if (text == "nf4") return QuantType::kNF4;
   if (text == "fp4") return QuantType::kFP4;
-  TORCH_CHECK_VALUE(false, "unknown 4-bit type '", text, "': use nf4 or fp4");
+  if (text == "int8") return QuantType::kInt8;
+  if (text == "fp8") return QuantType::kFP8;
+  TORCH_CHECK_VALUE(false, "unknown quantization '", text, "': use nf4, fp4, int8 or fp8");
 }
 
 const char* to_string(QuantType type) {
-  return type == QuantType::kNF4 ? "nf4" : "fp4";
+  switch (type) {
+    case QuantType::kNF4:
+      return "nf4";
+    case QuantType::kFP4:
+      return "fp4";
+    case QuantType::kInt8:
+      return "int8";
+    default:
+      return "fp8";
+  }
 }
 
 int64_t Quantized4Bit::numel() const {

@@ -26,9 +26,9 @@ struct AttentionImpl : torch::nn::Cloneable<AttentionImpl> {
   RMSNorm q_norm{nullptr}, k_norm{nullptr};
   at::Tensor sinks;  // GPT-OSS: Note [Attention sinks]
   LoraOptions lora;
-  std::optional<QuantType> quant;  // the projections' base weights in 4 bits
+  std::optional<BaseQuantization> quant;  // the projections' base weights quantized
   AttentionImpl(CausalLMConfig c, int64_t w, LoraOptions l,
-                std::optional<QuantType> q = std::nullopt)
+                std::optional<BaseQuantization> q = std::nullopt)
       : config(std::move(c)), window(w), lora(std::move(l)), quant(q) {
     reset();
   }

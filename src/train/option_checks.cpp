@@ -66,10 +66,11 @@ void validate(const TrainOptions& a) {
   check(a.lora_dropout >= 0 && a.lora_dropout < 1, "--lora-dropout", "in [0, 1)",
         text(a.lora_dropout));
   check(!a.merge || a.lora_rank > 0, "--merge", "only with --lora-rank", "set without LoRA");
-  check(a.quantize_base.empty() || a.quantize_base == "nf4" || a.quantize_base == "fp4",
-        "--quantize-base", "nf4 or fp4 (8-bit bases are not implemented yet)", a.quantize_base);
+  check(a.quantize_base.empty() || a.quantize_base == "nf4" || a.quantize_base == "fp4" ||
+            a.quantize_base == "int8" || a.quantize_base == "fp8",
+        "--quantize-base", "nf4, fp4, int8 or fp8", a.quantize_base);
   check(a.quantize_base.empty() || a.lora_rank > 0, "--quantize-base",
-        "used with --lora-rank (the 4-bit base weights are frozen: only adapters train)",
+        "used with --lora-rank (the quantized base weights are frozen: only adapters train)",
         "set without LoRA");
   check(a.quantize_base.empty() || !a.merge, "--quantize-base",
         "without --merge (merging would quantize the adapters away; the adapter is written in "

@@ -1,4 +1,4 @@
-// QLoRA in the presets (Note [4-bit base weights in the presets]): a model
+// QLoRA in the presets (Note [Quantized base weights in the presets]): a model
 // with CausalLMOptions::quantize_base computes what the plain model computes
 // on its dequantized weights, through RoundPipe on simulated devices too,
 // holds only the packed weights, quantizes a checkpoint as it reads it, and
@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 #include <roundpipe/models/causal_lm.h>
 #include <roundpipe/safetensors.h>
+#include <torch/cuda.h>
 
 #include <filesystem>
 #include <set>
@@ -20,12 +21,36 @@ using models::CausalLM;
 using models::CausalLMOptions;
 using models::QuantType;
 
-// Two Qwen3 layers whose projections span 32 to 128 blocks of 64 values.
-models::CausalLMConfig small_qwen3() {
+// A quantized base to test: its format and model.
+struct Case {
+  std::string name;
+  QuantType type;
+  bool double_quant = true;
+  bool moe = false;  // a Qwen3-MoE model (its experts quantized too) instead of Qwen3
+};
+
+// Two Qwen3 layers whose projections span 32 to 128 blocks of 64 values;
+// or Qwen3-MoE's: layer 0 sparse (4 experts, 2 a token: stacks of 128
+// blocks), layer 1 dense.
+models::CausalLMConfig small_model(const Case& c) {
+  if (c.moe)
+    return models::CausalLMConfig::from_json_string(
+        R"({"model_type":"qwen3_moe","vocab_size":50,"hidden_size":64,"intermediate_size":128,
+            "moe_intermediate_size":32,"num_hidden_layers":2,"num_attention_heads":4,
+            "num_key_value_heads":2,"head_dim":16,"num_experts":4,"num_experts_per_tok":2,
+            "norm_topk_prob":true,"mlp_only_layers":[1]})",
+        "config.json");
   return models::CausalLMConfig::from_json_string(
       R"({"model_type":"qwen3","vocab_size":50,"hidden_size":64,"intermediate_size":128,
           "num_hidden_layers":2,"num_attention_heads":4,"num_key_value_heads":2,"head_dim":16})",
       "config.json");
+}
+models::CausalLMConfig small_qwen3() {
+  return small_model({"nf4", QuantType::kNF4});
+}
+
+CausalLMOptions quantized_options(CausalLMOptions options, const Case& c) {
+  return options.set_quantize_base(c.type).set_double_quant(c.double_quant);
 }
 
 CausalLMOptions lora_options() {
@@ -64,11 +89,11 @@ struct QuantizedAndPlain {
   CausalLM quantized, plain;
 };
 
-QuantizedAndPlain quantized_and_plain(QuantType type) {
+QuantizedAndPlain quantized_and_plain(const Case& c) {
   torch::manual_seed(3);
-  CausalLM quantized(small_qwen3(), lora_options().set_quantize_base(type));
+  CausalLM quantized(small_model(c), quantized_options(lora_options(), c));
   randomize_adapters(quantized, 4);
-  const auto dir = process_temp_dir() / (std::string("dequantized_") + models::to_string(type));
+  const auto dir = process_temp_dir() / ("dequantized_" + c.name);
   quantized.save_pretrained(dir.string());
   auto plain = CausalLM::from_pretrained(dir.string(), lora_options());
   torch::NoGradGuard no_grad;
@@ -84,7 +109,19 @@ void expect_same_lora_grads(const CausalLM& ours, const CausalLM& oracle, double
     EXPECT_TENSOR_NEAR(p.grad(), theirs.at(name).grad(), tol, "gradient of " << name);
 }
 
-class QuantizedBase : public ::testing::TestWithParam<QuantType> {};
+class QuantizedBase : public ::testing::TestWithParam<Case> {};
+
+// The bytes a quantized weight of n values in `rows` rows keeps (Note
+// [4-bit base weights], Note [8-bit base weights]): 4 bits, n / 2 code
+// bytes and a scale a block of 64 (double quantized: a byte, plus 4 bytes a
+// 256 scales, the 1 KiB map and the offset; else 4 bytes); 8 bits, n bytes
+// and 4 a row.
+int64_t quantized_bytes(int64_t n, int64_t rows, const Case& c) {
+  if (!models::is_4bit(c.type)) return n + 4 * rows;
+  const int64_t blocks = n / 64;
+  if (!c.double_quant) return n / 2 + 4 * blocks;
+  return n / 2 + blocks + 4 * ((blocks + 255) / 256) + 256 * 4 + 4;
+}
 
 // The same fp32 products on the same weight values: equal to rounding.
 TEST_P(QuantizedBase, ComputesWhatThePlainModelComputesOnItsDequantizedWeights) {
@@ -118,48 +155,85 @@ TEST_P(QuantizedBase, TrainsThroughRoundPipeHoldingOnlyThePackedWeights) {
   std::set<const void*> seen;  // (a tied weight once)
   for (const auto& p : plain.sequential()->parameters())
     if (seen.insert(p.data_ptr()).second) plain_bytes += p.nbytes();
-  int64_t saved = 0;
-  const auto config = small_qwen3();
+  // Each quantized weight: {values, rows}; 4 bytes a value in float32.
+  const auto config = small_model(GetParam());
   const int64_t h = config.hidden_size, i = config.intermediate_size, d = config.head_dim;
-  for (int64_t n : {h * 4 * d, h * 2 * d, h * 2 * d, 4 * d * h, h * i, h * i, i * h}) {
-    const int64_t blocks = n / 64;
-    saved += 4 * n - (n / 2 + blocks + 4 * ((blocks + 255) / 256) + 256 * 4 + 4);
+  const int64_t e = config.num_experts, m = config.moe_intermediate_size;
+  std::vector<std::pair<int64_t, int64_t>> weights;
+  for (int64_t layer = 0; layer < config.num_hidden_layers; ++layer) {
+    weights.insert(weights.end(),
+                   {{h * 4 * d, 4 * d}, {h * 2 * d, 2 * d}, {h * 2 * d, 2 * d}, {4 * d * h, h}});
+    if (config.sparse_layer(layer))
+      weights.insert(weights.end(), {{e * 2 * m * h, e * 2 * m}, {e * h * m, e * h}});
+    else
+      weights.insert(weights.end(), {{h * i, i}, {h * i, i}, {i * h, h}});
   }
-  saved *= config.num_hidden_layers;
+  int64_t saved = 0;
+  for (auto [n, rows] : weights) saved += 4 * n - quantized_bytes(n, rows, GetParam());
   EXPECT_EQ(pipe.host_memory_stats().model_state_bytes, plain_bytes - saved);
 }
 
-// from_pretrained quantizes each projection of a full-precision checkpoint
-// as it reads it: the codes quantize_4bit gives its tensor.
+// from_pretrained quantizes each projection (and expert stack) of a
+// full-precision checkpoint as it reads it: the codes and scales
+// quantize_4bit or quantize_8bit give its tensor; so with a mapped
+// checkpoint, and pinned.
 TEST_P(QuantizedBase, FromPretrainedQuantizesWhatItReads) {
+  const auto& c = GetParam();
   torch::manual_seed(5);
-  CausalLM plain(small_qwen3());
+  CausalLM plain(small_model(c));
   const auto dir = process_temp_dir() / "full_precision";
   plain.save_pretrained(dir.string());
-  auto quantized =
-      CausalLM::from_pretrained(dir.string(), CausalLMOptions().set_quantize_base(GetParam()));
+  auto quantized = CausalLM::from_pretrained(dir.string(), quantized_options({}, c));
   std::map<std::string, at::Tensor> ours;
   for (const auto& [name, p] : quantized.hf_state_dict()) ours[name] = p;
   int checked = 0;
   for (const auto& [name, w] : plain.hf_state_dict()) {
-    if (name.find("_proj.weight") == std::string::npos) {
-      EXPECT_TRUE(at::equal(ours.at(name), w)) << name << " is not a projection: kept as it is";
+    const bool expert = name.find(".experts.") != std::string::npos;
+    if (name.find("_proj.weight") == std::string::npos && !expert) {
+      EXPECT_TRUE(at::equal(ours.at(name), w)) << name << " is not quantized: kept as it is";
       continue;
     }
-    const auto q = models::quantize_4bit(w, GetParam());
-    EXPECT_TRUE(at::equal(ours.at(name), q.packed)) << name;
-    EXPECT_TRUE(at::equal(ours.at(name + "_absmax"), q.absmax)) << name;
+    if (models::is_4bit(c.type)) {
+      const auto q = models::quantize_4bit(w, c.type, 64, c.double_quant);
+      EXPECT_TRUE(at::equal(ours.at(name), q.packed)) << name;
+      EXPECT_TRUE(at::equal(ours.at(name + "_absmax"), q.absmax)) << name;
+      if (c.double_quant)
+        EXPECT_TRUE(at::equal(ours.at(name + "_nested_absmax"), q.nested_absmax)) << name;
+      else
+        EXPECT_FALSE(ours.count(name + "_nested_absmax")) << name;
+    } else {
+      const auto q = models::quantize_8bit(w.reshape({-1, w.size(-1)}), c.type);
+      EXPECT_TRUE(at::equal(ours.at(name).reshape(q.values.sizes()), q.values)) << name;
+      EXPECT_TRUE(at::equal(ours.at(name + "_scale").reshape(-1), q.scale)) << name;
+    }
     ++checked;
   }
-  EXPECT_EQ(checked, 14);
+  EXPECT_EQ(checked, c.moe ? 13 : 14);  // (MoE: 4 + 2 in layer 0, 4 + 3 in layer 1)
+  // A mapped checkpoint (the other weights the file's pages) and pinned
+  // memory give the same model.
+  auto pinned = quantized_options({}, c);
+  pinned.pin_memory = true;
+  for (const auto& options : {quantized_options({}, c).set_map_weights(true), pinned}) {
+    if (options.pin_memory && !torch::cuda::is_available()) continue;  // (pinning needs CUDA)
+    const auto other = CausalLM::from_pretrained(dir.string(), options);
+    for (const auto& [name, p] : other.hf_state_dict())
+      EXPECT_TRUE(at::equal(p, ours.at(name)))
+          << name << (options.pin_memory ? " pinned" : " mapped");
+  }
   EXPECT_HAS(message_of([&] { quantized.merge_lora(); }), "(no error)");  // no adapters: nothing
-  auto with_lora =
-      CausalLM::from_pretrained(dir.string(), lora_options().set_quantize_base(GetParam()));
+  auto with_lora = CausalLM::from_pretrained(dir.string(), quantized_options(lora_options(), c));
   EXPECT_HAS(message_of([&] { with_lora.merge_lora(); }), "Save the adapter");
 }
 
-INSTANTIATE_TEST_SUITE_P(Types, QuantizedBase, ::testing::Values(QuantType::kNF4, QuantType::kFP4),
-                         [](const auto& info) { return models::to_string(info.param); });
+INSTANTIATE_TEST_SUITE_P(Formats, QuantizedBase,
+                         ::testing::Values(Case{"nf4", QuantType::kNF4},
+                                           Case{"fp4", QuantType::kFP4},
+                                           Case{"nf4_single_scales", QuantType::kNF4, false},
+                                           Case{"int8", QuantType::kInt8},
+                                           Case{"fp8", QuantType::kFP8},
+                                           Case{"moe_nf4", QuantType::kNF4, true, true},
+                                           Case{"moe_int8", QuantType::kInt8, true, true}),
+                         [](const auto& info) { return info.param.name; });
 
 // The adapters and their gradients as peft computes them on a model that
 // transformers loads with bitsandbytes' 4-bit quantization of the same

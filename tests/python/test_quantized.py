@@ -121,3 +121,32 @@ def test_bitsandbytes_quantized_weights_dequantize_to_its_values_bit_for_bit():
                           nested_absmax=state.state2.absmax, nested_code=state.state2.code,
                           nested_offset=float(state.offset))
             assert torch.equal(_C.dequantize_4bit(theirs), F.dequantize_4bit(packed, state)), (quant_type, dtype)
+
+
+def test_int8_is_bitsandbytes_llm_int8_weight_bit_for_bit():
+    """Note [8-bit base weights]: our int8 codes and row scales of a weight
+    are bitsandbytes' (Int8Params quantizes the float16 weight), and the
+    weight comes back as its int8_vectorwise_dequant gives it."""
+    F = pytest.importorskip("bitsandbytes.functional")
+    torch.manual_seed(3)
+    w = torch.randn(48, 200) * torch.logspace(-3, 0, 48)[:, None]
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        ours = _C.quantize_8bit(w.to(dtype), "int8")
+        codes, scale, _ = F.int8_vectorwise_quant(w.to(dtype).to(torch.float16))
+        assert torch.equal(ours["values"], codes), dtype
+        assert torch.equal(ours["scale"], scale), dtype
+        back = _C.dequantize_8bit(dict(ours, dtype="float32"))
+        assert torch.equal(back, F.int8_vectorwise_dequant(codes, scale)), dtype
+
+
+def test_fp8_is_the_row_scaled_to_448_in_e4m3():
+    """fp8: each row over absmax / 448, rounded by PyTorch's own e4m3
+    conversion (the oracle), and back as values times the scale."""
+    torch.manual_seed(4)
+    w = torch.randn(16, 100) * torch.logspace(-4, 1, 16)[:, None]
+    ours = _C.quantize_8bit(w, "fp8")
+    scale = w.abs().amax(1) / 448
+    assert torch.equal(ours["scale"], scale)
+    e4m3 = (w / scale[:, None]).to(torch.float8_e4m3fn)
+    assert torch.equal(ours["values"], e4m3.view(torch.uint8))
+    assert torch.equal(_C.dequantize_8bit(ours), e4m3.float() * scale[:, None])

@@ -28,26 +28,28 @@ namespace {
 namespace fs = std::filesystem;
 
 // The loss of `ids` (labels = ids) from transformers + peft: the base
-// checkpoint (`four_bit`: quantized by bitsandbytes, NF4 with double
-// quantization, float32 compute) with the adapter in `adapter` ("" for
-// none), by the test's Python (scripts/setup.sh installs them).
+// checkpoint (`quantized` "4bit": by bitsandbytes, NF4 with double
+// quantization, float32 compute; "8bit": its LLM.int8) with the adapter in
+// `adapter` ("" for none), by the test's Python (scripts/setup.sh installs
+// them).
 double python_loss(const std::string& base, const std::string& adapter, const std::string& tag,
-                   bool four_bit = false) {
+                   const std::string& quantized = "") {
   const auto printed = run_python(
       tag,
       "import sys, torch, transformers\n"
-      "q = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type='nf4',\n"
-      "    bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=torch.float32)\n"
+      "q = {'4bit': transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type='nf4',\n"
+      "    bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=torch.float32),\n"
+      "     '8bit': transformers.BitsAndBytesConfig(load_in_8bit=True)}.get(sys.argv[3])\n"
       "model = transformers.AutoModelForCausalLM.from_pretrained(sys.argv[1], "
       "dtype=torch.float32,\n"
-      "    **(dict(quantization_config=q, device_map='cpu') if sys.argv[3] == '1' else {}))\n"
+      "    **(dict(quantization_config=q, device_map='cpu') if q else {}))\n"
       "if sys.argv[2]:\n"
       "    import peft\n"
       "    model = peft.PeftModel.from_pretrained(model, sys.argv[2])\n"
       "ids = (torch.arange(24).reshape(2, 12) * 7 + 3) % 259\n"
       "with torch.no_grad():\n"
       "    print(float(model(input_ids=ids, labels=ids).loss), file=open(sys.argv[-1], 'w'))\n",
-      base + " '" + adapter + "' " + (four_bit ? "1" : "0"));
+      base + " '" + adapter + "' '" + quantized + "'");
   double loss = NAN;
   std::istringstream(printed) >> loss;
   return loss;
@@ -152,8 +154,9 @@ TEST(Trainer, LoraWritesAPeftAdapterOrMergedWeights) {
 // --quantize-base nf4 with --lora-rank (QLoRA): the base's projections in 4
 // bits, quantized as the checkpoint loads, adapters trained on them; peft
 // loads the adapter onto bitsandbytes' 4-bit quantization of the same base
-// (the same codes, QuantizedBaseOracle) and moves its loss. Without LoRA,
-// with --merge, or in a format not implemented: refused before training.
+// (the same codes, QuantizedBaseOracle) and moves its loss; the same with
+// int8 and bitsandbytes' load_in_8bit. Without LoRA, with --merge, or in an
+// unknown format: refused before training.
 TEST(Trainer, QLoraTrainsAnAdapterOnA4BitBase) {
   const std::string base = tiny_base_checkpoint("qlora_base");
   auto o = tiny("qlora");
@@ -167,9 +170,16 @@ TEST(Trainer, QLoraTrainsAnAdapterOnA4BitBase) {
   train::run_training(o);
   EXPECT_TRUE(fs::exists(o.output + "/adapter_model.safetensors"));
   EXPECT_FALSE(fs::exists(o.output + "/model.safetensors"));
-  const double before = python_loss(base, "", "qlora_base_loss", /*four_bit=*/true);
-  const double after = python_loss(base, o.output, "qlora_adapted_loss", /*four_bit=*/true);
+  const double before = python_loss(base, "", "qlora_base_loss", "4bit");
+  const double after = python_loss(base, o.output, "qlora_adapted_loss", "4bit");
   EXPECT_GT(std::abs(after - before), 1e-3) << "training on the 4-bit base changed nothing";
+  auto int8 = o;
+  int8.quantize_base = "int8";
+  int8.output = o.output + "_int8";
+  train::run_training(int8);
+  const double before8 = python_loss(base, "", "qlora8_base_loss", "8bit");
+  const double after8 = python_loss(base, int8.output, "qlora8_adapted_loss", "8bit");
+  EXPECT_GT(std::abs(after8 - before8), 1e-3) << "training on the 8-bit base changed nothing";
   auto bad = o;
   bad.lora_rank = 0;
   EXPECT_HAS(error_of([&] { train::validate(bad); }), "used with --lora-rank");
@@ -177,8 +187,8 @@ TEST(Trainer, QLoraTrainsAnAdapterOnA4BitBase) {
   bad.merge = true;
   EXPECT_HAS(error_of([&] { train::validate(bad); }), "without --merge");
   bad = o;
-  bad.quantize_base = "int8";
-  EXPECT_HAS(error_of([&] { train::validate(bad); }), "8-bit bases are not implemented yet");
+  bad.quantize_base = "int4";
+  EXPECT_HAS(error_of([&] { train::validate(bad); }), "nf4, fp4, int8 or fp8");
 }
 
 // roundpipe-train on a Qwen3-MoE model (layer 1 dense): the loss falls,

@@ -44,6 +44,9 @@
 #include "roundpipe/models/quantized.h"
 
 namespace roundpipe::models {
+namespace detail {
+struct QuantizedWeight;  // models/quantized_weight.h
+}  // namespace detail
 
 // LoRA (low-rank adapters, as peft's LoraConfig) on the named projections
 // of every decoder layer: y = x W^T + b + scaling * dropout(x) A^T B^T with
@@ -175,17 +178,37 @@ struct CausalLMOptions {
     lora = std::move(v);
     return *this;
   }
-  // QLoRA (Note [4-bit base weights in the presets]): the decoder layers'
-  // dense projections (attention q/k/v/o, MLP gate/up/down) keep their base
-  // weights in 4 bits (NF4 or FP4 codes in blocks of 64, double-quantized
-  // scales: bitsandbytes' layout), frozen, in host memory and over PCIe, and
-  // dequantized into the compute dtype where they run. from_pretrained
-  // quantizes a full-precision checkpoint as it reads it, tensor by tensor.
-  // Embeddings, norms, lm_head, routers and experts stay in `dtype`.
+  // QLoRA (Note [Quantized base weights in the presets]): the decoder
+  // layers' dense projections (attention q/k/v/o, MLP gate/up/down) and
+  // experts keep their base weights quantized, frozen, in host memory and
+  // over PCIe, and dequantized into the compute dtype where they run: nf4 or
+  // fp4 (codes in blocks of 64, bitsandbytes' layout), int8 (bitsandbytes'
+  // LLM.int8 weights: a scale a row) or fp8 (e4m3, a scale a row).
+  // from_pretrained quantizes a full-precision checkpoint as it reads it,
+  // tensor by tensor. Embeddings, norms, lm_head and routers stay in `dtype`.
   std::optional<QuantType> quantize_base;
   CausalLMOptions& set_quantize_base(std::optional<QuantType> v) {
     quantize_base = v;
     return *this;
+  }
+  // 4 bits: the block scales quantized again to 8 bits (QLoRA's double
+  // quantization, bitsandbytes' bnb_4bit_use_double_quant); false: float32.
+  bool double_quant = true;
+  CausalLMOptions& set_double_quant(bool v) {
+    double_quant = v;
+    return *this;
+  }
+  // With quantize_base, the experts too (false: they stay in `dtype`, as
+  // transformers' bitsandbytes loading leaves stacked experts).
+  bool quantize_experts = true;
+  CausalLMOptions& set_quantize_experts(bool v) {
+    quantize_experts = v;
+    return *this;
+  }
+  // quantize_base and double_quant together (none without quantize_base).
+  std::optional<BaseQuantization> base_quantization() const {
+    if (!quantize_base) return std::nullopt;
+    return BaseQuantization{*quantize_base, double_quant};
   }
 };
 
@@ -232,7 +255,7 @@ class CausalLM {
   void save_adapter(const std::string& dir, const std::string& base_model = "") const;
   // Folds the adapters into the base weights (W += scaling * B A) and zeroes
   // B, so that save_pretrained writes the fine-tuned model whole. Refused on
-  // a 4-bit base (it would quantize the sum again): save the adapter.
+  // a quantized base (it would quantize the sum again): save the adapter.
   void merge_lora();
 
   const CausalLMConfig& config() const { return config_; }
@@ -252,9 +275,9 @@ class CausalLM {
   CausalLMOptions options_;
   torch::nn::Sequential sequential_;
   void init_lora();
-  // The projections whose base weight is in 4 bits, by the HuggingFace name
-  // of their weight (Note [4-bit base weights in the presets]).
-  std::map<std::string, std::shared_ptr<torch::nn::Module>> four_bit_projections() const;
+  // The quantized base weights, by their HuggingFace names (Note [Quantized
+  // base weights in the presets]).
+  std::map<std::string, detail::QuantizedWeight*> quantized_weights() const;
 };
 
 // Whether `name` is a weight file of a HuggingFace checkpoint

@@ -1,11 +1,13 @@
-// Frozen base weights in 4 bits (QLoRA, Note [4-bit base weights]): NF4 or
+// Frozen base weights in 4 or 8 bits. 4 bits (QLoRA, Note [4-bit base weights]): NF4 or
 // FP4 codes in blocks of 64 values, each block scaled by its absolute
 // maximum, the block scales themselves quantized to 8 bits (double
 // quantization), in bitsandbytes' layout, so that a model loaded with
 // transformers' BitsAndBytesConfig(load_in_4bit=True) is used as it is.
 // The weights stay packed in host memory and over PCIe; a layer's are
 // dequantized where they are used (a CUDA kernel on a GPU, a CPU loop on
-// the simulated devices).
+// the simulated devices). 8 bits (Note [8-bit base weights]): int8 in
+// bitsandbytes' LLM.int8 layout (load_in_8bit), or FP8 e4m3, each row with
+// its own float32 scale.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -17,10 +19,21 @@
 
 namespace roundpipe::models {
 
-enum class QuantType { kNF4, kFP4 };
-// "nf4" or "fp4"; throws naming the choices.
+enum class QuantType { kNF4, kFP4, kInt8, kFP8 };
+// "nf4", "fp4", "int8" or "fp8"; throws naming the choices.
 QuantType quant_type_from_string(const std::string& text);
 const char* to_string(QuantType type);
+inline bool is_4bit(QuantType type) {
+  return type == QuantType::kNF4 || type == QuantType::kFP4;
+}
+
+// How a preset keeps its frozen base weights (CausalLMOptions::quantize_base).
+struct BaseQuantization {
+  QuantType type = QuantType::kNF4;
+  // 4 bits: the block scales double quantized (bitsandbytes'
+  // bnb_4bit_use_double_quant); otherwise float32.
+  bool double_quant = true;
+};
 
 struct Quantized4Bit {
   QuantType type = QuantType::kNF4;
@@ -68,5 +81,26 @@ Quantized4Bit quantize_4bit(const at::Tensor& weight, QuantType type, int64_t bl
 // code * absmax in float32, rounded once to dtype (bitsandbytes' result,
 // bit for bit). A CUDA kernel on a GPU, a CPU loop otherwise.
 at::Tensor dequantize_4bit(const Quantized4Bit& q);
+
+// A weight in 8 bits, one scale a row:
+//   int8: bitsandbytes' LLM.int8 weight (Int8Params): `values` int8 [rows,
+//     cols] = round(w * 127 / row absmax) of the weight in float16, `scale`
+//     the row absmax (its SCB); w = values * scale * (1 / 127) in float32.
+//   fp8: `values` float8 e4m3 as raw bytes (uint8 [rows, cols], so that
+//     every path that moves or pins a tensor takes them), = w / scale
+//     rounded to nearest even, `scale` = row absmax / 448 (e4m3's largest
+//     value; 1 for a row of zeros); w = values * scale in float32.
+// Either way rounded once to `dtype` at the end.
+struct Quantized8Bit {
+  QuantType type = QuantType::kInt8;
+  c10::ScalarType dtype = c10::kBFloat16;  // what dequantization gives
+  at::Tensor values;                       // [rows, cols]
+  at::Tensor scale;                        // float32 [rows]
+};
+
+// `weight` [rows, cols] (a CPU float tensor) in 8 bits (kInt8 or kFP8).
+Quantized8Bit quantize_8bit(const at::Tensor& weight, QuantType type);
+// The weight back, [rows, cols] in q.dtype, where q's tensors live.
+at::Tensor dequantize_8bit(const Quantized8Bit& q);
 
 }  // namespace roundpipe::models

@@ -56,9 +56,10 @@ struct TrainOptions {
   std::string lora_targets = "all-linear";
   std::string lora_target_parameters;
   bool merge = false;
-  // QLoRA: the base's dense projections in 4 bits ("nf4" or "fp4"; empty:
-  // full precision), quantized as the checkpoint loads (CausalLMOptions::
-  // quantize_base). Needs lora_rank > 0; not with merge.
+  // QLoRA: the base's projections and experts quantized ("nf4" or "fp4": 4
+  // bits; "int8" or "fp8": 8 bits; empty: full precision) as the checkpoint
+  // loads (CausalLMOptions::quantize_base). Needs lora_rank > 0; not with
+  // merge.
   std::string quantize_base;
   // Pack a step's examples into rows (train::pack) instead of one padded
   // example a row (train::collate); either way the loss is the mean over

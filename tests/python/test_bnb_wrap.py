@@ -1,0 +1,113 @@
+"""A model transformers loads with bitsandbytes (BitsAndBytesConfig
+load_in_4bit, load_in_8bit), peft's LoRA on top, wraps as it is (issue 35):
+the preset computes on bitsandbytes' own quantized tensors (no copy, no
+requantization).
+
+4 bits: bitsandbytes' forward dequantizes the weight and multiplies in the
+compute dtype (float32 here), as the preset does, so losses and adapter
+gradients are peft's to the order of float32 sums (test_lora's tolerances).
+8 bits: bitsandbytes multiplies int8 weights by int8-rounded activations;
+the preset by the activations as they are (Note [8-bit base weights]), so
+the oracle is peft on the same model with each 8-bit projection replaced
+by a float32 one holding bitsandbytes' dequantized weight."""
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import roundpipe
+from roundpipe import RoundPipeRunConfig, wrap_model_to_roundpipe
+
+from hf_models import tiny_qwen3, tiny_qwen3_moe
+from test_lora import TOL, lora_model, padded_batch
+from conftest import assert_close
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("bitsandbytes")
+peft = pytest.importorskip("peft")
+
+PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def load_quantized(tmp_path, quantization, make=tiny_qwen3):
+    base = make(seed=3)
+    with torch.no_grad():  # (projections of std 0.2, not 0.02: the loss depends on them)
+        for name, p in base.named_parameters():
+            if "_proj" in name:
+                p.mul_(10)
+    base.save_pretrained(tmp_path / "base")
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "base", quantization_config=quantization, device_map="cpu", dtype=torch.float32,
+        attn_implementation="sdpa")
+
+
+def run(model, oracle, devices):
+    # (Training mode: bitsandbytes repacks 4-bit weights for its CPU
+    # inference kernel in eval mode on some CPUs.)
+    model.train()
+    oracle.train()
+    pipe = wrap_model_to_roundpipe(model, devices=devices, model_run_config=RoundPipeRunConfig(num_microbatch=2))
+    assert isinstance(pipe, roundpipe.CausalLMRoundPipe)
+    inputs = padded_batch()
+    loss = pipe.forward_backward(input_kwargs=inputs)
+    pipe.synchronize()
+    expected = oracle(**inputs).loss
+    expected.backward()
+    assert_close(loss, expected.detach(), TOL)
+    # Each adapter's gradient to 1e-4 of its own largest element (the fp32
+    # sums' order; test_lora's bound, at the gradient's scale rather than 1,
+    # so that a base weight off by 1% shows).
+    theirs = dict(oracle.named_parameters())
+    for n, p in model.named_parameters():
+        if "lora_" in n:
+            ref = theirs[n].grad
+            torch.testing.assert_close(p.grad, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item(), msg=n)
+        else:
+            assert p.grad is None and not p.requires_grad, n
+
+
+@pytest.mark.parametrize("quant_type,double_quant", [("nf4", True), ("fp4", False)])
+def test_a_4bit_model_with_peft_trains_as_peft_on_bitsandbytes(tmp_path, devices, quant_type, double_quant):
+    q = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=quant_type,
+                                        bnb_4bit_use_double_quant=double_quant,
+                                        bnb_4bit_compute_dtype=torch.float32)
+    model = lora_model(PROJECTIONS, base=load_quantized(tmp_path, q))
+    packed = {n: p.data_ptr() for n, p in model.named_parameters() if p.dtype == torch.uint8}
+    assert len(packed) == 3 * 7
+    run(model, copy.deepcopy(model), devices)
+    # bitsandbytes' tensors are the preset's: nothing was copied or replaced.
+    assert packed == {n: p.data_ptr() for n, p in model.named_parameters() if p.dtype == torch.uint8}
+
+
+def test_an_8bit_model_with_peft_trains_on_bitsandbytes_weights(tmp_path, devices):
+    F = pytest.importorskip("bitsandbytes.functional")
+    model = lora_model(PROJECTIONS, base=load_quantized(tmp_path, transformers.BitsAndBytesConfig(load_in_8bit=True)))
+    oracle = copy.deepcopy(model)
+    replaced = 0
+    for module in oracle.modules():
+        base = getattr(module, "base_layer", None)
+        if type(getattr(base, "weight", None)).__name__ == "Int8Params":
+            plain = nn.Linear(base.in_features, base.out_features, bias=base.bias is not None)
+            scale = base.weight.SCB if base.weight.SCB is not None else base.state.SCB
+            plain.weight.data = F.int8_vectorwise_dequant(base.weight.data, scale)
+            plain.requires_grad_(False)
+            module.base_layer = plain
+            replaced += 1
+    assert replaced == 3 * 7
+    run(model, oracle, devices)
+
+
+def test_a_4bit_moe_model_keeps_its_experts_and_trains_as_peft(tmp_path):
+    """transformers' bitsandbytes loading quantizes nn.Linear only: the
+    stacked experts stay in float32, and so they do in the preset."""
+    q = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                        bnb_4bit_compute_dtype=torch.float32)
+    model = lora_model(PROJECTIONS, base=load_quantized(tmp_path, q, tiny_qwen3_moe))
+    run(model, copy.deepcopy(model), "sim:2")
+
+
+def test_what_the_preset_cannot_take_is_refused(tmp_path):
+    q = transformers.BitsAndBytesConfig(load_in_4bit=True, llm_int8_skip_modules=["lm_head", "q_proj"])
+    with pytest.raises(NotImplementedError, match="left .*q_proj.* in full precision"):
+        wrap_model_to_roundpipe(load_quantized(tmp_path, q), devices="sim:1")
