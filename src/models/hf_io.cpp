@@ -13,6 +13,7 @@
 #include <set>
 
 #include "io/atomic_directory.h"
+#include "models/bnb_checkpoint.h"
 #include "models/experts.h"
 #include "models/modules.h"
 #include "roundpipe/models/causal_lm.h"
@@ -175,7 +176,14 @@ std::map<std::string, detail::QuantizedWeight*> CausalLM::quantized_weights() co
 }
 
 CausalLM CausalLM::from_pretrained(const std::string& dir, CausalLMOptions options) {
-  auto config = CausalLMConfig::from_json_file((fs::path(dir) / "config.json").string());
+  const auto config_path = (fs::path(dir) / "config.json").string();
+  auto config = CausalLMConfig::from_json_file(config_path);
+  // A checkpoint bitsandbytes quantized (Note [bitsandbytes checkpoints])
+  // with adapters to train keeps its format, unless another is asked for;
+  // without adapters it is read into full precision.
+  const auto stored_format = detail::bnb_checkpoint_format(config_path);
+  if (stored_format && !options.quantize_base && options.lora.rank > 0)
+    options.set_quantize_base(stored_format->type).set_double_quant(stored_format->double_quant);
   const bool map = options.map_weights && !options.pin_memory;
   // Mapped: the weights are about to be replaced by the file's pages, so
   // they are allocated untouched (no resident memory) instead of initialised.
@@ -200,7 +208,12 @@ CausalLM CausalLM::from_pretrained(const std::string& dir, CausalLMOptions optio
     }
     return {};
   };
+  // A full-precision tensor: as stored, or dequantized from bitsandbytes'
+  // format into the model's dtype.
   auto tensor_named = [&](const std::string& name) {
+    if (stored_format)
+      if (const auto stored = detail::read_bnb_weight(name, find_tensor))
+        return stored->dequantize(options.dtype);
     auto t = find_tensor(name);
     TORCH_CHECK(t.defined(), dir, ": the checkpoint has no tensor '", name, "'");
     return t;
@@ -217,6 +230,18 @@ CausalLM CausalLM::from_pretrained(const std::string& dir, CausalLMOptions optio
     const auto p = q == quantized.end()
                        ? param
                        : at::empty(q->second->shape, at::device(at::kMeta).dtype(options.dtype));
+    if (stored_format && q != quantized.end()) {
+      // Stored in the model's own format: its tensors as they are.
+      const auto stored = detail::read_bnb_weight(name, find_tensor);
+      if (stored && is_4bit(stored->format.type) && q->second->takes(stored->four)) {
+        q->second->assign(stored->four);
+        continue;
+      }
+      if (stored && !is_4bit(stored->format.type) && q->second->takes(stored->eight)) {
+        q->second->assign(stored->eight);
+        continue;
+      }
+    }
     at::Tensor t;
     if (!per_expert_on_disk && is_stacked_expert_name(name) && !find_tensor(name).defined()) {
       // Note [MXFP4 experts]
@@ -241,8 +266,8 @@ CausalLM CausalLM::from_pretrained(const std::string& dir, CausalLMOptions optio
                 " in the checkpoint but the config gives ", p.sizes());
     if (q != quantized.end()) {
       TORCH_CHECK(at::isFloatingType(t.scalar_type()), dir, ": '", name, "' is ", t.scalar_type(),
-                  "; quantize_base reads a full-precision checkpoint (a checkpoint saved "
-                  "already quantized by bitsandbytes is not read yet)");
+                  "; quantize_base reads a full-precision checkpoint or one bitsandbytes "
+                  "quantized (with its quantization_config in config.json)");
       // (In the model's dtype first, as transformers does before bitsandbytes quantizes.)
       q->second->set(t.to(options.dtype));
       continue;

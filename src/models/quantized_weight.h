@@ -72,26 +72,47 @@ struct QuantizedWeight {
   }
   // Quantizes `w` [shape] (a CPU float tensor) into the parameters.
   void set(const at::Tensor& w) {
-    c10::NoGradGuard no_grad;
     TORCH_CHECK(w.sizes() == at::IntArrayRef(shape), "a weight of shape ", w.sizes(),
                 " for a quantized weight of shape ", at::IntArrayRef(shape));
-    std::vector<std::pair<at::Tensor*, at::Tensor>> parts;
-    if (is_4bit(quant.type)) {
-      const auto q = quantize_4bit(w, quant.type, kBlock, quant.double_quant);
-      parts = {{&codes, q.packed}, {&absmax, q.absmax}};
-      if (quant.double_quant)
-        parts.insert(parts.end(), {{&nested_absmax, q.nested_absmax},
-                                   {&nested_code, q.nested_code},
-                                   {&nested_offset, q.nested_offset}});
-    } else {
-      const auto q = quantize_8bit(w.reshape({-1, shape.back()}), quant.type);
-      parts = {{&codes, q.values.view(shape)}, {&scale, q.scale.view(scale.sizes())}};
-    }
-    for (auto& [mine, theirs] : parts) {
+    if (is_4bit(quant.type))
+      assign(quantize_4bit(w, quant.type, kBlock, quant.double_quant));
+    else
+      assign(quantize_8bit(w.reshape({-1, shape.back()}), quant.type));
+  }
+  // Whether `q` is in this weight's format and shape (assign takes it).
+  bool takes(const Quantized4Bit& q) const {
+    return q.type == quant.type && q.blocksize == kBlock &&
+           q.double_quantized() == quant.double_quant && q.shape == shape;
+  }
+  bool takes(const Quantized8Bit& q) const {
+    return q.type == quant.type && q.values.dim() == 2 && q.values.size(1) == shape.back() &&
+           q.values.numel() == numel();
+  }
+  void assign(const Quantized4Bit& q) {
+    TORCH_CHECK(takes(q), "a ", to_string(q.type), " weight for a ", to_string(quant.type),
+                " one of another layout");
+    std::vector<std::pair<at::Tensor*, at::Tensor>> parts = {{&codes, q.packed},
+                                                             {&absmax, q.absmax}};
+    if (quant.double_quant)
+      parts.insert(parts.end(), {{&nested_absmax, q.nested_absmax},
+                                 {&nested_code, q.nested_code},
+                                 {&nested_offset, q.nested_offset}});
+    take(parts);
+  }
+  void assign(const Quantized8Bit& q) {
+    TORCH_CHECK(takes(q), "a ", to_string(q.type), " weight for a ", to_string(quant.type),
+                " one of another shape");
+    take({{&codes, q.values.view(shape)}, {&scale, q.scale.view(scale.sizes())}});
+  }
+  // Each parameter gets its new value: copied in where it has the same
+  // shape and dtype (keeping pinned memory pinned), else replaced.
+  static void take(const std::vector<std::pair<at::Tensor*, at::Tensor>>& parts) {
+    c10::NoGradGuard no_grad;
+    for (const auto& [mine, theirs] : parts) {
       if (mine->sizes() == theirs.sizes() && mine->dtype() == theirs.dtype())
-        mine->copy_(theirs);  // (keeps pinned memory pinned)
+        mine->copy_(theirs);
       else
-        mine->set_data(theirs);
+        mine->set_data(theirs.contiguous());
     }
   }
   // Its parameters (to keep their dtypes when the module's change).

@@ -8,6 +8,7 @@
 #include <roundpipe/safetensors.h>
 #include <torch/cuda.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <set>
 
@@ -284,6 +285,71 @@ TEST(QuantizedBaseOracle, LoraMatchesPeftOnBitsandbytes) {
   for (const auto& [name, p] : adapters) {
     ASSERT_TRUE(grads.count(name)) << name << " has no gradient in peft";
     EXPECT_TENSOR_NEAR(p.grad(), grads.at(name), 1e-4, "gradient of " << name);
+  }
+}
+
+// A checkpoint transformers saved from a model it loaded with bitsandbytes
+// (Note [bitsandbytes checkpoints]; NF4 double-quantized, FP4 with float32
+// scales, int8): with adapters the model keeps the checkpoint's format and
+// tensors; without, it is read into full precision; either way its weights
+// are bitsandbytes' own dequantization, bit for bit.
+TEST(QuantizedBaseOracle, ReadsACheckpointBitsandbytesQuantized) {
+  torch::manual_seed(8);
+  const auto base = process_temp_dir() / "bnb_base", out = process_temp_dir() / "bnb_saved";
+  CausalLM(small_qwen3()).save_pretrained(base.string());
+  run_python("bnb_saved",
+             "import sys, torch, transformers\n"
+             "import bitsandbytes.functional as F\n"
+             "from safetensors.torch import save_file\n"
+             "B = transformers.BitsAndBytesConfig\n"
+             "formats = {'nf4': B(load_in_4bit=True, bnb_4bit_quant_type='nf4',\n"
+             "                    bnb_4bit_use_double_quant=True),\n"
+             "           'fp4': B(load_in_4bit=True, bnb_4bit_quant_type='fp4'),\n"
+             "           'int8': B(load_in_8bit=True)}\n"
+             "for name, q in formats.items():\n"
+             "    model = transformers.AutoModelForCausalLM.from_pretrained(sys.argv[1],\n"
+             "        quantization_config=q, device_map='cpu', dtype=torch.float32)\n"
+             "    model.save_pretrained(sys.argv[2] + '/' + name)\n"
+             "    weights = {}\n"
+             "    for n, m in model.named_modules():\n"
+             "        w = getattr(m, 'weight', None)\n"
+             "        if type(w).__name__ == 'Params4bit':\n"
+             "            weights[n + '.weight'] = F.dequantize_4bit(w.data, w.quant_state)\n"
+             "        elif type(w).__name__ == 'Int8Params':\n"
+             "            weights[n + '.weight'] = F.int8_vectorwise_dequant(w.data, w.SCB)\n"
+             "    save_file(weights, sys.argv[2] + '/' + name + '.dequantized')\n"
+             "print('ok', file=open(sys.argv[-1], 'w'))\n",
+             base.string() + " " + out.string());
+  const std::pair<const char*, models::BaseQuantization> formats[] = {
+      {"nf4", {QuantType::kNF4, true}},
+      {"fp4", {QuantType::kFP4, false}},
+      {"int8", {QuantType::kInt8, false}}};
+  for (const auto& [name, format] : formats) {
+    const auto dir = out / name;
+    const auto theirs =
+        safetensors::load_file((out / (std::string(name) + ".dequantized")).string());
+    ASSERT_EQ(theirs.tensors.size(), 14u) << name << ": see bnb_saved.txt.log";
+    auto adapted = CausalLM::from_pretrained(dir.string(), lora_options());
+    ASSERT_TRUE(adapted.options().quantize_base.has_value()) << name;
+    EXPECT_EQ(*adapted.options().quantize_base, format.type) << name;
+    EXPECT_EQ(adapted.options().double_quant, format.double_quant) << name;
+    // (Its tensors as the checkpoint stores them: no requantization.)
+    const auto raw = safetensors::load_file((dir / "model.safetensors").string());
+    for (const auto& [n, p] : adapted.hf_state_dict())
+      if (theirs.tensors.end() != std::find_if(theirs.tensors.begin(), theirs.tensors.end(),
+                                               [&](const auto& named) { return named.first == n; }))
+        EXPECT_TRUE(at::equal(p, raw.get(n).reshape(p.sizes()))) << name << " " << n;
+    const auto written = process_temp_dir() / (std::string("bnb_dequantized_") + name);
+    adapted.save_pretrained(written.string());
+    const auto ours = safetensors::load_file((written / "model.safetensors").string());
+    const auto plain = CausalLM::from_pretrained(dir.string());
+    EXPECT_FALSE(plain.options().quantize_base.has_value()) << name;
+    std::map<std::string, at::Tensor> plain_weights;
+    for (const auto& [n, p] : plain.hf_state_dict()) plain_weights[n] = p;
+    for (const auto& [n, w] : theirs.tensors) {
+      EXPECT_TRUE(at::equal(ours.get(n), w)) << name << " " << n << " (kept quantized)";
+      EXPECT_TRUE(at::equal(plain_weights.at(n), w)) << name << " " << n << " (full precision)";
+    }
   }
 }
 
