@@ -5,7 +5,8 @@ requantization).
 
 4 bits: bitsandbytes' forward dequantizes the weight and multiplies in the
 compute dtype (float32 here), as the preset does, so losses and adapter
-gradients are peft's to the order of float32 sums (test_lora's tolerances).
+gradients are peft's to the order of float32 sums (test_lora's bounds, the
+gradients' at their own scale).
 8 bits: bitsandbytes multiplies int8 weights by int8-rounded activations;
 the preset by the activations as they are (Note [8-bit base weights]), so
 the oracle is peft on the same model with each 8-bit projection replaced
@@ -16,12 +17,10 @@ import pytest
 import torch
 from torch import nn
 
-import roundpipe
-from roundpipe import RoundPipeRunConfig, wrap_model_to_roundpipe
+from roundpipe import wrap_model_to_roundpipe
 
 from hf_models import tiny_qwen3, tiny_qwen3_moe
-from test_lora import TOL, lora_model, padded_batch
-from conftest import assert_close
+from test_lora import check_against_peft, lora_model
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("bitsandbytes")
@@ -43,28 +42,12 @@ def load_quantized(tmp_path, quantization, make=tiny_qwen3):
 
 
 def run(model, oracle, devices):
-    # (Training mode: bitsandbytes repacks 4-bit weights for its CPU
-    # inference kernel in eval mode on some CPUs.)
+    """test_lora's check, the gradients at their own scale. (Training mode:
+    bitsandbytes repacks 4-bit weights for its CPU inference kernel in eval
+    mode on some CPUs.)"""
     model.train()
     oracle.train()
-    pipe = wrap_model_to_roundpipe(model, devices=devices, model_run_config=RoundPipeRunConfig(num_microbatch=2))
-    assert isinstance(pipe, roundpipe.CausalLMRoundPipe)
-    inputs = padded_batch()
-    loss = pipe.forward_backward(input_kwargs=inputs)
-    pipe.synchronize()
-    expected = oracle(**inputs).loss
-    expected.backward()
-    assert_close(loss, expected.detach(), TOL)
-    # Each adapter's gradient to 1e-4 of its own largest element (the fp32
-    # sums' order; test_lora's bound, at the gradient's scale rather than 1,
-    # so that a base weight off by 1% shows).
-    theirs = dict(oracle.named_parameters())
-    for n, p in model.named_parameters():
-        if "lora_" in n:
-            ref = theirs[n].grad
-            torch.testing.assert_close(p.grad, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item(), msg=n)
-        else:
-            assert p.grad is None and not p.requires_grad, n
+    check_against_peft(model, devices, oracle, own_scale=True)
 
 
 @pytest.mark.parametrize("quant_type,double_quant", [("nf4", True), ("fp4", False)])
