@@ -37,16 +37,18 @@ def _four_bit(name, module):
     if tuple(state.shape) != (module.out_features, module.in_features):
         raise ValueError(f"{name}: a 4-bit weight of shape {tuple(state.shape)} in a "
                          f"{module.in_features} -> {module.out_features} projection")
-    tensors = {"weight": weight.data.view(torch.uint8).reshape(-1)}  # (any bnb_4bit_quant_storage)
+    # The parameter itself where it can be (pin_model="alloc" then moves
+    # bitsandbytes' own tensors into pinned memory rather than copying them).
+    tensors = {"weight": weight if weight.dtype == torch.uint8 else weight.data.view(torch.uint8).reshape(-1, 1)}
     if state.nested:
         if state.state2.blocksize != 256:
             raise NotImplementedError(f"{name}: double-quantized scales in blocks of {state.state2.blocksize}; "
                                       "the preset takes bitsandbytes' 256")
-        tensors.update(weight_absmax=state.absmax.reshape(-1), weight_nested_absmax=state.state2.absmax.reshape(-1),
-                       weight_nested_code=state.state2.code.reshape(-1),
+        tensors.update(weight_absmax=state.absmax, weight_nested_absmax=state.state2.absmax,
+                       weight_nested_code=state.state2.code,
                        weight_nested_offset=torch.as_tensor(state.offset, dtype=torch.float32).reshape(1))
     else:
-        tensors.update(weight_absmax=state.absmax.reshape(-1))
+        tensors.update(weight_absmax=state.absmax)
     compute = getattr(module, "compute_dtype", None)
     return (state.quant_type, bool(state.nested), compute), tensors
 
@@ -60,7 +62,7 @@ def _eight_bit(name, module):
     if weight.dtype != torch.int8 or scale is None:
         raise ValueError(f"{name}: its 8-bit weight is not quantized (bitsandbytes quantizes it when the model "
                          "moves to a device): load with device_map, e.g. device_map='cpu'")
-    return ("int8", True, None), {"weight": weight.data, "weight_scale": scale.reshape(-1).float()}
+    return ("int8", True, None), {"weight": weight, "weight_scale": scale}
 
 
 def quantized_base(hf, parameters):

@@ -1,6 +1,7 @@
 // A frozen base weight kept quantized as parameters of the module that
 // uses it (internal; Note [Quantized base weights in the presets]): the
-// codes under the weight's own name, their scales beside it
+// codes under the weight's own name (4 bits: uint8 [ceil(n / 2), 1]; 8
+// bits: the weight's shape), their scales beside it
 // ("<name>_absmax", "<name>_nested_absmax", "<name>_nested_code",
 // "<name>_nested_offset" in 4 bits; "<name>_scale" in 8).
 #pragma once
@@ -42,7 +43,9 @@ struct QuantizedWeight {
       return;
     }
     const int64_t n = numel(), blocks = (n + kBlock - 1) / kBlock;
-    codes = add("", at::empty({(n + 1) / 2}, at::kByte));
+    // ([bytes, 1]: bitsandbytes' Params4bit shape, so that a model it
+    // quantized lends its own parameters.)
+    codes = add("", at::empty({(n + 1) / 2, 1}, at::kByte));
     if (!quant.double_quant) {
       absmax = add("_absmax", at::empty({blocks}));
       return;
@@ -91,7 +94,7 @@ struct QuantizedWeight {
   void assign(const Quantized4Bit& q) {
     TORCH_CHECK(takes(q), "a ", to_string(q.type), " weight for a ", to_string(quant.type),
                 " one of another layout");
-    std::vector<std::pair<at::Tensor*, at::Tensor>> parts = {{&codes, q.packed},
+    std::vector<std::pair<at::Tensor*, at::Tensor>> parts = {{&codes, q.packed.view({-1, 1})},
                                                              {&absmax, q.absmax}};
     if (quant.double_quant)
       parts.insert(parts.end(), {{&nested_absmax, q.nested_absmax},

@@ -56,11 +56,37 @@ def test_a_4bit_model_with_peft_trains_as_peft_on_bitsandbytes(tmp_path, devices
                                         bnb_4bit_use_double_quant=double_quant,
                                         bnb_4bit_compute_dtype=torch.float32)
     model = lora_model(PROJECTIONS, base=load_quantized(tmp_path, q))
-    packed = {n: p.data_ptr() for n, p in model.named_parameters() if p.dtype == torch.uint8}
-    assert len(packed) == 3 * 7
     run(model, copy.deepcopy(model), devices)
-    # bitsandbytes' tensors are the preset's: nothing was copied or replaced.
-    assert packed == {n: p.data_ptr() for n, p in model.named_parameters() if p.dtype == torch.uint8}
+
+
+def bnb_tensors(model):
+    """{name: data pointer} of the bitsandbytes parameters and their scales."""
+    out = {}
+    for n, m in model.named_modules():
+        w = getattr(m, "weight", None)
+        if type(w).__name__ == "Params4bit" and "base_layer" in n:
+            out[n] = w.data_ptr()
+            out[n + ".absmax"] = w.quant_state.absmax.data_ptr()
+        elif type(w).__name__ == "Int8Params" and "base_layer" in n:
+            out[n] = w.data_ptr()
+            out[n + ".SCB"] = (w.SCB if w.SCB is not None else m.state.SCB).data_ptr()
+    return out
+
+
+@pytest.mark.parametrize("load", ["load_in_4bit", "load_in_8bit"])
+def test_bitsandbytes_tensors_are_the_homes_moved_not_copied(tmp_path, load):
+    """The preset's homes are bitsandbytes' own tensors: pin_model="off"
+    leaves them where they are; "alloc" (the default) moves them into the
+    pinned arena (unpinned on simulated devices), so that the host holds
+    one copy of the quantized weights, not two."""
+    for pin in ("off", "alloc"):
+        model = lora_model(PROJECTIONS, base=load_quantized(tmp_path, transformers.BitsAndBytesConfig(**{load: True})))
+        before = bnb_tensors(model)
+        assert len(before) == 2 * 3 * 7
+        wrap_model_to_roundpipe(model, devices="sim:1", pin_model=pin)
+        after = bnb_tensors(model)
+        moved = {n for n in before if after[n] != before[n]}
+        assert moved == (set() if pin == "off" else set(before)), pin
 
 
 def test_an_8bit_model_with_peft_trains_on_bitsandbytes_weights(tmp_path, devices):
