@@ -61,7 +61,8 @@ def _eight_bit(name, module):
         scale = module.state.SCB
     if weight.dtype != torch.int8 or scale is None:
         raise ValueError(f"{name}: its 8-bit weight is not quantized (bitsandbytes quantizes it when the model "
-                         "moves to a device): load with device_map, e.g. device_map='cpu'")
+                         "moves to a device, and never with llm_int8_has_fp16_weight=True): load with device_map, "
+                         "e.g. device_map='cpu', and without llm_int8_has_fp16_weight")
     return ("int8", True, None), {"weight": weight, "weight_scale": scale}
 
 
