@@ -33,7 +33,7 @@ def _four_bit(name, module):
         state = weight.quant_state
     if state.blocksize != 64:
         raise NotImplementedError(f"{name}: 4-bit blocks of {state.blocksize} values; the preset takes bitsandbytes' "
-                                  "default of 64 (leave bnb_4bit_blocksize unset)")
+                                  "default of 64 (quantize with it, or load the full-precision model)")
     if tuple(state.shape) != (module.out_features, module.in_features):
         raise ValueError(f"{name}: a 4-bit weight of shape {tuple(state.shape)} in a "
                          f"{module.in_features} -> {module.out_features} projection")
@@ -63,7 +63,7 @@ def _eight_bit(name, module):
         raise ValueError(f"{name}: its 8-bit weight is not quantized (bitsandbytes quantizes it when the model "
                          "moves to a device, and never with llm_int8_has_fp16_weight=True): load with device_map, "
                          "e.g. device_map='cpu', and without llm_int8_has_fp16_weight")
-    return ("int8", True, None), {"weight": weight, "weight_scale": scale}
+    return ("int8", False, None), {"weight": weight, "weight_scale": scale}
 
 
 def quantized_base(hf, parameters):
@@ -74,6 +74,8 @@ def quantized_base(hf, parameters):
     error naming the fix."""
     found = {}
     for name, module in hf.named_modules():
+        if hasattr(module, "base_layer"):
+            continue  # peft's wrapper: its base_layer is the bitsandbytes module
         kind = type(getattr(module, "weight", None)).__name__
         if kind == "Params4bit":
             found[_strip_base_layers(name)] = _four_bit(name, module)

@@ -13,12 +13,17 @@ namespace {
 
 using models::Quantized4Bit;
 
+// What dequantization gives, as the dicts name it (dtype_from_string reads it).
+const char* dtype_name(at::ScalarType dtype) {
+  return dtype == at::kFloat ? "float32" : dtype == at::kHalf ? "float16" : "bfloat16";
+}
+
 py::dict to_dict(const Quantized4Bit& q) {
   py::dict d;
   d["quant_type"] = models::to_string(q.type);
   d["blocksize"] = q.blocksize;
   d["shape"] = q.shape;
-  d["dtype"] = q.dtype == at::kFloat ? "float32" : q.dtype == at::kHalf ? "float16" : "bfloat16";
+  d["dtype"] = dtype_name(q.dtype);
   d["packed"] = q.packed;
   d["absmax"] = q.absmax;
   if (q.double_quantized()) {
@@ -69,9 +74,7 @@ void bind_quantized(py::module_& m) {
         const auto q = models::quantize_8bit(weight, models::quant_type_from_string(quant_type));
         py::dict d;
         d["quant_type"] = models::to_string(q.type);
-        d["dtype"] = q.dtype == at::kFloat  ? "float32"
-                     : q.dtype == at::kHalf ? "float16"
-                                            : "bfloat16";
+        d["dtype"] = dtype_name(q.dtype);
         d["values"] = q.values;
         d["scale"] = q.scale;
         return d;

@@ -192,7 +192,9 @@ CausalLM CausalLM::from_pretrained(const std::string& dir, CausalLMOptions optio
   const bool skip_init = map || options.quantize_base.has_value();
   CausalLM model(config, skip_init ? CausalLMOptions(options).set_init_weights(false) : options);
   const auto files = weight_files(dir);
-  std::map<std::string, safetensors::File> loaded;
+  // Each file's tensors by name, mapped when first needed (the tensors keep
+  // their mapping alive).
+  std::map<std::string, std::map<std::string, at::Tensor>> loaded;
   // The tensor `name`, undefined if the checkpoint has none.
   auto find_tensor = [&](const std::string& name) -> at::Tensor {
     std::string file = files.count("") ? files.at("") : "";
@@ -201,15 +203,15 @@ CausalLM CausalLM::from_pretrained(const std::string& dir, CausalLMOptions optio
       if (it == files.end()) return {};
       file = it->second;
     }
-    auto& f = loaded[file];
-    if (f.tensors.empty()) f = safetensors::load_file(file);
-    for (const auto& [n, t] : f.tensors) {
-      if (n == name) return t;
-    }
-    return {};
+    auto& tensors = loaded[file];
+    if (tensors.empty())
+      for (auto& [n, t] : safetensors::load_file(file).tensors) tensors.emplace(n, t);
+    const auto it = tensors.find(name);
+    return it == tensors.end() ? at::Tensor() : it->second;
   };
   // A full-precision tensor: as stored, or dequantized from bitsandbytes'
-  // format into the model's dtype.
+  // format into the model's dtype (an expert's, in checkpoints that store
+  // them one by one).
   auto tensor_named = [&](const std::string& name) {
     if (stored_format)
       if (const auto stored = detail::read_bnb_weight(name, find_tensor))
@@ -230,14 +232,15 @@ CausalLM CausalLM::from_pretrained(const std::string& dir, CausalLMOptions optio
     const auto p = q == quantized.end()
                        ? param
                        : at::empty(q->second->shape, at::device(at::kMeta).dtype(options.dtype));
-    if (stored_format && q != quantized.end()) {
-      // Stored in the model's own format: its tensors as they are.
-      const auto stored = detail::read_bnb_weight(name, find_tensor);
-      if (stored && is_4bit(stored->format.type) && q->second->takes(stored->four)) {
+    // Stored quantized by bitsandbytes: in the model's own format, its
+    // tensors as they are; otherwise dequantized below.
+    const auto stored = stored_format ? detail::read_bnb_weight(name, find_tensor) : std::nullopt;
+    if (stored && q != quantized.end()) {
+      if (is_4bit(stored->format.type) && q->second->takes(stored->four)) {
         q->second->assign(stored->four);
         continue;
       }
-      if (stored && !is_4bit(stored->format.type) && q->second->takes(stored->eight)) {
+      if (!is_4bit(stored->format.type) && q->second->takes(stored->eight)) {
         q->second->assign(stored->eight);
         continue;
       }
@@ -260,7 +263,7 @@ CausalLM CausalLM::from_pretrained(const std::string& dir, CausalLMOptions optio
         stacked.push_back(down ? experts[i] : at::cat({experts[i], experts[i + 1]}, 0));
       t = at::stack(stacked);
     } else {
-      t = tensor_named(name);
+      t = stored ? stored->dequantize(options.dtype) : tensor_named(name);
     }
     TORCH_CHECK(t.sizes() == p.sizes(), dir, ": '", name, "' has shape ", t.sizes(),
                 " in the checkpoint but the config gives ", p.sizes());

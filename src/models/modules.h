@@ -55,8 +55,8 @@ TORCH_MODULE(BareWeight);
 // as it reads it, so the full-precision model is never held;
 // save_pretrained writes the weights dequantized in the model's dtype (the
 // values the model computes with); merge_lora is refused. The experts of
-// mixture-of-experts layers are quantized only in 4 bits
-// (Note [Quantized experts]).
+// mixture-of-experts layers are quantized the same way (Note [Quantized
+// experts]).
 // A projection, with a LoRA adapter where `lora.rank` > 0 (LoraOptions),
 // and its base weight quantized where `quant` is set (Note [Quantized base
 // weights in the presets]).
@@ -102,16 +102,6 @@ struct LinearImpl : torch::nn::Cloneable<LinearImpl> {
   // The base weight [out, in]: `weight`, or dequantized into `dtype`.
   at::Tensor base_weight(c10::ScalarType dtype) const {
     return quant ? base.dequantize(dtype) : weight;
-  }
-  // Sets the base weight from `w` [out, in] (quantized where `quant` is set).
-  void set_base_weight(const at::Tensor& w) {
-    c10::NoGradGuard no_grad;
-    TORCH_CHECK(w.dim() == 2 && w.size(0) == out && w.size(1) == in, "a base weight of shape ",
-                w.sizes(), " for a projection of ", in, " -> ", out);
-    if (quant)
-      base.set(w);
-    else
-      weight.copy_(w);
   }
   at::Tensor forward(const at::Tensor& x) {
     auto y = at::linear(x, base_weight(x.scalar_type()), bias);
