@@ -6,7 +6,11 @@
 #include "roundpipe/models/causal_lm.h"
 
 #include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/Dispatch.h>
 #include <c10/util/Exception.h>
+
+#include <limits>
 
 #include <set>
 
@@ -14,9 +18,39 @@
 #include "models/model_ends.h"
 #include "models/modules.h"
 #include "models/rope.h"
+#include "support/parallel.h"
 
 namespace roundpipe::models {
 using namespace detail;  // the building blocks
+namespace {
+
+// normal(0, std) values in `dtype`, drawn in parallel: chunks of 2^20 values
+// each from its own generator, seeded from the default one (so
+// torch::manual_seed decides them, whatever the thread count). One generator
+// draws ~0.1 G values a second: a 32B model's weights would take minutes.
+// (On the process's CPU pool: at::parallel_for runs on one thread here.)
+at::Tensor random_normal(at::IntArrayRef sizes, double std, c10::ScalarType dtype) {
+  auto out = at::empty(sizes, at::TensorOptions().dtype(dtype));
+  auto flat = out.view({-1});
+  const int64_t seed =
+      at::randint(std::numeric_limits<int64_t>::max(), {1}, at::kLong).item<int64_t>();
+  constexpr int64_t kChunk = int64_t{1} << 20;
+  const int64_t chunks = (flat.numel() + kChunk - 1) / kChunk;
+  parallel_for_each(chunks, [&](int64_t c) {
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(seed + c));
+    const int64_t len = std::min(kChunk, flat.numel() - c * kChunk);
+    const auto draws = at::empty({len}).normal_(0, std, gen);  // (a one-thread kernel)
+    const float* from = draws.const_data_ptr<float>();
+    // Converted by hand: ATen's copy_ would start an OpenMP team in each pool thread.
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "random_normal", [&] {
+      scalar_t* to = flat.mutable_data_ptr<scalar_t>() + c * kChunk;
+      for (int64_t i = 0; i < len; ++i) to[i] = static_cast<scalar_t>(from[i]);
+    });
+  });
+  return out;
+}
+
+}  // namespace
 
 CausalLM::CausalLM(CausalLMConfig config, CausalLMOptions options)
     : config_(std::move(config)), options_(options) {
@@ -52,19 +86,23 @@ CausalLM::CausalLM(CausalLMConfig config, CausalLMOptions options)
     pin_if_asked();
     return;
   }
-  // transformers' initialisation for new weights: normal(0, 0.02), norms 1.
+  // transformers' initialisation for new weights: normal(0, 0.02), norms 1;
+  // each weight made in the model dtype at once (never the model in fp32).
   for (auto& item : sequential_->named_parameters()) {
     const auto& name = item.key();
-    if (kept.count(item.value().unsafeGetTensorImpl())) continue;  // below
+    auto& p = item.value();
+    if (kept.count(p.unsafeGetTensorImpl())) continue;  // below
     if (name.size() >= 5 && name.substr(name.size() - 5) == ".bias") {
-      item.value().zero_();
+      p.set_data(at::zeros(p.sizes(), p.options().dtype(options_.dtype)));
     } else if (name.find("norm") == std::string::npos) {
-      item.value().normal_(0, 0.02);
+      p.set_data(random_normal(p.sizes(), 0.02, options_.dtype));
+    } else {
+      p.set_data(p.to(options_.dtype));
     }
   }
-  sequential_->to(options_.dtype);
+  sequential_->to(options_.dtype);  // the buffers
   // A new quantized weight: transformers' normal(0, 0.02) in dtype, quantized.
-  for (auto& [name, q] : quantized) q->set(at::empty(q->shape).normal_(0, 0.02).to(options_.dtype));
+  for (auto& [name, q] : quantized) q->set(random_normal(q->shape, 0.02, options_.dtype));
   input->inv_freq.set_data(inverse_frequencies(config_));  // rotary tables stay fp32
   init_lora();
   pin_if_asked();

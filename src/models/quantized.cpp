@@ -24,7 +24,6 @@
 // (+ n / 16384 * 4) against 2n in bf16, 3.9x less.
 #include "roundpipe/models/quantized.h"
 
-#include <ATen/Parallel.h>
 #include <ATen/TensorOperators.h>
 #include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
@@ -43,6 +42,7 @@
 #ifdef ROUNDPIPE_WITH_CUDA
 #include "kernels/quant_kernels.h"
 #include "models/fused_launch.h"
+#include "support/parallel.h"
 #endif
 
 namespace roundpipe::models {
@@ -170,16 +170,16 @@ void dequantize_cpu(const Quantized4Bit& q, const float* absmax, T* out) {
   const auto& table = table_of(q.type);
   const uint8_t* packed = q.packed.const_data_ptr<uint8_t>();
   const int64_t n = q.numel();
-  at::parallel_for(0, (n + q.blocksize - 1) / q.blocksize, 16, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      const float scale = absmax[b];
-      for (int64_t i = b * q.blocksize; i < std::min(n, (b + 1) * q.blocksize); ++i) {
-        const uint8_t byte = packed[i / 2];
-        const uint8_t code = i % 2 == 0 ? byte >> 4 : byte & 15;
-        out[i] = static_cast<T>(table[code] * scale);
-      }
+  // One thread: this runs on a simulated device's worker, beside the
+  // optimizer's pool (which it must not wait for); the GPUs have a kernel.
+  for (int64_t b = 0; b < (n + q.blocksize - 1) / q.blocksize; ++b) {
+    const float scale = absmax[b];
+    for (int64_t i = b * q.blocksize; i < std::min(n, (b + 1) * q.blocksize); ++i) {
+      const uint8_t byte = packed[i / 2];
+      const uint8_t code = i % 2 == 0 ? byte >> 4 : byte & 15;
+      out[i] = static_cast<T>(table[code] * scale);
     }
-  });
+  }
 }
 
 }  // namespace
@@ -263,7 +263,11 @@ Quantized4Bit quantize_4bit(const at::Tensor& weight, QuantType type, int64_t bl
   uint8_t* packed = q.packed.mutable_data_ptr<uint8_t>();
   const Rounder round(type);
   const uint8_t zero = round(0.0f);
-  at::parallel_for(0, blocks, 16, [&](int64_t b0, int64_t b1) {
+  // On the process's CPU pool (at::parallel_for runs on one thread in code
+  // built without OpenMP, as ours is): a model's weights quantize as they load.
+  constexpr int64_t kBlocksPerTask = 1024;
+  parallel_for_each((blocks + kBlocksPerTask - 1) / kBlocksPerTask, [&](int64_t task) {
+    const int64_t b0 = task * kBlocksPerTask, b1 = std::min(blocks, b0 + kBlocksPerTask);
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t begin = b * blocksize, end = std::min(n, begin + blocksize);
       amax[b] = block_absmax(x + begin, end - begin);
