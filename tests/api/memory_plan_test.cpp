@@ -148,6 +148,42 @@ TEST_P(OutOfMemoryRedoTest, ATrainingForwardAndItsBackwardRecoverToo) {
   }
 }
 
+// A redone call lets go of what the failed one saved (stage inputs and
+// downloads in the host arena) before it saves its own: the arena's peak
+// for a call redone after a forward stage ran out of memory is that of a
+// call that never failed (it held both: 101 GiB for a 32B model's call).
+TEST(OutOfMemoryRedo, TheRedoDoesNotHoldTheFailedCallsActivations) {
+  auto arena_peak = [](int ooms) {
+    torch::manual_seed(3);
+    namespace nn = torch::nn;
+    auto model = nn::Sequential(nn::Linear(6, 12), nn::Tanh(), nn::Linear(12, 12), nn::Tanh(),
+                                nn::Linear(12, 12), OomInjector(), nn::Tanh(), nn::Linear(12, 4));
+    // A limit of a few layers' parameters: several forward stages.
+    RoundPipe pipe(model, RoundPipeOptions().set_devices("sim").set_model_memory_limit_gib(
+                              4000.0 / (1 << 30)));
+    // Stage inputs of 4096 rows dwarf the weights; the forward stages
+    // before the injector's save theirs before it fails.
+    const auto x = at::randn({4096, 6}, at::detail::createCPUGenerator(11));
+    const auto y = at::randn({4096, 4}, at::detail::createCPUGenerator(12));
+    inject_when = InjectWhen::kForward;
+    injected_ooms = ooms;
+    pipe.forward_backward(
+        x, y, mse_loss, false,
+        RunConfig().set_num_microbatch(2).set_recompute_grain(RecomputeGrain::kLayer));
+    pipe.synchronize();
+    EXPECT_EQ(injected_ooms.load(), 0) << "the injected error was not raised";
+    injected_ooms = 0;
+    EXPECT_EQ(pipe.pipeline_stats().out_of_memory_recoveries, ooms);
+    return pipe.host_memory_stats().arena.peak_allocated_bytes;
+  };
+  const int64_t clean = arena_peak(0);
+  const int64_t redone = arena_peak(1);
+  // (What the failed call saved: at least one stage input of 4096 x 12 floats.)
+  ASSERT_GT(clean, 4096 * 12 * 4) << "the call saved no stage inputs in the arena";
+  EXPECT_LE(redone, clean + 4096 * 12 * 4 / 4)
+      << "the redone call held the failed call's saved activations";
+}
+
 // Simulated devices charge compute as a card does (Note [Simulated device
 // memory]): over a grid of widths, budgets, grains and microbatch counts,
 // training with the automatic plan never fails for memory (a plan that
