@@ -8,7 +8,9 @@
 # (bench/lora_bench.py resident_qlora, RESIDENT_BATCH rows, default 8).
 # Each run prints tokens/s, parameter bytes uploaded per step, peak device
 # memory, host memory, and for a quantized base the CUDA dequantization
-# checked against the CPU path. Logs go to $OUT (or ./bench-out); a summary
+# checked against the CPU path, the plan's predicted peak and the calls or
+# microbatches that ran out of memory (VERBOSE=1: every plan with its
+# per-stage memory, and the layers' measured costs). Logs go to $OUT (or ./bench-out); a summary
 # to qlora.txt.
 set -uo pipefail
 out="${OUT:-$PWD/bench-out}"; mkdir -p "$out"
@@ -24,9 +26,9 @@ for shape in ${SHAPES:-8B}; do
     log="$out/bench_${shape}_${base}.log"
     timeout "${RUN_TIMEOUT:-240}" stdbuf -oL ./build-gpu/roundpipe-bench --shape "$shape" --devices "cuda,mem=${cap}GiB" \
       --batch "${BATCH:-16}" --seq "${SEQ:-4096}" --warmup "${WARMUP:-2}" --steps "${STEPS:-3}" \
-      --lora-rank 16 "${quant[@]}" > "$log" 2>&1
+      --lora-rank 16 "${quant[@]}" ${VERBOSE:+--verbose} > "$log" 2>&1
     echo "== $shape $base base, LoRA r16, cap $cap GiB (exit $?, ${SECONDS}s)" | tee -a "$out/qlora.txt"
-    grep -E "model made|dequantization|tokens/s|H2D bytes|peak device|host peak|parameters|host pinned|ran out" "$log" \
+    grep -E "model made|dequantization|tokens/s|H2D bytes|peak device|predicted peak|recoveries|host peak|host arena|parameters|host pinned" "$log" \
       | tee -a "$out/qlora.txt"
   done
 done

@@ -417,6 +417,22 @@ int train(const Setup& s) {
   std::printf("  H2D GB/s per device (average) %12.1f  = %.1f%% of the measured copy rate\n", h2d,
               100.0 * h2d / copy);
   std::printf("  peak device memory            %12.2f GiB\n", peak / 1073741824.0);
+  // Beside it, what the plan in use predicts for its largest stage (with
+  // the next stage's parameters arriving), and how many calls or
+  // microbatches ran out of memory (0: the plan fit from the first call on).
+  try {
+    const int n =
+        s.microbatches > 0 ? s.microbatches : roundpipe::default_num_microbatch(pool.size());
+    const auto plan = pipe->auto_plan(/*fused=*/true, n);
+    int64_t predicted = 0;
+    for (const auto& stage : plan.stages) predicted = std::max(predicted, stage.peak_bytes);
+    std::printf("  the plan's predicted peak     %12.2f GiB (%s)\n", predicted / 1073741824.0,
+                plan.plan.to_string().c_str());
+  } catch (const std::exception& e) {
+    std::printf("  the plan's predicted peak     (none: %s)\n", e.what());
+  }
+  std::printf("  out-of-memory recoveries      %12lld\n",
+              static_cast<long long>(pipe->pipeline_stats().out_of_memory_recoveries));
   std::printf("  parameters %.1fM (linear %.1fM)\n", all / 1e6, linear / 1e6);
   // Host memory of the model state, staging copies and downloads (pin_model=alloc: one arena).
   const auto host = pipe->host_memory_stats();
@@ -531,7 +547,7 @@ int max_seq(Setup s) {
 int main(int argc, char** argv) {
   CLI::App app{"roundpipe-bench: throughput and ceilings of RoundPipe on the native Qwen3 preset"};
   Setup s;
-  app.add_option("--shape", s.shape, "tiny, 1.7B or 4B");
+  app.add_option("--shape", s.shape, "tiny, 1.7B, 4B, 8B or 32B");
   app.add_option("--devices", s.devices,
                  "device spec (default: $ROUNDPIPE_DEVICES, else GPUs, else sim)");
   app.add_option("--dtype", s.dtype, "bfloat16, float16 or float32");
