@@ -11,7 +11,6 @@
 #include <c10/util/Exception.h>
 
 #include <limits>
-
 #include <set>
 
 #include "models/decoder_layer.h"

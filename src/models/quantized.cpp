@@ -39,10 +39,11 @@
 #include <array>
 #include <cmath>
 
+#include "support/parallel.h"
+
 #ifdef ROUNDPIPE_WITH_CUDA
 #include "kernels/quant_kernels.h"
 #include "models/fused_launch.h"
-#include "support/parallel.h"
 #endif
 
 namespace roundpipe::models {

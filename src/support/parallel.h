@@ -1,4 +1,5 @@
-// A persistent CPU thread pool for the optimizer's loops. (ATen's
+// A persistent CPU thread pool for the optimizer's loops and the host work
+// of a model's size (quantizing a base, a new model's init). (ATen's
 // at::parallel_for is inlined from headers and, in code built without
 // OpenMP, runs on one thread: so RoundPipe keeps its own pool.)
 #pragma once
