@@ -39,20 +39,21 @@ Engine::Engine(std::vector<LayerPtr> layers, RoundPipeOptions options)
             auto_plan_.shrink_after_out_of_memory(failed, grain, grain_chosen);
           },
           stats_, [this] { drain_host_tasks(); }),
-      stage_context_{
-          name_,
-          layers_,
-          weights_,
-          instances_,
-          timings_,
-          host_tasks_,
-          grad_tasks_,
-          grads_,
-          commits_,
-          stats_,
-          [this](const CallState& call, const std::string& stage, const std::string& device) {
-            recovery_.shrink(call, stage, device, "the microbatch was retried by layer");
-          }},
+      stage_context_{name_,
+                     layers_,
+                     weights_,
+                     instances_,
+                     timings_,
+                     host_tasks_,
+                     grad_tasks_,
+                     grads_,
+                     commits_,
+                     stats_,
+                     [this](const CallState& call, const std::string& stage,
+                            const std::string& device, const std::string& message) {
+                       recovery_.shrink(call, stage, device, "the microbatch was retried by layer",
+                                        message);
+                     }},
       worker_context_{
           this,
           weights_,

@@ -3,6 +3,7 @@
 
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <sstream>
 
 #include "roundpipe/errors.h"
@@ -14,19 +15,21 @@ namespace roundpipe::detail {
 void OutOfMemoryRetry::run(const std::function<UndoPoint()>& take_undo_point,
                            const std::function<void()>& first_try,
                            const std::function<void()>& retry,
-                           const std::function<void()>& on_first_retry) {
+                           const std::function<void(const std::string&)>& on_first_retry) {
   UndoPoint point = take_undo_point();
   backward_began_ = false;
+  std::string message;
   try {
     first_try();
     return;
-  } catch (const c10::OutOfMemoryError&) {
+  } catch (const c10::OutOfMemoryError& e) {
     if (caller_plan_ || (backward_began_ && point.had_gradients)) throw;
+    message = e.what_without_backtrace();
   }
   if (point.undo) point.undo();
   if (!lighter_) {
     lighter_ = true;
-    if (on_first_retry) on_first_retry();
+    if (on_first_retry) on_first_retry(message);
   }
   backward_began_ = false;
   retry();
@@ -43,6 +46,14 @@ PlanShrink next_shrink(const PlanShrink& now, const ExecutePlan& failed, Recompu
     next.min_stages = static_cast<int>(failed.forward.size() + failed.backward.size()) + 1;
   }
   return next;
+}
+
+std::string device_memory_report(const std::string& message) {
+  const auto begin = message.find("Tried to allocate");
+  if (begin == std::string::npos) return "";
+  auto end = message.find(" If reserved but unallocated", begin);
+  end = std::min(end, message.find('\n', begin));
+  return message.substr(begin, end == std::string::npos ? std::string::npos : end - begin);
 }
 
 OutOfMemoryRecovery::OutOfMemoryRecovery(const std::string& name,
@@ -79,17 +90,20 @@ bool OutOfMemoryRecovery::undo_for_redo(CallState& call, const StageError& error
   call.work.wait_none();
   drain_host_tasks_();
   call.restore_buffer_snapshots([this](int layer) { return layers_[layer]->buffers(); });
-  shrink(call, error.stage, error.device, "the call is redone");
+  shrink(call, error.stage, error.device, "the call is redone", error.what());
   return true;
 }
 
 void OutOfMemoryRecovery::shrink(const CallState& call, const std::string& stage,
-                                 const std::string& device, const char* recovery) {
+                                 const std::string& device, const char* recovery,
+                                 const std::string& message) {
   stats_.count(&PipelineStats::out_of_memory_recoveries);
   if (call.config.execute_plan) return;  // the caller's plan is theirs to change
   shrink_plans_(call.plan, call.grain, call.grain_chosen);
+  const std::string report = device_memory_report(message);
   TORCH_WARN(name_, ": ", stage, " ran out of memory on ", device, "; ", recovery,
-             ", and later calls run on a smaller plan (layer grain, or a lower memory limit)");
+             ", and later calls run on a smaller plan (layer grain, or a lower memory limit)",
+             report.empty() ? "" : " (the device: ", report, report.empty() ? "" : ")");
 }
 
 }  // namespace roundpipe::detail

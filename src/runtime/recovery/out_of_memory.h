@@ -62,10 +62,11 @@ class OutOfMemoryRetry {
 
   // Runs `first_try`; where it runs out of memory and may be retried,
   // applies `take_undo_point()`'s undo and runs `retry` (whose failure
-  // propagates). `on_first_retry` runs once per job, before its first retry.
+  // propagates). `on_first_retry` runs once per job, before its first retry,
+  // with the device's out-of-memory message.
   void run(const std::function<UndoPoint()>& take_undo_point,
            const std::function<void()>& first_try, const std::function<void()>& retry,
-           const std::function<void()>& on_first_retry);
+           const std::function<void(const std::string& message)>& on_first_retry);
 
  private:
   bool caller_plan_;
@@ -107,6 +108,14 @@ struct PlanShrink {
 PlanShrink next_shrink(const PlanShrink& now, const ExecutePlan& failed, RecomputeGrain grain,
                        bool grain_chosen, bool limited);
 
+// What the device said of its memory in an out-of-memory `message` (CUDA's
+// "Tried to allocate X ... Of the allocated memory Y is allocated by
+// PyTorch, and Z is reserved by PyTorch but unallocated."), without its
+// advice; empty when the message has no such sentence (a simulated
+// device's). The warnings carry it, so a plan that under-estimated shows by
+// how much and whether it was fragmentation (Z large) or a want (Y large).
+std::string device_memory_report(const std::string& message);
+
 // The engine's side of recovery: the redo of a call and the shrink.
 class OutOfMemoryRecovery {
  public:
@@ -126,9 +135,10 @@ class OutOfMemoryRecovery {
 
   // Later calls plan smaller after `stage` ran out of memory on `device`
   // (unless the caller gave the plan); warns, saying how it was recovered
-  // (`recovery`). Counts in pipeline_stats().out_of_memory_recoveries.
+  // (`recovery`) and what the device reported (`message`, the error's).
+  // Counts in pipeline_stats().out_of_memory_recoveries.
   void shrink(const CallState& call, const std::string& stage, const std::string& device,
-              const char* recovery);
+              const char* recovery, const std::string& message);
 
  private:
   const std::string& name_;

@@ -102,7 +102,9 @@ void StageRun::run_retrying(const MicrobatchSteps& steps,
   const auto first = retry.lighter() ? after_out_of_memory(steps) : steps;
   retry.run(
       undo_point, [&] { run_one(first); }, [&] { run_one(by_layer(steps)); },
-      [&] { ctx.out_of_memory_retried(call, job.describe(), device.name()); });
+      [&](const std::string& message) {
+        ctx.out_of_memory_retried(call, job.describe(), device.name(), message);
+      });
 }
 
 // Layer grain: each layer recomputed from its own input, which the forward

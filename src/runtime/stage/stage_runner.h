@@ -35,7 +35,9 @@ struct StageContext {
   StatsRecorder& stats;
   // A microbatch that ran out of memory was retried by layer (Note
   // [Out-of-memory retry of a microbatch]): later calls plan smaller.
-  std::function<void(const CallState& call, const std::string& stage, const std::string& device)>
+  // `message`: the device's out-of-memory error.
+  std::function<void(const CallState& call, const std::string& stage, const std::string& device,
+                     const std::string& message)>
       out_of_memory_retried;
 };
 

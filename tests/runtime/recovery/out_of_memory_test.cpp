@@ -42,13 +42,13 @@ TEST(OutOfMemoryRetry, AFailedTryIsUndoneThenRetriedAndTheJobRunsLighterAfter) {
               r.events.push_back("try");
               run_out_of_memory();
             },
-            [&] { r.events.push_back("retry"); }, [&] { ++notified; });
+            [&] { r.events.push_back("retry"); }, [&](const std::string&) { ++notified; });
   EXPECT_EQ(r.events, (std::vector<std::string>{"try", "undo", "retry"}));
   EXPECT_TRUE(retry.lighter());
   EXPECT_EQ(notified, 1);
   // A second retry in the same job does not notify again.
   retry.run([&] { return r.point(); }, [&] { run_out_of_memory(); },
-            [&] { r.events.push_back("retry"); }, [&] { ++notified; });
+            [&] { r.events.push_back("retry"); }, [&](const std::string&) { ++notified; });
   EXPECT_EQ(notified, 1);
   EXPECT_EQ(r.undo_points, 2);
 }
@@ -153,6 +153,31 @@ TEST(PlanShrink, WithoutALimitPlansTakeOneStageMoreThanTheFailedOne) {
       detail::next_shrink({true, 1.0, 0}, failed, RecomputeGrain::kLayer, true, /*limited=*/false);
   EXPECT_EQ(next.min_stages, 4);
   EXPECT_DOUBLE_EQ(next.limit_scale, 1.0);
+}
+
+TEST(OutOfMemoryRetry, TheFirstRetryIsToldTheDevicesMessage) {
+  OutOfMemoryRetry retry(false);
+  Recorder r;
+  std::string told;
+  retry.run([&] { return r.point(); }, [&] { run_out_of_memory(); }, [] {},
+            [&](const std::string& message) { told = message; });
+  EXPECT_NE(told.find("CUDA out of memory (simulated)"), std::string::npos) << told;
+}
+
+TEST(DeviceMemoryReport, KeepsWhatTheDeviceHadAndDropsItsAdvice) {
+  // c10's CUDA allocator message (torch 2.11), cut after its memory figures.
+  const std::string cuda =
+      "CUDA out of memory. Tried to allocate 1.25 GiB. GPU 0 has a total capacity of 139.80 GiB "
+      "of which 100.1 GiB is free. Process 7 has 39.6 GiB memory in use. Of the allocated memory "
+      "21.02 GiB is allocated by PyTorch, and 1.23 GiB is reserved by PyTorch but unallocated. If "
+      "reserved but unallocated memory is large try setting PYTORCH_CUDA_ALLOC_CONF=...\nmore";
+  EXPECT_EQ(detail::device_memory_report(cuda),
+            "Tried to allocate 1.25 GiB. GPU 0 has a total capacity of 139.80 GiB of which 100.1 "
+            "GiB is free. Process 7 has 39.6 GiB memory in use. Of the allocated memory 21.02 GiB "
+            "is allocated by PyTorch, and 1.23 GiB is reserved by PyTorch but unallocated.");
+  EXPECT_EQ(detail::device_memory_report("Tried to allocate 2 MiB\nsecond line"),
+            "Tried to allocate 2 MiB");
+  EXPECT_EQ(detail::device_memory_report("simulated device out of memory"), "");
 }
 
 }  // namespace

@@ -48,9 +48,8 @@ class StageFixture {
                 grads,
                 commits,
                 stats,
-                [this](const CallState&, const std::string&, const std::string&) {
-                  ++out_of_memory_retries;
-                }},
+                [this](const CallState&, const std::string&, const std::string&,
+                       const std::string&) { ++out_of_memory_retries; }},
         worker_context{this,
                        weights,
                        host_tasks,
