@@ -11,6 +11,12 @@ set before anything touches CUDA.
   LOSS=default: no loss_fn (the default), else `o.loss / num_microbatch`.
   FP16_ACCUM=1: torch.backends.cuda.matmul.allow_fp16_accumulation = True, as
   the original's benchmark/train.py sets it.
+  QLORA=nf4|fp4|int8 (with LORA=R): QLoRA as a user loads it: the random
+  model (bf16 here) is saved, then read back with transformers'
+  from_pretrained(quantization_config=BitsAndBytesConfig(load_in_4bit=True,
+  bnb_4bit_quant_type=..., bnb_4bit_use_double_quant=True,
+  bnb_4bit_compute_dtype=bfloat16) or load_in_8bit, device_map="cpu"),
+  bitsandbytes quantizing it; peft on top as above.
 
 What it does, as the original's benchmark/train.py does: caps the device
 with torch.cuda.set_per_process_memory_fraction (nothing touched CUDA
@@ -65,7 +71,9 @@ from shapes import make_config  # noqa: E402
 config = make_config(shape, seq)
 config._attn_implementation = "sdpa"  # (flash-attn is not installed on the GPU machine)
 config.use_cache = False
-config.dtype = torch.float16
+qlora = os.environ.get("QLORA", "")
+model_dtype = torch.bfloat16 if qlora else torch.float16
+config.dtype = model_dtype
 transformers.modeling_utils._init_weights = False
 torch.manual_seed(0)
 made = time.perf_counter()
@@ -80,11 +88,28 @@ for module in hf_model.modules():
         for p in module.parameters(recurse=False):
             torch.nn.init.ones_(p.data)
     module._apply(lambda t: t.to(device="cpu", non_blocking=True), recurse=False)
-hf_model = hf_model.half()
+hf_model = hf_model.to(model_dtype)
 if cuda:
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
 print(f"  model made in {time.perf_counter() - made:.1f} s", flush=True)
+if qlora:  # saved, then loaded as a user loads a checkpoint in 4 or 8 bits
+    import shutil
+    import tempfile
+    if qlora == "int8":
+        quantization = transformers.BitsAndBytesConfig(load_in_8bit=True)
+    else:
+        quantization = transformers.BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type=qlora, bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=model_dtype)
+    checkpoint = tempfile.mkdtemp(prefix="user_train_")
+    hf_model.save_pretrained(checkpoint)
+    del hf_model
+    made = time.perf_counter()
+    hf_model = AutoModelForCausalLM.from_pretrained(checkpoint, quantization_config=quantization,
+                                                    device_map="cpu", dtype=model_dtype)
+    shutil.rmtree(checkpoint)
+    print(f"  {qlora} model loaded in {time.perf_counter() - made:.1f} s", flush=True)
 
 lora_rank = int(os.environ.get("LORA", "0"))
 if lora_rank:
@@ -204,7 +229,7 @@ if impl == "ours":  # the plan's predicted peak: its largest stage with the next
     import re
     described = str(model._engine.auto_plan(True, num_microbatch, 0, None, batch // num_microbatch)[1])
     predicted = max([float(x) for x in re.findall(r"([0-9.]+) GiB", described)] or [0])
-print(f"RESULT impl={impl} shape={shape} lora={lora_rank} cap={cap_gib:g} tokens={batch}x{seq} "
+print(f"RESULT impl={impl} shape={shape} lora={lora_rank}{' ' + qlora if qlora else ''} cap={cap_gib:g} tokens={batch}x{seq} "
       f"tok_s={rate:.0f} peak_alloc={stats.get('allocated_bytes.all.peak', 0) / gib:.2f} "
       f"peak_reserved={stats.get('reserved_bytes.all.peak', 0) / gib:.2f} predicted={predicted:.2f} "
       f"device_used={peak_used / gib:.2f} alloc_retries={stats.get('num_alloc_retries', 0)} "
