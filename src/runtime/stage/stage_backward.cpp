@@ -71,7 +71,17 @@ void StageRun::run_backward() {
     where.layer = -1;
     timer.flush(r);
     binding.send_input_gradients(r.begin, m, leaf_grads(leaves));
+    release_read_hand_offs();
   }
+}
+
+void StageRun::release_read_hand_offs() {
+  const int m = where.microbatch;
+  for (int l = job.range.begin; l < job.range.end; ++l) {
+    if (auto it = call.act.find(l); it != call.act.end()) CallState::release(it->second[m]);
+  }
+  if (auto it = call.grad.find(job.range.end); it != call.grad.end())
+    CallState::release(it->second[m]);
 }
 
 void StageRun::run_retrying(const MicrobatchSteps& steps,

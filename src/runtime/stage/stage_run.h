@@ -69,6 +69,10 @@ struct StageRun {
   // layer where it runs out of memory (out_of_memory.h).
   void run_retrying(const MicrobatchSteps& steps,
                     const std::function<void(const MicrobatchSteps&)>& run_one);
+  // The current microbatch's hand-offs this stage read last (its layers'
+  // inputs, its output gradient) go back (Note [Hand-offs end with their
+  // last reader] in call.h).
+  void release_read_hand_offs();
 
   // stage_tail.cpp: the fused tail.
   void run_tail();

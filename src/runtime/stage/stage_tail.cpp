@@ -20,7 +20,10 @@ void StageRun::run_tail() {
   for (int m = job.replica; m < call.n; m += job.replicas) {
     where.microbatch = m;
     Slot& in = call.wait(call.act.at(r.begin)[m]);
-    if (call.tail_row_chunks > 1 && run_tail_in_chunks(in, with_grad)) continue;
+    if (call.tail_row_chunks > 1 && run_tail_in_chunks(in, with_grad)) {
+      release_read_hand_offs();
+      continue;
+    }
     auto x = binding.load_input(in);
     where.phase = "activation upload";
     auto [label, label_event] = upload_value(device, call.labels[m], nullptr);
@@ -34,6 +37,7 @@ void StageRun::run_tail() {
                  [&](const MicrobatchSteps& s) { run_steps(s, x, in.rng, {}, &results, leaves); });
     timer.flush(r);
     binding.send_input_gradients(r.begin, m, leaf_grads(leaves));
+    release_read_hand_offs();
   }
 }
 

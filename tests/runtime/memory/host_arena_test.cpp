@@ -395,6 +395,45 @@ TEST_P(HostArenaEngineTest, AllocModePlacesTheModelInOneExactChunkAndReusesDownl
   EXPECT_EQ(after.arena.pinned_bytes, pinned ? after.arena.reserved_bytes : 0);
 }
 
+// Note [Hand-offs end with their last reader]: a call's layer inputs go
+// back to the arena as its backward stages finish with them, not when a
+// step takes the call's gradients. Held to the step, every call of an
+// accumulation kept its own (and the next call's forward beside an
+// asynchronous step found the previous call's still there).
+TEST_P(HostArenaEngineTest, ACallsLayerInputsGoBackWithItsBackward) {
+  namespace nn = torch::nn;
+  const int64_t rows = 4096, width = 12;
+  const int64_t layer_input = rows * width * 4;  // a hidden layer's input, all microbatches
+  auto x = at::randn({rows, 6}, at::detail::createCPUGenerator(11));
+  auto y = at::randn({rows, 4}, at::detail::createCPUGenerator(12));
+  for (auto grain : {RecomputeGrain::kLayer, RecomputeGrain::kStage}) {
+    SCOPED_TRACE(grain == RecomputeGrain::kLayer ? "layer grain" : "stage grain");
+    torch::manual_seed(3);
+    auto model =
+        nn::Sequential(nn::Linear(6, width), nn::Tanh(), nn::Linear(width, width), nn::Tanh(),
+                       nn::Linear(width, width), nn::Tanh(), nn::Linear(width, 4));
+    // A limit of two or three layers' activations: several stages, whose
+    // inputs (4096 rows) dwarf the weights.
+    RoundPipe pipe(model, RoundPipeOptions()
+                              .set_devices(GetParam())
+                              .set_pin_model(PinMode::kAlloc)
+                              .set_model_memory_limit_gib(6e5 / (1 << 30)));
+    const int64_t placed = pipe.host_memory_stats().arena.allocated_bytes;
+    const auto config = RunConfig().set_num_microbatch(2).set_recompute_grain(grain);
+    for (int call = 1; call <= 3; ++call) {
+      pipe.forward_backward(x, y, mse_loss, false, config);
+      pipe.wait_for_background_work();  // its backward done; no step took it
+      const auto s = pipe.host_memory_stats().arena;
+      ASSERT_GT(s.peak_allocated_bytes - placed, layer_input)
+          << "the call saved no stage inputs in the arena";
+      // What stays: each call's parameter gradients (a few KiB), no input.
+      EXPECT_LT(s.allocated_bytes - placed, layer_input / 4)
+          << "after call " << call << ", its layer inputs are still held";
+    }
+    pipe.synchronize();
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Backends, HostArenaEngineTest, ::testing::ValuesIn(arena_backends()),
                          [](const auto& info) { return backend_test_name(info.param); });
 
