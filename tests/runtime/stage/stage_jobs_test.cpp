@@ -80,16 +80,24 @@ TEST_P(BackwardStage, GivesAutogradsGradients) {
     CallState::put(*call->grad.at(kLayers)[m], {}, {out_grads[m]}, nullptr, {});
   }
   f.run(call, JobKind::kBackward, {3, 5});
+  std::vector<at::Tensor> grads_at_3;  // read before their last reader releases them
+  for (int m = 0; m < n; ++m) grads_at_3.push_back(f.tensor(call->grad.at(3)[m]));
   f.run(call, JobKind::kBackward, {0, 3});
   ASSERT_FALSE(call->error.has_value()) << call->error->what();
+  // (Note [Hand-offs end with their last reader]: every input kept for a
+  // backward stage and every output gradient went back once read.)
+  for (const auto& [l, slots] : call->act) {
+    if (l == kLayers) continue;  // the forward's output: no backward stage reads it
+    for (int m = 0; m < n; ++m) EXPECT_TRUE(slots[m]->released) << "input of layer " << l;
+  }
+  for (int m = 0; m < n; ++m) EXPECT_TRUE(call->grad.at(3)[m]->released);
 
   for (int m = 0; m < n; ++m) {
     auto xm = xs[m].clone().requires_grad_(true);
     auto h3 = run_layers(oracle, 0, 3, xm);
     h3.retain_grad();
     (run_layers(oracle, 3, 5, h3) * out_grads[m]).sum().backward();
-    EXPECT_TENSOR_NEAR(f.tensor(call->grad.at(3)[m]), h3.grad(), kGradError,
-                       "gradient of layer 3's input");
+    EXPECT_TENSOR_NEAR(grads_at_3[m], h3.grad(), kGradError, "gradient of layer 3's input");
     ASSERT_EQ(call->input_grads[m].size(), 1u);
     const at::Tensor input_grad = call->input_grads[m][0];
     EXPECT_TENSOR_NEAR(input_grad, xm.grad(), kGradError, "input gradient");
@@ -149,6 +157,8 @@ TEST_P(FusedTail, RunsForwardLossAndBackward) {
   call->tail_row_chunks = GetParam().row_chunks;
   f.run(call, JobKind::kForward, {0, 2});
   f.run(call, JobKind::kTail, {2, 5});
+  std::vector<at::Tensor> grads_at_2;  // read before their last reader releases them
+  for (int m = 0; m < n; ++m) grads_at_2.push_back(f.tensor(call->grad.at(2)[m]));
   f.run(call, JobKind::kBackward, {0, 2});
   ASSERT_FALSE(call->error.has_value()) << call->error->what();
   if (GetParam().row_chunks > 1) EXPECT_EQ(f.stats.snapshot().tail_microbatches_in_row_chunks, n);
@@ -160,8 +170,7 @@ TEST_P(FusedTail, RunsForwardLossAndBackward) {
     const auto loss = sum_squared_error(run_layers(oracle, 2, 5, h2), ys[m]);
     loss.backward();
     EXPECT_TENSOR_NEAR(f.tensor(call->losses[m]), loss.detach(), 1e-6, "loss");
-    EXPECT_TENSOR_NEAR(f.tensor(call->grad.at(2)[m]), h2.grad(), kGradError,
-                       "gradient of the tail's input");
+    EXPECT_TENSOR_NEAR(grads_at_2[m], h2.grad(), kGradError, "gradient of the tail's input");
   }
   expect_same_grads(f.gradients(*call), oracle_grads(oracle));
 }
