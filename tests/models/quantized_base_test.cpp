@@ -244,9 +244,9 @@ INSTANTIATE_TEST_SUITE_P(Formats, QuantizedBase,
 // gradients differ only by the order of fp32 sums in attention (sdpa) and
 // elsewhere, as the presets do against transformers (1e-4). Each Linear4bit
 // runs as a float32 Linear of bitsandbytes' own dequantization of its
-// weight: without the optional `kernels` package, bitsandbytes' CPU 4-bit
-// matmul is not float32-exact (its LoRA gradients were 1% off those of its
-// own dequantized weights, its loss 2e-5), which says nothing about ours.
+// weight: its CPU 4-bit matmul need not be float32-exact (on an AVX-512
+// BF16 CPU its LoRA gradients were 1% off those of its own dequantized
+// weights, its loss 2e-5), which says nothing about ours.
 TEST(QuantizedBaseOracle, LoraMatchesPeftOnBitsandbytes) {
   torch::manual_seed(6);
   const auto base = process_temp_dir() / "qlora_base", adapter = process_temp_dir() / "qlora";

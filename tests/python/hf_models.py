@@ -2,14 +2,20 @@
 import torch
 
 
-def tiny_qwen3(tie=False, seed=0):
+# Twice the width (every projection's input 64 or more): what bitsandbytes'
+# CPU 4-bit kernels need (tests/python/test_bnb_wrap.py).
+WIDE = dict(hidden_size=64, intermediate_size=128, head_dim=16)
+
+
+def tiny_qwen3(tie=False, seed=0, **dims):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(seed)
-    config = Qwen3Config(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                         max_position_embeddings=128, tie_word_embeddings=tie, use_cache=False,
-                         attn_implementation="sdpa")
+    fields = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                  max_position_embeddings=128, tie_word_embeddings=tie, use_cache=False,
+                  attn_implementation="sdpa")
+    config = Qwen3Config(**{**fields, **dims})
     return Qwen3ForCausalLM(config).float().eval()
 
 
@@ -34,13 +40,12 @@ def tiny_qwen3_moe(seed=0, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     torch.manual_seed(seed)
-    config = Qwen3MoeConfig(vocab_size=96, hidden_size=32, intermediate_size=64,
-                            moe_intermediate_size=16, num_hidden_layers=3, num_attention_heads=4,
-                            num_key_value_heads=2, head_dim=8, max_position_embeddings=128,
-                            num_experts=4, num_experts_per_tok=2, norm_topk_prob=norm_topk_prob,
-                            decoder_sparse_step=decoder_sparse_step,
-                            mlp_only_layers=list(mlp_only_layers), use_cache=False,
-                            attn_implementation="sdpa", **extra)
+    fields = dict(vocab_size=96, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                  num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                  max_position_embeddings=128, num_experts=4, num_experts_per_tok=2,
+                  norm_topk_prob=norm_topk_prob, decoder_sparse_step=decoder_sparse_step,
+                  mlp_only_layers=list(mlp_only_layers), use_cache=False, attn_implementation="sdpa")
+    config = Qwen3MoeConfig(**{**fields, **extra})
     return Qwen3MoeForCausalLM(config).float().eval()
 
 

@@ -162,6 +162,41 @@ TEST(Planner, TheTailRunsInTheFewestRowChunksThatKeepEveryLayer) {
   EXPECT_EQ(unsplit.stages.at(unsplit.plan.forward.size()).row_chunks, 1) << unsplit.describe();
 }
 
+// Note [The first tail in rows]: until activations are measured the tail
+// keeps one layer with grad and runs each microbatch in up to 4 chunks of
+// rows where its layers split rows; not where they do not, nor without a
+// limit.
+TEST(Planner, AnUnmeasuredTailRunsARowAtATime) {
+  const auto layers = equal_layers(8, 10 * kMiB, 40 * kMiB);
+  PlanRequest request;
+  request.num_devices = 1;
+  request.fused = true;
+  request.layer_grain = true;
+  request.grow_tail_with_grad = true;
+  request.activations_unmeasured = true;
+  request.memory_limit_bytes = 600 * kMiB;
+  request.tail_rows = 4;
+  request.first_row_split_layer = 0;
+  const auto tail_of = [&] {
+    const auto e = plan_stages(layers, request);
+    return e.stages.at(e.plan.forward.size());
+  };
+  EXPECT_EQ(tail_of().row_chunks, 4);
+  EXPECT_LE(tail_of().layers_with_grad, 1);
+  request.tail_rows = 2;  // fewer rows than that: one a chunk
+  EXPECT_EQ(tail_of().row_chunks, 2);
+  request.tail_rows = 64;  // many: 4 chunks of 16
+  EXPECT_EQ(tail_of().row_chunks, 4);
+  request.first_row_split_layer = 8;  // no layer splits rows
+  EXPECT_EQ(tail_of().row_chunks, 1);
+  request.first_row_split_layer = 0;
+  request.memory_limit_bytes = 0;  // nothing to fit
+  EXPECT_EQ(tail_of().row_chunks, 1);
+  request.memory_limit_bytes = 600 * kMiB;
+  request.activations_unmeasured = false;  // measured: the fewest chunks that keep every layer
+  EXPECT_EQ(tail_of().row_chunks, 1);
+}
+
 // peak_bytes (what the limit is checked against) adds the parameters of the
 // stage that arrives on the same device while a stage runs: with 2 devices,
 // the one two later in the cyclic order forward..., backward...
