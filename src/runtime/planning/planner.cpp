@@ -229,10 +229,10 @@ PlanEstimate with_tail_grown(const std::vector<LayerCost>& layers, PlanEstimate 
   // Note [The first tail in rows]
   // Until activations are measured, the plan holds half the limit back for
   // them, which one layer with grad and the loss over a whole microbatch can
-  // exceed: a 32B model's tail over 16,384-token microbatches (4 rows of
+  // exceed: a 32B model's tail over 32,768-token microbatches (8 rows of
   // 4,096, a 151,936-word vocabulary) ran out of memory on a 24 GiB card in
   // the first call, twice, before the plan adapted (20.99 GiB allocated
-  // when it asked for 1.56 more). So where rows split, the first calls'
+  // when it asked for 1.56 more: one bf16 MLP activation of 32,768 x 25,600). So where rows split, the first calls'
   // tail runs each microbatch in up to 4 chunks of rows: a quarter of those
   // activations at a time, the same results (Note [Tail row chunks]). Not
   // one row a chunk: a microbatch of many short rows would run the tail in
