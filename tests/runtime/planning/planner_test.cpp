@@ -127,15 +127,21 @@ TEST(Planner, TheTailRunsAsManyLastLayersWithGradAsTheLimitHolds) {
 // of rows that do (and its predicted time drops by the forwards it no
 // longer recomputes); not where the tail begins before the layers that
 // split their rows.
-TEST(Planner, TheTailRunsInTheFewestRowChunksThatKeepEveryLayer) {
-  const auto layers = equal_layers(8, 10 * kMiB, 40 * kMiB);
+// A fused layer-grain plan on one device whose tail the planner grows.
+PlanRequest growing_tail_request(int64_t limit_bytes) {
   PlanRequest request;
   request.num_devices = 1;
   request.fused = true;
   request.layer_grain = true;
   request.grow_tail_with_grad = true;
+  request.memory_limit_bytes = limit_bytes;
+  return request;
+}
+
+TEST(Planner, TheTailRunsInTheFewestRowChunksThatKeepEveryLayer) {
+  const auto layers = equal_layers(8, 10 * kMiB, 40 * kMiB);
+  auto request = growing_tail_request(300 * kMiB);
   request.min_stages = 2;
-  request.memory_limit_bytes = 300 * kMiB;
   const auto whole = plan_stages(layers, request);
   const auto& whole_tail = whole.stages.at(whole.plan.forward.size());
   ASSERT_LT(whole_tail.layers_with_grad, whole_tail.range.size()) << whole.describe();
@@ -166,15 +172,10 @@ TEST(Planner, TheTailRunsInTheFewestRowChunksThatKeepEveryLayer) {
 // keeps one layer with grad and runs each microbatch in up to 4 chunks of
 // rows where its layers split rows; not where they do not, nor without a
 // limit.
-TEST(Planner, AnUnmeasuredTailRunsARowAtATime) {
+TEST(Planner, AnUnmeasuredTailRunsInUpToFourChunksOfRows) {
   const auto layers = equal_layers(8, 10 * kMiB, 40 * kMiB);
-  PlanRequest request;
-  request.num_devices = 1;
-  request.fused = true;
-  request.layer_grain = true;
-  request.grow_tail_with_grad = true;
+  auto request = growing_tail_request(600 * kMiB);
   request.activations_unmeasured = true;
-  request.memory_limit_bytes = 600 * kMiB;
   request.tail_rows = 4;
   request.first_row_split_layer = 0;
   const auto tail_of = [&] {
