@@ -176,6 +176,10 @@ std::unique_ptr<roundpipe::RoundPipe> wrap(roundpipe::models::CausalLM& model, c
       roundpipe::RoundPipeOptions().set_optim_dtype(torch::kFloat).set_devices(s.devices);
   roundpipe::RunConfig run;
   if (s.microbatches > 0) run.set_num_microbatch(s.microbatches);
+  // Its loss_fn returns the preset's loss, which adds up over rows (as
+  // roundpipe-train's and the Python package's default loss_fn do): the
+  // tail may run in chunks of rows (Note [Tail row chunks]).
+  run.set_loss_sums_over_rows(true);
   run.set_recompute_grain(s.recompute == "layer" ? roundpipe::RecomputeGrain::kLayer
                                                  : roundpipe::RecomputeGrain::kStage);
   options.set_model_run_config(run);
