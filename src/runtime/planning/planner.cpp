@@ -232,11 +232,12 @@ PlanEstimate with_tail_grown(const std::vector<LayerCost>& layers, PlanEstimate 
   // exceed: a 32B model's tail over 32,768-token microbatches (8 rows of
   // 4,096, a 151,936-word vocabulary) ran out of memory on a 24 GiB card in
   // the first call, twice, before the plan adapted (20.99 GiB allocated
-  // when it asked for 1.56 more: one bf16 MLP activation of 32,768 x 25,600). So where rows split, the first calls'
-  // tail runs each microbatch in up to 4 chunks of rows: a quarter of those
-  // activations at a time, the same results (Note [Tail row chunks]). Not
-  // one row a chunk: a microbatch of many short rows would run the tail in
-  // kernels too small to keep a GPU busy.
+  // when it asked for 1.56 more: one bf16 MLP activation of 32,768 x
+  // 25,600). So where rows split, the first calls' tail runs each
+  // microbatch in up to 4 chunks of rows: a quarter of those activations at
+  // a time, the same results (Note [Tail row chunks]). Not one row a chunk:
+  // a microbatch of many short rows would run the tail in kernels too small
+  // to keep a GPU busy.
   constexpr int kUnmeasuredTailChunks = 4;
   if (request.activations_unmeasured) {
     tail.row_chunks = std::min(max_chunks, kUnmeasuredTailChunks);
