@@ -221,31 +221,15 @@ double iteration_of(const PlanEstimate& e, const PlanRequest& request) {
 PlanEstimate with_tail_grown(const std::vector<LayerCost>& layers, PlanEstimate e,
                              const PlanRequest& request) {
   const int64_t limit = effective_limit(request);
-  if (!request.fused || !request.layer_grain || !request.grow_tail_with_grad || limit == 0)
+  if (!request.fused || !request.layer_grain || !request.grow_tail_with_grad ||
+      request.activations_unmeasured || limit == 0)
     return e;
   auto& tail = e.stages.at(e.plan.forward.size());  // backward[0]
-  const int rows = std::max(request.tail_rows, 1);
-  const int max_chunks = tail.range.begin >= request.first_row_split_layer ? rows : 1;
-  // Note [The first tail in rows]
-  // Until activations are measured, the plan holds half the limit back for
-  // them, which one layer with grad and the loss over a whole microbatch can
-  // exceed: a 32B model's tail over 32,768-token microbatches (8 rows of
-  // 4,096, a 151,936-word vocabulary) ran out of memory on a 24 GiB card in
-  // the first call, twice, before the plan adapted (20.99 GiB allocated
-  // when it asked for 1.56 more: one bf16 MLP activation of 32,768 x
-  // 25,600). So where rows split, the first calls' tail runs each
-  // microbatch in up to 4 chunks of rows: a quarter of those activations at
-  // a time, the same results (Note [Tail row chunks]). Not one row a chunk:
-  // a microbatch of many short rows would run the tail in kernels too small
-  // to keep a GPU busy.
-  constexpr int kUnmeasuredTailChunks = 4;
-  if (request.activations_unmeasured) {
-    tail.row_chunks = std::min(max_chunks, kUnmeasuredTailChunks);
-    return e;
-  }
   const auto load = stage_load(layers, tail.range);
   // All the tail holds but the one layer's activations of layer grain.
   const int64_t rest = tail.peak_bytes - load.max_act;
+  const int rows = std::max(request.tail_rows, 1);
+  const int max_chunks = tail.range.begin >= request.first_row_split_layer ? rows : 1;
   int best_k = 0, best_chunks = 1;
   int64_t best_held = 0;
   for (int chunks = 1; chunks <= max_chunks; ++chunks) {

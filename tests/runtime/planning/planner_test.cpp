@@ -127,21 +127,15 @@ TEST(Planner, TheTailRunsAsManyLastLayersWithGradAsTheLimitHolds) {
 // of rows that do (and its predicted time drops by the forwards it no
 // longer recomputes); not where the tail begins before the layers that
 // split their rows.
-// A fused layer-grain plan on one device whose tail the planner grows.
-PlanRequest growing_tail_request(int64_t limit_bytes) {
+TEST(Planner, TheTailRunsInTheFewestRowChunksThatKeepEveryLayer) {
+  const auto layers = equal_layers(8, 10 * kMiB, 40 * kMiB);
   PlanRequest request;
   request.num_devices = 1;
   request.fused = true;
   request.layer_grain = true;
   request.grow_tail_with_grad = true;
-  request.memory_limit_bytes = limit_bytes;
-  return request;
-}
-
-TEST(Planner, TheTailRunsInTheFewestRowChunksThatKeepEveryLayer) {
-  const auto layers = equal_layers(8, 10 * kMiB, 40 * kMiB);
-  auto request = growing_tail_request(300 * kMiB);
   request.min_stages = 2;
+  request.memory_limit_bytes = 300 * kMiB;
   const auto whole = plan_stages(layers, request);
   const auto& whole_tail = whole.stages.at(whole.plan.forward.size());
   ASSERT_LT(whole_tail.layers_with_grad, whole_tail.range.size()) << whole.describe();
@@ -166,36 +160,6 @@ TEST(Planner, TheTailRunsInTheFewestRowChunksThatKeepEveryLayer) {
   request.first_row_split_layer = tail.range.begin + 1;
   const auto unsplit = plan_stages(layers, request);
   EXPECT_EQ(unsplit.stages.at(unsplit.plan.forward.size()).row_chunks, 1) << unsplit.describe();
-}
-
-// Note [The first tail in rows]: until activations are measured the tail
-// keeps one layer with grad and runs each microbatch in up to 4 chunks of
-// rows where its layers split rows; not where they do not, nor without a
-// limit.
-TEST(Planner, AnUnmeasuredTailRunsInUpToFourChunksOfRows) {
-  const auto layers = equal_layers(8, 10 * kMiB, 40 * kMiB);
-  auto request = growing_tail_request(600 * kMiB);
-  request.activations_unmeasured = true;
-  request.tail_rows = 4;
-  request.first_row_split_layer = 0;
-  const auto tail_of = [&] {
-    const auto e = plan_stages(layers, request);
-    return e.stages.at(e.plan.forward.size());
-  };
-  EXPECT_EQ(tail_of().row_chunks, 4);
-  EXPECT_LE(tail_of().layers_with_grad, 1);
-  request.tail_rows = 2;  // fewer rows than that: one a chunk
-  EXPECT_EQ(tail_of().row_chunks, 2);
-  request.tail_rows = 64;  // many: 4 chunks of 16
-  EXPECT_EQ(tail_of().row_chunks, 4);
-  request.first_row_split_layer = 8;  // no layer splits rows
-  EXPECT_EQ(tail_of().row_chunks, 1);
-  request.first_row_split_layer = 0;
-  request.memory_limit_bytes = 0;  // nothing to fit
-  EXPECT_EQ(tail_of().row_chunks, 1);
-  request.memory_limit_bytes = 600 * kMiB;
-  request.activations_unmeasured = false;  // measured: the fewest chunks that keep every layer
-  EXPECT_EQ(tail_of().row_chunks, 1);
 }
 
 // peak_bytes (what the limit is checked against) adds the parameters of the
