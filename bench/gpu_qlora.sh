@@ -3,7 +3,8 @@
 # base (issue 35). Builds roundpipe-bench, then for each of SHAPES (default
 # 8B) runs it with LoRA r=16 on every projection under CAP (default 24 GiB)
 # on an NF4 base and on the bf16 base (BASES, default "nf4 bf16"; fp4, int8
-# and fp8 too), BATCH x SEQ tokens (16 x 4096), and with RESIDENT=1 the
+# and fp8 too; "nf4/layer_from_stage": that base in that recompute grain,
+# --recompute), BATCH x SEQ tokens (16 x 4096), and with RESIDENT=1 the
 # GPU-resident peft + bitsandbytes QLoRA of the same shape
 # (bench/lora_bench.py resident_qlora, RESIDENT_BATCH rows, default 8).
 # Each run prints tokens/s, parameter bytes uploaded per step, peak device
@@ -21,13 +22,14 @@ BUILD_TARGETS=roundpipe-bench JOBS=16 scripts/build.sh build-gpu -DROUNDPIPE_BUI
 echo "build: ${SECONDS}s" | tee "$out/qlora.txt"
 cap="${CAP:-24}"
 for shape in ${SHAPES:-8B}; do
-  for base in ${BASES:-nf4 bf16}; do
+  for run in ${BASES:-nf4 bf16}; do
+    base="${run%%/*}"; grain=(); [ "$run" != "$base" ] && grain=(--recompute "${run#*/}")
     quant=(); [ "$base" != bf16 ] && quant=(--quantize-base "$base")
-    log="$out/bench_${shape}_${base}.log"
+    log="$out/bench_${shape}_${run//\//_}.log"
     timeout "${RUN_TIMEOUT:-240}" stdbuf -oL ./build-gpu/roundpipe-bench --shape "$shape" --devices "cuda,mem=${cap}GiB" \
       --batch "${BATCH:-16}" --seq "${SEQ:-4096}" --warmup "${WARMUP:-2}" --steps "${STEPS:-3}" \
-      --lora-rank 16 "${quant[@]}" ${VERBOSE:+--verbose} > "$log" 2>&1
-    echo "== $shape $base base, LoRA r16, cap $cap GiB (exit $?, ${SECONDS}s)" | tee -a "$out/qlora.txt"
+      --lora-rank 16 "${quant[@]}" "${grain[@]}" ${VERBOSE:+--verbose} > "$log" 2>&1
+    echo "== $shape $run base, LoRA r16, cap $cap GiB (exit $?, ${SECONDS}s)" | tee -a "$out/qlora.txt"
     grep -E "model made|dequantization|tokens/s|H2D bytes|peak device|predicted peak|recoveries|host peak|host arena|parameters|host pinned" "$log" \
       | tee -a "$out/qlora.txt"
   done

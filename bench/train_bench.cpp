@@ -180,8 +180,7 @@ std::unique_ptr<roundpipe::RoundPipe> wrap(roundpipe::models::CausalLM& model, c
   // roundpipe-train's and the Python package's default loss_fn do): the
   // tail may run in chunks of rows (Note [Tail row chunks]).
   run.set_loss_sums_over_rows(true);
-  run.set_recompute_grain(s.recompute == "layer" ? roundpipe::RecomputeGrain::kLayer
-                                                 : roundpipe::RecomputeGrain::kStage);
+  run.set_recompute_grain(roundpipe::recompute_grain_from_string(s.recompute));
   options.set_model_run_config(run);
   if (s.memory_cap_gib > 0) options.set_model_memory_limit_gib(s.memory_cap_gib);
   options.set_verbose(s.verbose);
@@ -570,7 +569,7 @@ int main(int argc, char** argv) {
                  "microbatches per iteration (default: devices + 1)");
   app.add_option("--warmup", s.warmup, "untimed iterations first");
   app.add_option("--steps", s.steps, "timed iterations");
-  app.add_option("--recompute", s.recompute, "stage or layer");
+  app.add_option("--recompute", s.recompute, "stage, layer or layer_from_stage");
   app.add_option("--memory-cap", s.memory_cap_gib,
                  "device memory limit in GiB (plan and --max-seq)");
   app.add_flag("--verbose", s.verbose, "log layer timings and the chosen plan");

@@ -57,7 +57,8 @@ int main(int argc, char** argv) {
   app.add_option("--dtype", a.dtype, "float32, bfloat16 or float16 (fp32 Adam masters always)");
   app.add_option("--pin", a.pin, "pin_model: alloc, register or off");
   app.add_option("--recompute", a.recompute,
-                 "recompute grain: stage or layer (default: the automatic plan chooses)");
+                 "recompute grain: stage, layer, or layer_from_stage (host keeps each backward "
+                 "stage's input only; default: the automatic plan chooses)");
   app.add_option("--memory-limit", a.memory_limit_gib,
                  "device memory the plan may use, GiB (default: what the device grants)");
   app.add_option(

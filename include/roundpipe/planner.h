@@ -35,6 +35,10 @@ struct PlanRequest {
   // Recompute in layer grain: a backward stage holds one layer's kept
   // activations at a time (stage grain: all of its layers').
   bool layer_grain = false;
+  // With layer_grain: the host keeps only each backward stage's input, and
+  // a backward stage reruns its layers but the last without grad to find
+  // their inputs (RecomputeGrain::kLayerFromStage): one more forward each.
+  bool rerun_from_stage_input = false;
   // With layer_grain, fused, a limit and measured activations: the fused
   // tail runs as many of its last layers with grad as the limit holds
   // (StageEstimate::layers_with_grad), saving their recompute.

@@ -6,6 +6,7 @@
 
 #include <functional>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "roundpipe/execute_plan.h"
@@ -15,7 +16,18 @@ namespace roundpipe {
 enum class RecomputeGrain {
   kStage,  // save each backward stage's input; recompute the stage at once
   kLayer,  // save every layer's input; recompute one layer at a time
+  // Save each backward stage's input, as kStage (host memory), and
+  // recompute one layer at a time, as kLayer (device memory): the stage's
+  // layers rerun without grad from its input first, each one's input kept
+  // on the host for that microbatch only (Note [Thin checkpoints]).
+  kLayerFromStage,
 };
+
+// "stage", "layer", "layer_from_stage": the names the Python package and
+// the command-line tools use.
+const char* to_string(RecomputeGrain grain);
+// The grain a name gives; throws a c10::Error listing the names otherwise.
+RecomputeGrain recompute_grain_from_string(const std::string& name);
 
 // Splits a value into `n` microbatch values.
 using SplitFn = std::function<std::vector<c10::IValue>(const c10::IValue& value, int n)>;

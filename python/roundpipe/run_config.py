@@ -24,9 +24,11 @@ class RoundPipeRunConfig:
     - requires_grad: connect outputs to autograd (default: torch grad mode)
     - output_device: where merged outputs go (default: CPU)
     - preserve_rng_state: replay dropout exactly in recompute (default: True)
-    - recompute_grain: "stage" or "layer" (less device memory); None: the
-      automatic plan chooses (layer until activations are measured, then
-      stage where it fits)
+    - recompute_grain: "stage" or "layer" (less device memory), or
+      "layer_from_stage" (the device memory of "layer", the host memory of
+      "stage": only each backward stage's input is kept on the host, at one
+      extra forward of its other layers); None: the automatic plan chooses
+      (layer until activations are measured, then stage where it fits)
     - num_microbatch: microbatches per call (default: number of devices + 1)
     - split_input: f(args, kwargs, n) -> list of n (args, kwargs) pairs (or
       the original's (args_list, kwargs_list)), or the original's
@@ -50,8 +52,10 @@ class RoundPipeRunConfig:
     execute_plan: Optional["ModelExecutePlan"] = None
 
     def __post_init__(self):
-        if self.recompute_grain not in (None, "stage", "layer"):
-            raise ValueError(f"recompute_grain must be 'stage' or 'layer', got {self.recompute_grain!r}")
+        if self.recompute_grain not in (None, "stage", "layer", "layer_from_stage"):
+            raise ValueError(
+                f"recompute_grain must be 'stage', 'layer' or 'layer_from_stage', got {self.recompute_grain!r}"
+            )
         if self.num_microbatch is not None and (not isinstance(self.num_microbatch, int) or self.num_microbatch < 1):
             raise ValueError(f"num_microbatch must be a positive int, got {self.num_microbatch!r}")
         from ._specs import is_spec_tree

@@ -86,10 +86,7 @@ RunConfig run_config_from(const py::handle& cfg) {
     rc.preserve_rng_state = field("preserve_rng_state").cast<bool>();
   }
   if (!field("recompute_grain").is_none()) {
-    auto grain = field("recompute_grain").cast<std::string>();
-    TORCH_CHECK(grain == "stage" || grain == "layer",
-                "recompute_grain must be 'stage' or 'layer', got '", grain, "'");
-    rc.recompute_grain = grain == "stage" ? RecomputeGrain::kStage : RecomputeGrain::kLayer;
+    rc.recompute_grain = recompute_grain_from_string(field("recompute_grain").cast<std::string>());
   }
   if (!field("num_microbatch").is_none()) rc.num_microbatch = field("num_microbatch").cast<int>();
   if (!field("split_input").is_none())

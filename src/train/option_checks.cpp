@@ -95,8 +95,9 @@ void validate(const TrainOptions& a) {
         "0 when --eval-data is given (one or the other)", text(a.eval_fraction));
   check(a.eval_fraction == 0 || !a.data.empty(), "--eval-fraction",
         "used with --data (the built-in tasks hold out their own examples)", text(a.eval_fraction));
-  check(a.recompute.empty() || a.recompute == "stage" || a.recompute == "layer", "--recompute",
-        "stage or layer", a.recompute);
+  check(a.recompute.empty() || a.recompute == "stage" || a.recompute == "layer" ||
+            a.recompute == "layer_from_stage",
+        "--recompute", "stage, layer or layer_from_stage", a.recompute);
   check(std::isfinite(a.memory_limit_gib) && a.memory_limit_gib >= 0, "--memory-limit",
         "a size in GiB (0: what the device grants)", text(a.memory_limit_gib));
   dtype_from_string(a.dtype);

@@ -151,8 +151,7 @@ TrainSummary run_training(const TrainOptions& given) {
   // Its loss_fn returns the model's loss, scaled: it adds up over rows.
   run_config.set_loss_sums_over_rows(true);
   if (!args.recompute.empty()) {
-    run_config.set_recompute_grain(args.recompute == "layer" ? roundpipe::RecomputeGrain::kLayer
-                                                             : roundpipe::RecomputeGrain::kStage);
+    run_config.set_recompute_grain(roundpipe::recompute_grain_from_string(args.recompute));
   }
   auto roundpipe_options = roundpipe::RoundPipeOptions()
                                .set_devices(args.devices)

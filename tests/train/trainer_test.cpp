@@ -132,7 +132,8 @@ TEST(Trainer, EveryOptionIsValidatedBeforeTraining) {
   expect_rejected([](auto& o) { o.lr = std::nan(""); }, "--lr must be a positive number");
   expect_rejected([](auto& o) { o.digits = 40; }, "--digits must be between 1 and 9");
   expect_rejected([](auto& o) { o.loss_chunk = 0; }, "--loss-chunk must be at least 1");
-  expect_rejected([](auto& o) { o.recompute = "block"; }, "--recompute must be stage or layer");
+  expect_rejected([](auto& o) { o.recompute = "block"; },
+                  "--recompute must be stage, layer or layer_from_stage");
   expect_rejected([](auto& o) { o.memory_limit_gib = -2; }, "--memory-limit must be a size in GiB");
   expect_rejected([](auto& o) { o.dtype = "int8"; }, "unknown dtype 'int8'");
   expect_rejected([](auto& o) { o.task = "sorting"; }, "--task must be reverse or addition");

@@ -49,6 +49,7 @@ AutoPlan::AutoPlan(const std::string& name, const RoundPipeOptions& options, con
 PlanEstimate AutoPlan::estimate(bool fused, int num_microbatches, int min_stages,
                                 std::optional<double> memory_limit_gib, RecomputeGrain grain,
                                 bool grow_tail, int tail_rows) const {
+  const bool callers_question = min_stages != 0 || memory_limit_gib.has_value();
   PlanRequest request;
   // The default plan's question (no constraints of the caller's own): the
   // plan in use stays unless a new one is clearly faster.
@@ -93,7 +94,8 @@ PlanEstimate AutoPlan::estimate(bool fused, int num_microbatches, int min_stages
     request.memory_limit_bytes = default_memory_limit_bytes_;
   }
   const int64_t unshrunk_limit = request.memory_limit_bytes;
-  request.layer_grain = grain == RecomputeGrain::kLayer;
+  request.layer_grain = grain != RecomputeGrain::kStage;
+  request.rerun_from_stage_input = grain == RecomputeGrain::kLayerFromStage;
   request.grow_tail_with_grad = grow_tail;
   request.tail_rows = tail_rows;
   request.first_row_split_layer = first_row_split_layer_;
@@ -117,8 +119,31 @@ PlanEstimate AutoPlan::estimate(bool fused, int num_microbatches, int min_stages
     request.memory_limit_bytes =
         std::max(shrunk, std::min(unshrunk_limit, smallest_feasible_memory_limit(costs, request)));
   }
+  if (fused && !measured && request.memory_limit_bytes > 0 && !callers_question) {
+    // Note [First training call]
+    auto first = estimate_plan(
+        costs, ExecutePlan::one_layer_per_stage(static_cast<int>(costs.size()), true), request);
+    const int64_t held = request.memory_limit_bytes / 2;  // the rest for activations
+    if (std::all_of(first.stages.begin(), first.stages.end(),
+                    [&](const StageEstimate& s) { return s.peak_bytes <= held; }))
+      return first;
+  }
   return plan_stages(costs, request);
 }
+
+// Note [First training call]
+// Until a call has measured what each layer keeps for its backward, the
+// plan cannot tell how much of the device a stage's activations take: one
+// layer with grad of a 32B model over a 32,768-token microbatch keeps
+// about 10 GiB, half a 24 GiB card, while a 1.7B layer keeps 1.5 GiB. The
+// plan on parameter bytes with half the limit held back for activations
+// ran out of memory on the first call at 32B (its tail asked 1.56 GiB more
+// with 20.99 GiB allocated), and stages sized to the half could not leave
+// more. So under a memory limit, a training call before the measurement
+// runs one layer per stage: the least any plan holds (two layers'
+// parameters, one layer's activations and working memory). It costs that
+// call more stage hand-offs and parameter uploads, not results; the next
+// call's plan is the measured one.
 
 // Note [Automatic grain]
 // Where the caller sets no recompute_grain, the plan chooses it. Until
@@ -158,7 +183,7 @@ AutoPlan::Choice AutoPlan::choose(bool fused, int n, int min_stages,
   const bool plan_chooses = !grain || stage_asked;
   RecomputeGrain chosen = plan_chooses ? RecomputeGrain::kLayer : *grain;
   auto plan = estimate(fused, n, min_stages, memory_limit_gib, chosen,
-                       /*grow_tail=*/plan_chooses, tail_rows);
+                       /*grow_tail=*/chosen != RecomputeGrain::kLayer || plan_chooses, tail_rows);
   if (!grain && !layer_grain_only && activations_measured) {
     try {
       auto stage = estimate(fused, n, min_stages, memory_limit_gib, RecomputeGrain::kStage);

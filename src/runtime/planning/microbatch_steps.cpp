@@ -50,11 +50,13 @@ MicrobatchSteps backward_stage_steps(LayerRange layers, RecomputeGrain grain) {
   steps.first_with_grad = layers.begin;
   steps.recompute = true;
   steps.backward = BackwardKind::kShared;
-  return steps;
+  // From the stage's input, its last layer alone with grad: the steps of a
+  // retry by layer (Note [Thin checkpoints]).
+  return grain == RecomputeGrain::kLayerFromStage ? by_layer(steps) : steps;
 }
 
 int tail_layers_with_grad(LayerRange layers, RecomputeGrain grain, int planned) {
-  return grain == RecomputeGrain::kLayer ? std::clamp(planned, 1, layers.size()) : layers.size();
+  return grain == RecomputeGrain::kStage ? layers.size() : std::clamp(planned, 1, layers.size());
 }
 
 MicrobatchSteps tail_steps(LayerRange layers, int with_grad, bool apart) {

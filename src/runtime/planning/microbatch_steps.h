@@ -51,7 +51,9 @@ struct MicrobatchSteps {
 };
 
 // A backward stage's microbatch: in layer grain each layer from its own
-// input; in stage grain all layers recomputed with grad, one backward.
+// input; in stage grain all layers recomputed with grad, one backward; in
+// layer-from-stage grain from the stage's input, one layer with grad at a
+// time (by_layer's steps).
 MicrobatchSteps backward_stage_steps(LayerRange layers, RecomputeGrain grain);
 
 // A fused tail's microbatch, its last `with_grad` layers with grad (stage
@@ -59,8 +61,8 @@ MicrobatchSteps backward_stage_steps(LayerRange layers, RecomputeGrain grain);
 // gradients are computed apart and added (Note [Tail row chunks]).
 MicrobatchSteps tail_steps(LayerRange layers, int with_grad, bool apart);
 
-// The tail's layers with grad: all of them in stage grain; in layer grain
-// the plan's count (Note [Tail grain]), at least one, at most all.
+// The tail's layers with grad: all of them in stage grain; otherwise the
+// plan's count (Note [Tail grain]), at least one, at most all.
 int tail_layers_with_grad(LayerRange layers, RecomputeGrain grain, int planned);
 
 // What a microbatch that ran out of memory runs again (Note [Out-of-memory

@@ -389,8 +389,14 @@ PlanEstimate estimate_plan(const std::vector<LayerCost>& layers, const ExecutePl
   const auto c = costs_of(layers);
   for (const auto& r : plan.forward)
     e.stages.push_back(estimate(layers, c.forward, r, false, request));
-  for (const auto& r : plan.backward)
+  for (const auto& r : plan.backward) {
     e.stages.push_back(estimate(layers, c.backward, r, true, request));
+    // Rerun from the stage's input: all but its last layer once more (the
+    // fused tail's extra forward is with_tail_grown's).
+    const bool tail = request.fused && &r == &plan.backward.front();
+    if (request.rerun_from_stage_input && !tail)
+      for (int l = r.begin; l < r.end - 1; ++l) e.stages.back().compute += c.forward[l];
+  }
   // While a stage runs, the stage arriving next on its device is the one D
   // later in the cyclic order of stages (a replicated tail: the same stage,
   // for the next call).

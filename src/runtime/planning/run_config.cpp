@@ -2,6 +2,8 @@
 // against the model's.
 #include "roundpipe/run_config.h"
 
+#include <c10/util/Exception.h>
+
 namespace roundpipe {
 
 RunConfig RunConfig::overriding(const RunConfig& model) const {
@@ -22,6 +24,28 @@ RunConfig RunConfig::overriding(const RunConfig& model) const {
   if (execute_plan) out.execute_plan = execute_plan;
   if (loss_sums_over_rows) out.loss_sums_over_rows = loss_sums_over_rows;
   return out;
+}
+
+const char* to_string(RecomputeGrain grain) {
+  switch (grain) {
+    case RecomputeGrain::kStage:
+      return "stage";
+    case RecomputeGrain::kLayer:
+      return "layer";
+    case RecomputeGrain::kLayerFromStage:
+      return "layer_from_stage";
+  }
+  return "?";
+}
+
+RecomputeGrain recompute_grain_from_string(const std::string& name) {
+  for (auto grain :
+       {RecomputeGrain::kStage, RecomputeGrain::kLayer, RecomputeGrain::kLayerFromStage}) {
+    if (name == to_string(grain)) return grain;
+  }
+  TORCH_CHECK(false, "recompute_grain must be \"stage\", \"layer\" or \"layer_from_stage\" (",
+              "layer at a time from each backward stage's input: the host keeps a stage's ",
+              "input only), got \"", name, "\"");
 }
 
 }  // namespace roundpipe

@@ -76,7 +76,7 @@ bool OutOfMemoryRecovery::undo_for_redo(CallState& call, const StageError& error
     what << error.what() << "\n"
          << name_ << ": the call ran out of memory on " << kMaxRedos + 1
          << " plans in a row, each smaller (the last: " << call.plan.to_string() << ", "
-         << (call.grain == RecomputeGrain::kLayer ? "layer" : "stage")
+         << to_string(call.grain)
          << " grain): what one microbatch needs beyond the plan's estimate does not fit. Give "
             "the device more memory, or split the batch into more microbatches (num_microbatch), "
             "or pass shorter sequences.";

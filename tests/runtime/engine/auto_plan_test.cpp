@@ -50,10 +50,12 @@ struct Planning {
         weights(layers, options.pin_model, pool.at(0)->supports_pinned_memory(), name),
         plan(name, options, pool, layers, weights, timings, commits) {}
 
-  // The plan of a forward_backward in layer grain (the grain of calls
-  // before any layer is measured), without a caller's constraints.
-  PlanEstimate estimate() const {
-    return plan.estimate(/*fused=*/true, kMicrobatches, 0, std::nullopt, RecomputeGrain::kLayer);
+  // The plan of a training forward (`fused`: a forward_backward) in layer
+  // grain (the grain of calls before any layer is measured), without a
+  // caller's constraints. (Under a limit, a forward_backward before the
+  // measurement runs one layer per stage: Note [First training call].)
+  PlanEstimate estimate(bool fused = false) const {
+    return plan.estimate(fused, kMicrobatches, 0, std::nullopt, RecomputeGrain::kLayer);
   }
   // The smallest limit at which the planner finds a plan for it.
   int64_t smallest_feasible_limit() const {
@@ -90,14 +92,15 @@ std::string sim_with_limit(int64_t limit) {
 
 // Until activations are measured the plan holds half the limit back for
 // them: a stage fits when twice its peak does.
-void expect_fits(const PlanEstimate& estimate, int64_t limit, const std::string& what) {
+void expect_fits(const PlanEstimate& estimate, int64_t limit, const std::string& what,
+                 bool fused = false) {
   ASSERT_FALSE(estimate.stages.empty()) << what;
   for (const auto& stage : estimate.stages) {
     EXPECT_LE(2 * stage.peak_bytes, limit)
         << what << ": layers " << stage.range.begin << ".." << stage.range.end << " of "
         << estimate.plan.to_string();
   }
-  EXPECT_NO_THROW(estimate.plan.validate(kLayers, /*fused=*/true)) << what;
+  EXPECT_NO_THROW(estimate.plan.validate(kLayers, fused)) << what;
 }
 
 TEST(AutoPlan, ASimulatedDevicesBudgetLimitsThePlanWhichFitsItByItsOwnEstimate) {
@@ -114,8 +117,26 @@ TEST(AutoPlan, ASimulatedDevicesBudgetLimitsThePlanWhichFitsItByItsOwnEstimate) 
   // A caller's limit overrides the device's: the unlimited pool's plan
   // under the same limit is the same plan.
   const auto asked = unlimited.plan.estimate(
-      true, kMicrobatches, 0, static_cast<double>(limit) / (1 << 30), RecomputeGrain::kLayer);
+      false, kMicrobatches, 0, static_cast<double>(limit) / (1 << 30), RecomputeGrain::kLayer);
   EXPECT_EQ(asked.plan.to_string(), tight.plan.to_string());
+}
+
+// Note [First training call]: before what layers keep for their backward is
+// measured, a forward_backward under a device's limit runs one layer per
+// stage; a caller's own limit, or no limit, gets the packed plan.
+TEST(AutoPlan, BeforeMeasurementAForwardBackwardUnderALimitRunsOneLayerPerStage) {
+  const Planning unlimited("sim:1");
+  const int64_t limit = round_limit(unlimited.smallest_feasible_limit() * 3);
+  const Planning limited(sim_with_limit(limit));
+  const auto first = limited.estimate(/*fused=*/true);
+  EXPECT_EQ(first.plan.to_string(), ExecutePlan::one_layer_per_stage(kLayers, true).to_string());
+  expect_fits(first, limit, "the first call's plan", /*fused=*/true);
+  const auto free = unlimited.estimate(/*fused=*/true);
+  EXPECT_LT(stage_count(free.plan), 2 * kLayers - 1) << free.describe();
+  const auto asked = unlimited.plan.estimate(
+      true, kMicrobatches, 0, static_cast<double>(limit) / (1 << 30), RecomputeGrain::kLayer);
+  EXPECT_LT(stage_count(asked.plan), 2 * kLayers - 1) << asked.describe();
+  expect_fits(asked, limit, "a caller's limit", /*fused=*/true);
 }
 
 TEST(AutoPlan, AfterRunningOutOfMemoryThePlansFitThreeQuartersOfTheLimit) {
@@ -128,7 +149,7 @@ TEST(AutoPlan, AfterRunningOutOfMemoryThePlansFitThreeQuartersOfTheLimit) {
   const auto before = planning.estimate();
   expect_fits(before, limit, "before");
   ASSERT_GT(2 * largest_peak(before), limit * 3 / 4) << "the shrink would change nothing";
-  const auto failed = planning.plan.for_call(true, kMicrobatches, RecomputeGrain::kLayer).plan;
+  const auto failed = planning.plan.for_call(false, kMicrobatches, RecomputeGrain::kLayer).plan;
   EXPECT_EQ(failed.to_string(), before.plan.to_string());
   // The caller chose the grain: it stays, the limit shrinks.
   planning.plan.shrink_after_out_of_memory(failed, RecomputeGrain::kLayer, /*grain_chosen=*/false);
@@ -136,12 +157,12 @@ TEST(AutoPlan, AfterRunningOutOfMemoryThePlansFitThreeQuartersOfTheLimit) {
   expect_fits(after, limit * 3 / 4, "after one shrink");
   EXPECT_GE(after.stages.size(), before.stages.size());
   EXPECT_NE(after.plan.to_string(), before.plan.to_string());
-  const auto next = planning.plan.for_call(true, kMicrobatches, RecomputeGrain::kLayer);
+  const auto next = planning.plan.for_call(false, kMicrobatches, RecomputeGrain::kLayer);
   EXPECT_EQ(next.plan.to_string(), after.plan.to_string());
   EXPECT_EQ(next.grain, RecomputeGrain::kLayer);
   // A caller's own limit is not shrunk.
   const auto asked = planning.plan.estimate(
-      true, kMicrobatches, 0, static_cast<double>(limit) / (1 << 30), RecomputeGrain::kLayer);
+      false, kMicrobatches, 0, static_cast<double>(limit) / (1 << 30), RecomputeGrain::kLayer);
   EXPECT_EQ(asked.plan.to_string(), before.plan.to_string());
 }
 

@@ -39,6 +39,21 @@ TEST(MicrobatchSteps, LayerGrainBackwardRunsEachLayerFromItsOwnInput) {
   EXPECT_TRUE(retry.recompute);
 }
 
+TEST(MicrobatchSteps, LayerFromStageGrainRunsFromTheStageInputOneLayerWithGradAtATime) {
+  const auto steps = detail::backward_stage_steps({2, 6}, RecomputeGrain::kLayerFromStage);
+  EXPECT_EQ(steps.describe(),
+            "layers 2..5: without grad 2..4 (inputs kept), with grad 5 (a recompute), backward of "
+            "layer 5, then 4..2 recomputed one at a time");
+  EXPECT_EQ(steps, detail::by_layer(detail::backward_stage_steps({2, 6}, RecomputeGrain::kStage)));
+  EXPECT_EQ(detail::after_out_of_memory(steps), steps);
+  // Its tail runs the plan's count of layers with grad, as in layer grain.
+  EXPECT_EQ(detail::tail_layers_with_grad({4, 8}, RecomputeGrain::kLayerFromStage, 2), 2);
+  EXPECT_EQ(detail::tail_layers_with_grad({4, 8}, RecomputeGrain::kLayerFromStage, 0), 1);
+  EXPECT_EQ(std::string(to_string(RecomputeGrain::kLayerFromStage)), "layer_from_stage");
+  EXPECT_EQ(recompute_grain_from_string("layer_from_stage"), RecomputeGrain::kLayerFromStage);
+  EXPECT_THROW(recompute_grain_from_string("block"), c10::Error);
+}
+
 TEST(MicrobatchSteps, AStageGrainRetryHoldsOneLayersActivationsAtATime) {
   const auto steps = detail::backward_stage_steps({0, 4}, RecomputeGrain::kStage);
   const auto retry = detail::by_layer(steps);

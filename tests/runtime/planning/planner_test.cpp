@@ -303,6 +303,30 @@ TEST(Planner, LayerGrainHoldsOneLayersActivations) {
   EXPECT_EQ(layer.plan.backward.size(), 1u) << layer.describe();
 }
 
+// Note [Thin checkpoints]: layer-from-stage grain holds what layer grain
+// holds on the device, and a backward stage's time adds the forward of its
+// layers but the last (the rerun that finds their inputs); the fused tail's
+// is with_tail_grown's, as in layer grain.
+TEST(Planner, LayerFromStageAddsTheRerunOfABackwardStagesLayersButTheLast) {
+  auto layers = equal_layers(8, 10 * kMiB, 200 * kMiB);
+  for (size_t l = 0; l < layers.size(); ++l) layers[l].forward = 1.0 + l;
+  PlanRequest request;
+  request.fused = true;
+  request.layer_grain = true;
+  const auto plan = ExecutePlan({{0, 4}}, {{4, 8}, {0, 4}});
+  const auto layer = estimate_plan(layers, plan, request);
+  request.rerun_from_stage_input = true;
+  const auto thin = estimate_plan(layers, plan, request);
+  ASSERT_EQ(thin.stages.size(), 3u);
+  for (size_t i = 0; i < 3; ++i) {
+    EXPECT_EQ(thin.stages[i].peak_bytes, layer.stages[i].peak_bytes) << i;
+    // Forward stage and tail unchanged; the backward stage [0, 4) reruns
+    // layers 0, 1 and 2 (forward 1 + 2 + 3).
+    EXPECT_DOUBLE_EQ(thin.stages[i].compute, layer.stages[i].compute + (i == 2 ? 6.0 : 0.0)) << i;
+  }
+  EXPECT_GT(thin.iteration, layer.iteration);
+}
+
 // What a layer keeps for its backward is measured on its forward with grad
 // (its saved tensors and output), not only its output: a block whose hidden
 // activations are 4 x wider than its output keeps them, and the automatic

@@ -9,6 +9,8 @@
 #include <gtest/gtest.h>
 #include <torch/nn/modules/linear.h>
 
+#include <set>
+
 #include "runtime/stage/stage_fixture.h"
 #include "test_util.h"
 
@@ -73,6 +75,14 @@ TEST_P(BackwardStage, GivesAutogradsGradients) {
   const auto x = make_input(ModelKind::kMlp, 8, 4).requires_grad_(true);
   auto call = f.call(x, n, ExecutePlan({{0, 5}}, {{3, 5}, {0, 3}}), true, false, GetParam());
   f.run(call, JobKind::kForward, {0, kLayers});
+  // What the host keeps for the backward stages: every layer's input in
+  // layer grain, else each backward stage's (Note [Thin checkpoints]).
+  std::set<int> kept;
+  for (const auto& [l, slots] : call->act) kept.insert(l);
+  const std::set<int> expected = GetParam() == RecomputeGrain::kLayer
+                                     ? std::set<int>{0, 1, 2, 3, 4, 5}
+                                     : std::set<int>{0, 3, 5};
+  EXPECT_EQ(kept, expected);
   const auto xs = microbatches_of(x.detach(), n);
   std::vector<at::Tensor> out_grads;
   for (int m = 0; m < n; ++m) {
@@ -106,10 +116,9 @@ TEST_P(BackwardStage, GivesAutogradsGradients) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Grains, BackwardStage,
-                         ::testing::Values(RecomputeGrain::kStage, RecomputeGrain::kLayer),
-                         [](const auto& info) {
-                           return info.param == RecomputeGrain::kStage ? "stage" : "layer";
-                         });
+                         ::testing::Values(RecomputeGrain::kStage, RecomputeGrain::kLayer,
+                                           RecomputeGrain::kLayerFromStage),
+                         [](const auto& info) { return std::string(to_string(info.param)); });
 
 // A Linear whose input may be cut into chunks of rows (Note [Tail row
 // chunks]): the fused tail may then run a microbatch chunk by chunk.
