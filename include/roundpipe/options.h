@@ -47,6 +47,13 @@ struct RoundPipeOptions {
   // parameters arriving meanwhile (half the limit is held back for the
   // activations until they are measured).
   std::optional<double> model_memory_limit_gib;
+  // Host memory (GiB) a training call's activation checkpoints may take
+  // where the automatic plan chooses the grain; default: three quarters of
+  // what the host has available when the plan is made (MemAvailable and
+  // the pinned arena's free blocks). Where layer grain's (every layer's
+  // input) would not fit, calls run in layer-from-stage grain (Note [Thin
+  // checkpoints], Note [Host room for checkpoints]).
+  std::optional<double> host_checkpoint_limit_gib;
   bool verbose = false;  // log the automatic plan with its predicted stage times
   // Data parallel across processes (roundpipe/distributed.h): each step
   // averages the gradients over the group's processes; none: this process
@@ -79,6 +86,10 @@ struct RoundPipeOptions {
   }
   RoundPipeOptions& set_model_memory_limit_gib(double v) {
     model_memory_limit_gib = v;
+    return *this;
+  }
+  RoundPipeOptions& set_host_checkpoint_limit_gib(double v) {
+    host_checkpoint_limit_gib = v;
     return *this;
   }
   RoundPipeOptions& set_verbose(bool v) {
@@ -134,6 +145,10 @@ struct PipelineStats {
   // memory (Note [Out-of-memory redo]); each also prints a warning. A plan
   // that fits the first time keeps it at 0.
   int64_t out_of_memory_recoveries = 0;
+  // Training calls that kept only each backward stage's input on the host
+  // (layer-from-stage grain, asked for or chosen where the host is short:
+  // Note [Host room for checkpoints]).
+  int64_t calls_with_thin_checkpoints = 0;
 };
 
 struct ForwardBackwardResult {

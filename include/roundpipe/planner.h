@@ -49,8 +49,9 @@ struct PlanRequest {
   int tail_rows = 0;
   int first_row_split_layer = std::numeric_limits<int>::max();
   // The layers' activation_bytes are not measured (yet): the plan keeps
-  // half the limit for them.
+  // this share of the limit for them.
   bool activations_unmeasured = false;
+  double unmeasured_activation_share = 0.5;
   // Host-to-device bytes per second for parameter uploads; 0 = free.
   double upload_bytes_per_second = 0;
   // Microbatches per call: a stage computes this many times per upload.

@@ -410,6 +410,7 @@ PYBIND11_MODULE(_C, m) {
              d["weight_wait_seconds"] = s.weight_wait_seconds;
              d["call_start_wait_seconds"] = s.call_start_wait_seconds;
              d["tail_microbatches_in_row_chunks"] = s.tail_microbatches_in_row_chunks;
+             d["calls_with_thin_checkpoints"] = s.calls_with_thin_checkpoints;
              d["upload_out_of_memory_retries"] = s.upload_out_of_memory_retries;
              d["out_of_memory_recoveries"] = s.out_of_memory_recoveries;
              return d;

@@ -64,13 +64,14 @@ def adapter_grads_close(ours, oracle, own_scale=False):
             assert p.grad is None and not p.requires_grad, n
 
 
-def check_against_peft(model, devices, oracle=None, own_scale=False):
+def check_against_peft(model, devices, oracle=None, own_scale=False, grain=None):
     """A peft model through RoundPipe (2 microbatches of a padded batch):
     masters for the adapters only, and peft's loss and adapter gradients
     (`oracle`'s: by default a copy of the model). Returns the names of the
     trainable parameters."""
     oracle = copy.deepcopy(model) if oracle is None else oracle
-    pipe = wrap_model_to_roundpipe(model, devices=devices, model_run_config=RoundPipeRunConfig(num_microbatch=2))
+    pipe = wrap_model_to_roundpipe(model, devices=devices,
+                                   model_run_config=RoundPipeRunConfig(num_microbatch=2, recompute_grain=grain))
     assert isinstance(pipe, roundpipe.CausalLMRoundPipe)
     adapters = [n for n, p in model.named_parameters() if p.requires_grad]
     assert len(list(pipe.optim_parameters())) == len(adapters) > 0  # masters for the adapters only
@@ -87,6 +88,12 @@ def check_against_peft(model, devices, oracle=None, own_scale=False):
 @pytest.mark.parametrize("targets,rslora", [("all-linear", False), (["q_proj", "v_proj", "down_proj"], True)])
 def test_losses_and_adapter_gradients_match_peft(devices, targets, rslora):
     check_against_peft(lora_model(targets, rslora), devices)
+
+
+def test_thin_checkpoints_train_as_peft(devices):
+    """recompute_grain="layer_from_stage" (Note [Thin checkpoints]): the host
+    keeps each backward stage's input only; peft's loss and gradients."""
+    check_against_peft(lora_model("all-linear", False), devices, grain="layer_from_stage")
 
 
 def test_the_originals_form_lora_model_dot_model_trains_like_peft_and_saves_a_peft_adapter(tmp_path):

@@ -121,12 +121,12 @@ PlanEstimate AutoPlan::estimate(bool fused, int num_microbatches, int min_stages
   }
   if (fused && !measured && request.memory_limit_bytes > 0 && !callers_question) {
     // Note [First training call]
-    auto first = estimate_plan(
-        costs, ExecutePlan::one_layer_per_stage(static_cast<int>(costs.size()), true), request);
-    const int64_t held = request.memory_limit_bytes / 2;  // the rest for activations
-    if (std::all_of(first.stages.begin(), first.stages.end(),
-                    [&](const StageEstimate& s) { return s.peak_bytes <= held; }))
-      return first;
+    request.unmeasured_activation_share = 0.75;
+    try {
+      return plan_stages(costs, request);
+    } catch (const c10::Error&) {
+      request.unmeasured_activation_share = 0.5;  // no such plan: as any unmeasured call
+    }
   }
   return plan_stages(costs, request);
 }
@@ -138,12 +138,16 @@ PlanEstimate AutoPlan::estimate(bool fused, int num_microbatches, int min_stages
 // about 10 GiB, half a 24 GiB card, while a 1.7B layer keeps 1.5 GiB. The
 // plan on parameter bytes with half the limit held back for activations
 // ran out of memory on the first call at 32B (its tail asked 1.56 GiB more
-// with 20.99 GiB allocated), and stages sized to the half could not leave
-// more. So under a memory limit, a training call before the measurement
-// runs one layer per stage: the least any plan holds (two layers'
-// parameters, one layer's activations and working memory). It costs that
-// call more stage hand-offs and parameter uploads, not results; the next
-// call's plan is the measured one.
+// with 20.99 GiB allocated: its parameters and the next stage's took the
+// other half). So under a memory limit, a forward_backward before the
+// measurement packs its stages (with the next stage's parameters) into a
+// quarter of the limit, three quarters held back for one layer's
+// activations and working memory; where no such plan exists, into half.
+// One layer per stage would hold less still, but each backward stage's
+// input is a checkpoint on the host: at 32B in layer-from-stage grain it
+// kept 41 GiB there (every layer's input) in that first call, which the
+// later calls then did not need (H100, 2026-12-05). The next call's plan
+// is the measured one.
 
 // Note [Automatic grain]
 // Where the caller sets no recompute_grain, the plan chooses it. Until
@@ -195,7 +199,80 @@ AutoPlan::Choice AutoPlan::choose(bool fused, int n, int min_stages,
       // No stage-grain plan fits the limit: layer grain.
     }
   }
+  // Note [Host room for checkpoints]
+  // Layer grain keeps every layer's input of every microbatch on the host
+  // from a call's forward to its backward: 41 GiB a call for a 32B model
+  // over 16 x 4096 tokens, which a 64 GiB workstation holding the model's
+  // state does not have. Where the plan chooses the grain and layer grain's
+  // checkpoints (measured output bytes) would take more than the host's
+  // room for them, calls run in layer-from-stage grain (Note [Thin
+  // checkpoints]): the same device memory, each backward stage's input
+  // only, at one more forward of the stages' other layers. Once chosen it
+  // stays: the room it leaves would otherwise flip the next plan back.
+  // (Output bytes are measured with the times, also where activations
+  // cannot be: Python layers always run in layer grain.)
+  if (plan_chooses && chosen == RecomputeGrain::kLayer && timings_.complete() && min_stages == 0 &&
+      !memory_limit_gib) {
+    bool thin = thin_for_host_;
+    if (!thin) {
+      const int64_t room = host_checkpoint_room();
+      thin = room > 0 && checkpoint_bytes(plan.plan, RecomputeGrain::kLayer, fused, n) > room;
+    }
+    if (thin) {
+      auto rerun = estimate(fused, n, min_stages, memory_limit_gib, RecomputeGrain::kLayerFromStage,
+                            /*grow_tail=*/true, tail_rows);
+      if (!thin_for_host_ && options_.verbose)
+        std::fprintf(stderr,
+                     "%s: layer grain's checkpoints (%.2f GiB a call) exceed the host's room for "
+                     "them (%.2f GiB): calls keep each backward stage's input only "
+                     "(layer_from_stage grain)\n",
+                     name_.c_str(),
+                     checkpoint_bytes(plan.plan, RecomputeGrain::kLayer, fused, n) / 1073741824.0,
+                     host_checkpoint_room() / 1073741824.0);
+      thin_for_host_ = true;
+      return {std::move(rerun), RecomputeGrain::kLayerFromStage};
+    }
+  }
   return {std::move(plan), chosen};
+}
+
+int64_t AutoPlan::checkpoint_bytes(const ExecutePlan& plan, RecomputeGrain grain, bool fused,
+                                   int n) const {
+  // The inputs CallState::make_slots keeps for the backward stages (the
+  // fused tail's are its own; layer 0's is the caller's input).
+  const auto outputs = timings_.output_bytes();
+  int64_t per_microbatch = 0;
+  for (size_t i = fused ? 1 : 0; i < plan.backward.size(); ++i) {
+    const auto& r = plan.backward[i];
+    const int last = grain == RecomputeGrain::kLayer ? r.end : r.begin + 1;
+    for (int l = std::max(r.begin, 1); l < last; ++l) per_microbatch += outputs.at(l - 1);
+  }
+  return per_microbatch * n;
+}
+
+int64_t AutoPlan::host_checkpoint_room() const {
+  if (options_.host_checkpoint_limit_gib)
+    return static_cast<int64_t>(*options_.host_checkpoint_limit_gib * (1 << 30));
+  // Three quarters of what the host could give now: its available memory
+  // and the arena's free blocks (the last call's checkpoints went back
+  // there). The rest is for the step's staging, the hand-offs in flight
+  // and everything else the process and the host run.
+  int64_t available = 0;
+  if (FILE* f = std::fopen("/proc/meminfo", "r")) {
+    char line[256];
+    long long kib = 0;
+    while (std::fgets(line, sizeof(line), f)) {
+      if (std::sscanf(line, "MemAvailable: %lld kB", &kib) == 1) {
+        available = static_cast<int64_t>(kib) * 1024;
+        break;
+      }
+    }
+    std::fclose(f);
+  }
+  if (available == 0) return 0;  // unknown: no limit
+  const auto arena = weights_.host_memory_stats().arena;
+  available += std::max<int64_t>(arena.reserved_bytes - arena.allocated_bytes, 0);
+  return available / 4 * 3;
 }
 
 AutoPlan::CallPlan AutoPlan::for_call(bool fused, int n, std::optional<RecomputeGrain> grain,

@@ -6,6 +6,7 @@
 // costs. Internal header.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <map>
 #include <mutex>
@@ -73,6 +74,10 @@ class AutoPlan {
 
  private:
   double probe_upload_rate() const;
+  // The bytes a call's checkpoints take on the host in `grain` (from the
+  // layers' measured output bytes), and the room the host has for them.
+  int64_t checkpoint_bytes(const ExecutePlan& plan, RecomputeGrain grain, bool fused, int n) const;
+  int64_t host_checkpoint_room() const;
   void log(bool fused, int num_microbatches, bool measured, const PlanEstimate& estimate);
 
   const std::string& name_;
@@ -92,6 +97,9 @@ class AutoPlan {
   std::map<PlanKey, ExecutePlan> plans_in_use_;
   std::string logged_plans_[2];  // verbose: the last plan logged (forward, fused)
   PlanShrink shrink_;            // after calls ran out of memory (out_of_memory.h)
+  // The host had no room for layer grain's checkpoints once: the automatic
+  // grain stays layer-from-stage (the room it leaves would flip it back).
+  mutable std::atomic<bool> thin_for_host_{false};
 };
 
 }  // namespace roundpipe::detail

@@ -223,6 +223,8 @@ std::shared_ptr<CallState> Engine::start_call(const c10::IValue& input, const Ru
     call->config.recompute_grain = chosen.grain;
   }
   call->plan.validate(num_layers(), call->fused);
+  if (call->training && call->grain == RecomputeGrain::kLayerFromStage)
+    stats_.count(&PipelineStats::calls_with_thin_checkpoints);
   if (call->preserve_rng)
     call->call_seed = redo_of ? redo_of->call_seed : draw_call_seed(*pool_.at(0));
   call->make_slots(num_layers());

@@ -53,6 +53,21 @@ std::vector<c10::IValue> CallState::split_input(const c10::IValue& input, const 
   return pieces;
 }
 
+// Note [Thin checkpoints]
+// What a training call keeps on the host between its forward and its
+// backward is what the grain says: in layer grain every layer's input of
+// every microbatch (a 64-layer, 5120-wide model over 16 x 4096 tokens:
+// 41 GiB, more than its NF4 base and adapters' 20 GiB of state); in stage
+// and layer-from-stage grain each backward stage's input only. A
+// layer-from-stage backward stage then runs by_layer's steps
+// (microbatch_steps.h): its layers without grad from that input, each
+// one's input downloaded for this microbatch only, the last layer with
+// grad, then the others recomputed one at a time. The device holds what it
+// holds in layer grain (one layer's activations); the host holds a
+// stage's inputs of one microbatch at a time; the cost is one more forward
+// of the stage's layers but the last (the planner adds it, `PlanRequest::
+// rerun_from_stage_input`). The recompute replays each layer's random
+// state as every grain does, so the results do not change.
 void CallState::make_slots(int num_layers) {
   act[0] = new_slots();
   for (const auto& r : plan.forward) act[r.end] = new_slots();

@@ -58,8 +58,10 @@ struct StageLoad {
 // The limit stages are packed under: half of it until the activations are
 // measured.
 int64_t effective_limit(const PlanRequest& request) {
-  return request.activations_unmeasured ? request.memory_limit_bytes / 2
-                                        : request.memory_limit_bytes;
+  return request.activations_unmeasured
+             ? static_cast<int64_t>(static_cast<double>(request.memory_limit_bytes) *
+                                    (1 - request.unmeasured_activation_share))
+             : request.memory_limit_bytes;
 }
 
 StageLoad stage_load(const std::vector<LayerCost>& layers, const LayerRange& r) {
@@ -285,7 +287,10 @@ int64_t smallest_feasible_memory_limit(const std::vector<LayerCost>& layers,
     worst_memory =
         std::max(worst_memory, stage_load(layers, {l, l + 1}).memory(true, request.layer_grain));
   const int64_t limit = worst_memory + largest_param_bytes(layers);
-  return request.activations_unmeasured ? 2 * limit : limit;
+  return request.activations_unmeasured
+             ? static_cast<int64_t>(std::ceil(static_cast<double>(limit) /
+                                              (1 - request.unmeasured_activation_share)))
+             : limit;
 }
 
 PlanEstimate plan_stages(const std::vector<LayerCost>& layers, const PlanRequest& request) {
@@ -356,8 +361,10 @@ PlanEstimate plan_stages(const std::vector<LayerCost>& layers, const PlanRequest
               " stages for a model of ", L, " layers");
   TORCH_CHECK(
       limit == 0 || any_fits, "model_memory_limit ", gib(request.memory_limit_bytes),
-      request.activations_unmeasured ? " GiB (half of it kept for activations, not measured yet)"
-                                     : " GiB",
+      request.activations_unmeasured
+          ? " GiB (" + std::to_string(static_cast<int>(request.unmeasured_activation_share * 100)) +
+                "% of it kept for activations, not measured yet)"
+          : std::string(" GiB"),
       " is too small: layer ", worst, " alone needs ", gib(worst_memory),
       " GiB in a backward stage (parameters ", gib(layers[worst].param_bytes), ", gradients ",
       gib(layers[worst].grad_bytes), ", activations ", gib(layers[worst].activation_bytes),

@@ -122,21 +122,26 @@ TEST(AutoPlan, ASimulatedDevicesBudgetLimitsThePlanWhichFitsItByItsOwnEstimate) 
 }
 
 // Note [First training call]: before what layers keep for their backward is
-// measured, a forward_backward under a device's limit runs one layer per
-// stage; a caller's own limit, or no limit, gets the packed plan.
-TEST(AutoPlan, BeforeMeasurementAForwardBackwardUnderALimitRunsOneLayerPerStage) {
+// measured, a forward_backward under a device's limit packs its stages into
+// a quarter of the limit (three quarters for activations); a caller's own
+// limit gets the usual half.
+TEST(AutoPlan, BeforeMeasurementAForwardBackwardUnderALimitKeepsThreeQuartersForActivations) {
   const Planning unlimited("sim:1");
   const int64_t limit = round_limit(unlimited.smallest_feasible_limit() * 3);
   const Planning limited(sim_with_limit(limit));
   const auto first = limited.estimate(/*fused=*/true);
-  EXPECT_EQ(first.plan.to_string(), ExecutePlan::one_layer_per_stage(kLayers, true).to_string());
-  expect_fits(first, limit, "the first call's plan", /*fused=*/true);
-  const auto free = unlimited.estimate(/*fused=*/true);
-  EXPECT_LT(stage_count(free.plan), 2 * kLayers - 1) << free.describe();
+  for (const auto& stage : first.stages) EXPECT_LE(4 * stage.peak_bytes, limit) << first.describe();
   const auto asked = unlimited.plan.estimate(
       true, kMicrobatches, 0, static_cast<double>(limit) / (1 << 30), RecomputeGrain::kLayer);
-  EXPECT_LT(stage_count(asked.plan), 2 * kLayers - 1) << asked.describe();
   expect_fits(asked, limit, "a caller's limit", /*fused=*/true);
+  ASSERT_GT(4 * largest_peak(asked), limit) << "the quarter would change nothing";
+  EXPECT_GT(stage_count(first.plan), stage_count(asked.plan)) << first.describe() << "\n"
+                                                              << asked.describe();
+  // Where a quarter holds no plan (one layer per stage needs more than
+  // it), the first call's plan is packed into half, as any unmeasured one.
+  const int64_t tight = round_limit(unlimited.smallest_feasible_limit() * 5 / 4);
+  const Planning small(sim_with_limit(tight));
+  expect_fits(small.estimate(/*fused=*/true), tight, "a tight limit", /*fused=*/true);
 }
 
 TEST(AutoPlan, AfterRunningOutOfMemoryThePlansFitThreeQuartersOfTheLimit) {
@@ -164,6 +169,47 @@ TEST(AutoPlan, AfterRunningOutOfMemoryThePlansFitThreeQuartersOfTheLimit) {
   const auto asked = planning.plan.estimate(
       false, kMicrobatches, 0, static_cast<double>(limit) / (1 << 30), RecomputeGrain::kLayer);
   EXPECT_EQ(asked.plan.to_string(), before.plan.to_string());
+}
+
+// Note [Host room for checkpoints]: where the plan chooses layer grain (here
+// after a stage-grain call ran out of memory) and its checkpoints, every
+// layer's input, would take more than the host's room for them, calls run
+// in layer-from-stage grain, and stay there.
+TEST(AutoPlan, WhereTheHostHasNoRoomForLayerGrainsCheckpointsCallsKeepStageInputsOnly) {
+  const Planning probe("sim:1");
+  Planning planning(sim_with_limit(round_limit(probe.smallest_feasible_limit())));
+  // Every layer measured: 1 ms each way, 1000-byte outputs.
+  for (int l = 0; l < kLayers; ++l) {
+    for (auto kind : {detail::LayerTimings::kForward, detail::LayerTimings::kRecompute,
+                      detail::LayerTimings::kBackward}) {
+      planning.timings.add(l, kind, 1e-3);
+      planning.timings.add(l, kind, 1e-3);
+    }
+    planning.timings.add_output_bytes(l, 1000);
+  }
+  ASSERT_TRUE(planning.timings.complete());
+  const auto failed = planning.plan.for_call(true, kMicrobatches, std::nullopt).plan;
+  planning.plan.shrink_after_out_of_memory(failed, RecomputeGrain::kStage, /*grain_chosen=*/true);
+  planning.options.host_checkpoint_limit_gib = 1024;  // room
+  auto roomy = planning.plan.for_call(true, kMicrobatches, std::nullopt);
+  ASSERT_EQ(roomy.grain, RecomputeGrain::kLayer);
+  // Layer grain keeps the inputs of the layers of the backward stages
+  // after the tail (if none, this test has nothing to show).
+  int kept_layers = 0;
+  for (size_t i = 1; i < roomy.plan.backward.size(); ++i)
+    kept_layers += roomy.plan.backward[i].size() - (roomy.plan.backward[i].begin == 0 ? 1 : 0);
+  ASSERT_GT(kept_layers, 0) << roomy.plan.to_string();
+  planning.options.host_checkpoint_limit_gib = 1000.0 * kMicrobatches * kept_layers / 2 / (1 << 30);
+  const auto short_of_room = planning.plan.for_call(true, kMicrobatches, std::nullopt);
+  EXPECT_EQ(short_of_room.grain, RecomputeGrain::kLayerFromStage);
+  EXPECT_NO_THROW(short_of_room.plan.validate(kLayers, true));
+  planning.options.host_checkpoint_limit_gib = 1024;
+  EXPECT_EQ(planning.plan.for_call(true, kMicrobatches, std::nullopt).grain,
+            RecomputeGrain::kLayerFromStage)
+      << "the grain flips back once the room its checkpoints left is there";
+  // A caller's grain is the caller's.
+  EXPECT_EQ(planning.plan.for_call(true, kMicrobatches, RecomputeGrain::kLayer).grain,
+            RecomputeGrain::kLayer);
 }
 
 TEST(AutoPlan, WithoutALimitThePlanAfterRunningOutOfMemoryHasAStageMore) {
