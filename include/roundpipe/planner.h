@@ -23,6 +23,7 @@ struct LayerCost {
   int64_t grad_bytes = 0;        // gradients a backward stage accumulates on the device
   int64_t activation_bytes = 0;  // one microbatch's activations kept for its backward (0: unknown)
   int64_t working_bytes = 0;     // the most its forward or backward holds beyond that, at once
+  int64_t output_bytes = 0;      // one microbatch's output (the next layer's input; 0: unknown)
 };
 
 struct PlanRequest {
@@ -39,6 +40,12 @@ struct PlanRequest {
   // a backward stage reruns its layers but the last without grad to find
   // their inputs (RecomputeGrain::kLayerFromStage): one more forward each.
   bool rerun_from_stage_input = false;
+  // With rerun_from_stage_input: the host memory the call's checkpoints
+  // (each backward stage's input, every microbatch: PlanEstimate::
+  // checkpoint_bytes) may take. > 0: the fastest plan within it, else the
+  // one with the fewest; 0: the fewest checkpoints, then the fastest (what
+  // a caller who asks for this grain wants, Note [Thin checkpoints]).
+  int64_t host_checkpoint_limit_bytes = 0;
   // With layer_grain, fused, a limit and measured activations: the fused
   // tail runs as many of its last layers with grad as the limit holds
   // (StageEstimate::layers_with_grad), saving their recompute.
@@ -89,6 +96,10 @@ struct PlanEstimate {
   ExecutePlan plan;
   std::vector<StageEstimate> stages;  // forward stages in order, then backward deep to shallow
   double iteration = 0;               // predicted time per call of back-to-back calls (round-robin)
+  // Host bytes of the call's checkpoints: the inputs kept for its backward
+  // stages but the fused tail (every layer's in layer grain, else each
+  // stage's), all microbatches; from LayerCost::output_bytes.
+  int64_t checkpoint_bytes = 0;
   // One line per stage (layers, compute, upload, memory) and the totals.
   std::string describe() const;
 };

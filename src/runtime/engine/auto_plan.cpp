@@ -96,6 +96,11 @@ PlanEstimate AutoPlan::estimate(bool fused, int num_microbatches, int min_stages
   const int64_t unshrunk_limit = request.memory_limit_bytes;
   request.layer_grain = grain != RecomputeGrain::kStage;
   request.rerun_from_stage_input = grain == RecomputeGrain::kLayerFromStage;
+  // Its checkpoints: within the caller's limit for them, or within the
+  // host's room where the plan chose this grain for it; the fewest where a
+  // caller asked for the grain (Note [Thin checkpoints]).
+  if (request.rerun_from_stage_input && (options_.host_checkpoint_limit_gib || thin_for_host_))
+    request.host_checkpoint_limit_bytes = host_checkpoint_room();
   request.grow_tail_with_grad = grow_tail;
   request.tail_rows = tail_rows;
   request.first_row_split_layer = first_row_split_layer_;
@@ -216,38 +221,23 @@ AutoPlan::Choice AutoPlan::choose(bool fused, int n, int min_stages,
     bool thin = thin_for_host_;
     if (!thin) {
       const int64_t room = host_checkpoint_room();
-      thin = room > 0 && checkpoint_bytes(plan.plan, RecomputeGrain::kLayer, fused, n) > room;
+      thin = room > 0 && plan.checkpoint_bytes > room;
     }
     if (thin) {
-      auto rerun = estimate(fused, n, min_stages, memory_limit_gib, RecomputeGrain::kLayerFromStage,
-                            /*grow_tail=*/true, tail_rows);
       if (!thin_for_host_ && options_.verbose)
         std::fprintf(stderr,
                      "%s: layer grain's checkpoints (%.2f GiB a call) exceed the host's room for "
                      "them (%.2f GiB): calls keep each backward stage's input only "
                      "(layer_from_stage grain)\n",
-                     name_.c_str(),
-                     checkpoint_bytes(plan.plan, RecomputeGrain::kLayer, fused, n) / 1073741824.0,
+                     name_.c_str(), plan.checkpoint_bytes / 1073741824.0,
                      host_checkpoint_room() / 1073741824.0);
       thin_for_host_ = true;
+      auto rerun = estimate(fused, n, min_stages, memory_limit_gib, RecomputeGrain::kLayerFromStage,
+                            /*grow_tail=*/true, tail_rows);
       return {std::move(rerun), RecomputeGrain::kLayerFromStage};
     }
   }
   return {std::move(plan), chosen};
-}
-
-int64_t AutoPlan::checkpoint_bytes(const ExecutePlan& plan, RecomputeGrain grain, bool fused,
-                                   int n) const {
-  // The inputs CallState::make_slots keeps for the backward stages (the
-  // fused tail's are its own; layer 0's is the caller's input).
-  const auto outputs = timings_.output_bytes();
-  int64_t per_microbatch = 0;
-  for (size_t i = fused ? 1 : 0; i < plan.backward.size(); ++i) {
-    const auto& r = plan.backward[i];
-    const int last = grain == RecomputeGrain::kLayer ? r.end : r.begin + 1;
-    for (int l = std::max(r.begin, 1); l < last; ++l) per_microbatch += outputs.at(l - 1);
-  }
-  return per_microbatch * n;
 }
 
 int64_t AutoPlan::host_checkpoint_room() const {

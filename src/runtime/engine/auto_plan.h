@@ -74,9 +74,8 @@ class AutoPlan {
 
  private:
   double probe_upload_rate() const;
-  // The bytes a call's checkpoints take on the host in `grain` (from the
-  // layers' measured output bytes), and the room the host has for them.
-  int64_t checkpoint_bytes(const ExecutePlan& plan, RecomputeGrain grain, bool fused, int n) const;
+  // The room the host has for a call's checkpoints (Note [Host room for
+  // checkpoints]).
   int64_t host_checkpoint_room() const;
   void log(bool fused, int num_microbatches, bool measured, const PlanEstimate& estimate);
 

@@ -111,6 +111,7 @@ std::vector<LayerCost> LayerTimings::costs(const std::vector<int64_t>& param_byt
     costs[l].backward = times_[3 * l + kBackward].value();
     costs[l].param_bytes = param_bytes[l];
     costs[l].grad_bytes = grad_bytes[l];
+    costs[l].output_bytes = output_bytes_[l];
     // What a backward stage keeps per layer and microbatch: what the
     // layer's forward with grad was measured to keep, at least its output.
     costs[l].activation_bytes = kept_bytes(l);

@@ -154,6 +154,20 @@ double simulate(const std::vector<StageEstimate>& stages, const PlanRequest& req
   return finish[S * kCalls - 1] - finish[S * (kCalls - 1) - 1];
 }
 
+// The host bytes backward stage `r` of `plan` keeps from the forward to its
+// backward (CallState::make_slots): its layers' inputs in layer grain,
+// else its own; none for the fused tail (its inputs are its own stage's)
+// or for layer 0 (the caller's input).
+int64_t checkpoint_bytes_of(const std::vector<LayerCost>& layers, const ExecutePlan& plan,
+                            const LayerRange& r, const PlanRequest& request) {
+  if (request.fused && &r == &plan.backward.front()) return 0;
+  const bool every_layer = request.layer_grain && !request.rerun_from_stage_input;
+  int64_t bytes = 0;
+  for (int l = std::max(r.begin, 1); l < (every_layer ? r.end : r.begin + 1); ++l)
+    bytes += layers[l - 1].output_bytes;
+  return bytes * request.num_microbatches;
+}
+
 // Per-layer compute of a forward stage and of a backward stage.
 Costs costs_of(const std::vector<LayerCost>& layers) {
   Costs c;
@@ -293,6 +307,24 @@ int64_t smallest_feasible_memory_limit(const std::vector<LayerCost>& layers,
              : limit;
 }
 
+namespace {
+// Whether `candidate` is a better plan than `best` (`faster`: by time):
+// by time, but in layer-from-stage grain the host's checkpoints first
+// (PlanRequest::host_checkpoint_limit_bytes).
+bool host_order(const PlanEstimate& candidate, const PlanEstimate& best, bool faster,
+                const PlanRequest& request) {
+  if (!request.rerun_from_stage_input) return faster;
+  const int64_t limit = request.host_checkpoint_limit_bytes;
+  const auto fewer = candidate.checkpoint_bytes < best.checkpoint_bytes;
+  const auto same = candidate.checkpoint_bytes == best.checkpoint_bytes;
+  if (limit <= 0) return fewer || (same && faster);
+  const bool candidate_fits = candidate.checkpoint_bytes <= limit;
+  const bool best_fits = best.checkpoint_bytes <= limit;
+  if (candidate_fits != best_fits) return candidate_fits;
+  return candidate_fits ? faster : fewer || (same && faster);
+}
+}  // namespace
+
 PlanEstimate plan_stages(const std::vector<LayerCost>& layers, const PlanRequest& request) {
   const int L = static_cast<int>(layers.size());
   TORCH_CHECK(L >= 1, "a RoundPipe model needs at least one layer");
@@ -335,12 +367,14 @@ PlanEstimate plan_stages(const std::vector<LayerCost>& layers, const PlanRequest
     any_staged = true;
     auto candidate = estimate_plan(layers, plan, request);
     if (!plan_fits(candidate)) continue;
-    any_fits = true;
-    if (candidate.iteration < best.iteration * (1 - 1e-9) ||
-        (candidate.iteration <= best.iteration * (1 + 1e-9) && stages < best_stages)) {
+    const bool faster =
+        candidate.iteration < best.iteration * (1 - 1e-9) ||
+        (candidate.iteration <= best.iteration * (1 + 1e-9) && stages < best_stages);
+    if (!any_fits || host_order(candidate, best, faster, request)) {
       best = std::move(candidate);
       best_stages = stages;
     }
+    any_fits = true;
   }
   // The whole model as one fused stage on several devices at once, each
   // with its share of the microbatches: no recompute and no pipeline
@@ -381,7 +415,10 @@ PlanEstimate plan_stages(const std::vector<LayerCost>& layers, const PlanRequest
     auto kept = estimate_plan(layers, *request.incumbent, request);
     const bool kept_fits = plan_fits(kept);
     const bool valid = static_cast<int>(kept.stages.size()) >= request.min_stages;
-    if (kept_fits && valid &&
+    // (In layer-from-stage grain, not where the new plan keeps fewer
+    // checkpoints than the host has room for.)
+    const bool host_ok = !host_order(best, kept, /*faster=*/false, request);
+    if (kept_fits && valid && host_ok &&
         comparable_time(kept, request) <=
             comparable_time(best, request) * (1 + request.keep_within))
       return with_tail_grown(layers, std::move(kept), request);
@@ -398,6 +435,7 @@ PlanEstimate estimate_plan(const std::vector<LayerCost>& layers, const ExecutePl
     e.stages.push_back(estimate(layers, c.forward, r, false, request));
   for (const auto& r : plan.backward) {
     e.stages.push_back(estimate(layers, c.backward, r, true, request));
+    e.checkpoint_bytes += checkpoint_bytes_of(layers, plan, r, request);
     // Rerun from the stage's input: all but its last layer once more (the
     // fused tail's extra forward is with_tail_grown's).
     const bool tail = request.fused && &r == &plan.backward.front();
@@ -435,6 +473,8 @@ std::string PlanEstimate::describe() const {
           << "\n";
   }
   out << "  plan " << plan.to_string() << ", predicted " << iteration << " per call";
+  if (checkpoint_bytes > 0)
+    out << ", " << gib(checkpoint_bytes) << " GiB of checkpoints on the host";
   return out.str();
 }
 

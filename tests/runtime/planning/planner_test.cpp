@@ -327,6 +327,39 @@ TEST(Planner, LayerFromStageAddsTheRerunOfABackwardStagesLayersButTheLast) {
   EXPECT_GT(thin.iteration, layer.iteration);
 }
 
+// Layer-from-stage grain saves host memory only with few backward stages:
+// asked for (no host limit), the plan keeps the fewest checkpoints; under a
+// host limit, the fastest plan within it.
+TEST(Planner, LayerFromStageKeepsTheFewestCheckpointsOrTheFastestWithinTheHostLimit) {
+  std::vector<LayerCost> layers(8);
+  for (size_t l = 0; l < layers.size(); ++l) {
+    layers[l] = {1.0, 1.0, 2.0, 50 * kMiB, 0, 100 * kMiB, 0, kMiB};
+    if (l % 3 == 0) layers[l].backward = 6.0;  // uneven: balance wants many stages
+  }
+  PlanRequest request;
+  request.fused = true;
+  request.layer_grain = true;
+  request.num_microbatches = 2;
+  request.memory_limit_bytes = 500 * kMiB;  // four layers a stage at most
+  const auto layer = plan_stages(layers, request);
+  request.rerun_from_stage_input = true;
+  const auto fewest = plan_stages(layers, request);
+  EXPECT_LT(fewest.checkpoint_bytes, layer.checkpoint_bytes) << fewest.describe();
+  // Two backward stages of four: the tail, and [0, 4), whose input is the
+  // caller's.
+  EXPECT_EQ(fewest.checkpoint_bytes, 0) << fewest.describe();
+  request.host_checkpoint_limit_bytes = int64_t{1} << 40;
+  const auto fastest = plan_stages(layers, request);
+  EXPECT_LE(fastest.iteration, fewest.iteration);
+  ASSERT_GT(fastest.checkpoint_bytes, 0) << fastest.describe();
+  request.host_checkpoint_limit_bytes = fastest.checkpoint_bytes - kMiB;
+  const auto within = plan_stages(layers, request);
+  EXPECT_LE(within.checkpoint_bytes, request.host_checkpoint_limit_bytes) << within.describe();
+  for (const auto* e : {&layer, &fewest, &fastest, &within}) {
+    for (const auto& s : e->stages) EXPECT_LE(s.peak_bytes, request.memory_limit_bytes);
+  }
+}
+
 // What a layer keeps for its backward is measured on its forward with grad
 // (its saved tensors and output), not only its output: a block whose hidden
 // activations are 4 x wider than its output keeps them, and the automatic
