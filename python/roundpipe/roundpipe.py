@@ -175,6 +175,12 @@ class RoundPipe(PassThroughToModel, nn.Module):
       norm or an inf check in it is not the whole model's
     - reduce_dtype: the dtype gradients cross the network in (default:
       float32); torch.bfloat16 halves the bytes
+    - host_checkpoint_limit (keyword): host memory (GiB) a training call's
+      activation checkpoints may take where the plan chooses the recompute
+      grain (default: three quarters of what the host has available);
+      beyond it calls keep each backward stage's input only
+      (recompute_grain "layer_from_stage"; pipeline_stats()
+      ["calls_with_thin_checkpoints"] counts them)
 
     Attributes the wrapper lacks are read from the original model (e.g.
     ``model.config``); writes go to both.
@@ -194,6 +200,7 @@ class RoundPipe(PassThroughToModel, nn.Module):
         shard_optimizer_state: bool = False,
         reduce_dtype: Optional[torch.dtype] = None,
         *,
+        host_checkpoint_limit: Optional[float] = None,
         _layers=None,
     ):
         super().__init__()
@@ -231,7 +238,8 @@ class RoundPipe(PassThroughToModel, nn.Module):
             _layers, optim_dtype, name or _call_site(), pin_model, devices or "",
             model_memory_limit, bool(verbose or ModelTimer.VERBOSE),
             process_group=engine_group.boxed() if engine_group is not None else None,
-            reduce_dtype=reduce_dtype, shard_optimizer_state=bool(shard_optimizer_state)))
+            reduce_dtype=reduce_dtype, shard_optimizer_state=bool(shard_optimizer_state),
+            host_checkpoint_limit=host_checkpoint_limit))
         object.__setattr__(self, "_names", self._original_names())
         object.__setattr__(self, "training", model.training)
         _live_roundpipes.add(self)

@@ -307,7 +307,7 @@ PYBIND11_MODULE(_C, m) {
                        std::string name, std::string pin_model, std::string devices,
                        std::optional<double> model_memory_limit, bool verbose,
                        py::object process_group, std::optional<at::ScalarType> reduce_dtype,
-                       bool shard_optimizer_state) {
+                       bool shard_optimizer_state, std::optional<double> host_checkpoint_limit) {
              RoundPipeOptions options;
              if (!process_group.is_none()) {  // data parallel: its boxed() object
                DataParallelOptions data_parallel(process_group_from(process_group));
@@ -316,6 +316,10 @@ PYBIND11_MODULE(_C, m) {
                options.set_data_parallel(data_parallel);
              }
              options.model_memory_limit_gib = model_memory_limit;
+             TORCH_CHECK(!host_checkpoint_limit || *host_checkpoint_limit > 0,
+                         "host_checkpoint_limit must be positive (GiB), got ",
+                         host_checkpoint_limit.value_or(0));
+             options.host_checkpoint_limit_gib = host_checkpoint_limit;
              options.verbose = verbose;
              options.optim_dtype = optim_dtype;
              options.pin_model = pin_mode_from_string(pin_model);
@@ -329,7 +333,7 @@ PYBIND11_MODULE(_C, m) {
            py::arg("layers"), py::arg("optim_dtype"), py::arg("name"), py::arg("pin_model"),
            py::arg("devices"), py::arg("model_memory_limit"), py::arg("verbose"),
            py::arg("process_group") = py::none(), py::arg("reduce_dtype") = py::none(),
-           py::arg("shard_optimizer_state") = false)
+           py::arg("shard_optimizer_state") = false, py::arg("host_checkpoint_limit") = py::none())
       .def("forward",
            [](RoundPipe& self, py::object input, py::object run_config) {
              auto value = to_ivalue(input);

@@ -241,8 +241,13 @@ AutoPlan::Choice AutoPlan::choose(bool fused, int n, int min_stages,
 }
 
 int64_t AutoPlan::host_checkpoint_room() const {
-  if (options_.host_checkpoint_limit_gib)
-    return static_cast<int64_t>(*options_.host_checkpoint_limit_gib * (1 << 30));
+  if (options_.host_checkpoint_limit_gib) {
+    TORCH_CHECK(*options_.host_checkpoint_limit_gib > 0, name_,
+                ": host_checkpoint_limit must be positive (GiB), got ",
+                *options_.host_checkpoint_limit_gib);
+    return std::max<int64_t>(
+        static_cast<int64_t>(*options_.host_checkpoint_limit_gib * (1 << 30)), 1);
+  }
   // Three quarters of what the host could give now: its available memory
   // and the arena's free blocks (the last call's checkpoints went back
   // there). The rest is for the step's staging, the hand-offs in flight
