@@ -59,6 +59,9 @@ int main(int argc, char** argv) {
   app.add_option("--recompute", a.recompute,
                  "recompute grain: stage, layer, or layer_from_stage (host keeps each backward "
                  "stage's input only; default: the automatic plan chooses)");
+  app.add_option("--host-checkpoint-limit", a.host_checkpoint_limit_gib,
+                 "host memory a step's activation checkpoints may take, GiB; beyond it the plan "
+                 "keeps each backward stage's input only (default: 3/4 of what the host has)");
   app.add_option("--memory-limit", a.memory_limit_gib,
                  "device memory the plan may use, GiB (default: what the device grants)");
   app.add_option(

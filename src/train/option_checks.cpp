@@ -100,6 +100,9 @@ void validate(const TrainOptions& a) {
         "--recompute", "stage, layer or layer_from_stage", a.recompute);
   check(std::isfinite(a.memory_limit_gib) && a.memory_limit_gib >= 0, "--memory-limit",
         "a size in GiB (0: what the device grants)", text(a.memory_limit_gib));
+  check(std::isfinite(a.host_checkpoint_limit_gib) && a.host_checkpoint_limit_gib >= 0,
+        "--host-checkpoint-limit", "a size in GiB (0: three quarters of what the host has)",
+        text(a.host_checkpoint_limit_gib));
   dtype_from_string(a.dtype);
   pin_mode_from_string(a.pin);
   if (a.data.empty()) {

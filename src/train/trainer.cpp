@@ -160,6 +160,8 @@ TrainSummary run_training(const TrainOptions& given) {
                                .set_model_run_config(run_config);
   if (args.memory_limit_gib > 0)
     roundpipe_options.set_model_memory_limit_gib(args.memory_limit_gib);
+  if (args.host_checkpoint_limit_gib > 0)
+    roundpipe_options.set_host_checkpoint_limit_gib(args.host_checkpoint_limit_gib);
   if (data_parallel) roundpipe_options.set_data_parallel(*data_parallel);
   auto options = roundpipe::WrapOptions().set_model(model_options).set_roundpipe(roundpipe_options);
   const auto start_load = Clock::now();

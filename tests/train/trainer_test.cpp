@@ -135,6 +135,8 @@ TEST(Trainer, EveryOptionIsValidatedBeforeTraining) {
   expect_rejected([](auto& o) { o.recompute = "block"; },
                   "--recompute must be stage, layer or layer_from_stage");
   expect_rejected([](auto& o) { o.memory_limit_gib = -2; }, "--memory-limit must be a size in GiB");
+  expect_rejected([](auto& o) { o.host_checkpoint_limit_gib = -1; },
+                  "--host-checkpoint-limit must be a size in GiB");
   expect_rejected([](auto& o) { o.dtype = "int8"; }, "unknown dtype 'int8'");
   expect_rejected([](auto& o) { o.task = "sorting"; }, "--task must be reverse or addition");
   expect_rejected([](auto& o) { o.devices = "sim:2,jitter_us=-5"; }, "jitter_us");

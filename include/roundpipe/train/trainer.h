@@ -20,9 +20,13 @@ struct TrainOptions {
   // Without eval_data: this fraction of `data`'s examples is held out (the
   // last ones after a shuffle by seed) and evaluated as eval_data would be.
   double eval_fraction = 0;
-  // recompute: "stage", "layer" or "" (the automatic plan chooses).
+  // recompute: "stage", "layer", "layer_from_stage" or "" (the automatic
+  // plan chooses).
   std::string output = "roundpipe-out", devices, dtype = "float32", pin = "alloc", recompute;
   double memory_limit_gib = 0;  // the plan's device memory limit; 0: what the device grants
+  // Host memory for a call's checkpoints (RoundPipeOptions::
+  // host_checkpoint_limit_gib); 0: three quarters of what the host has.
+  double host_checkpoint_limit_gib = 0;
   std::string checkpoint_dir;
   int64_t batch_size = 64, seq_len = 512, steps = 0, epochs = 0, checkpoint_every = 0,
           log_every = 10;
