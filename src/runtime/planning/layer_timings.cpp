@@ -43,11 +43,6 @@ void LayerTimings::add_output_bytes(int layer, int64_t bytes) {
   output_bytes_.at(layer) = std::max(output_bytes_.at(layer), bytes);
 }
 
-std::vector<int64_t> LayerTimings::output_bytes() const {
-  std::lock_guard<std::mutex> lock(mu_);
-  return output_bytes_;
-}
-
 bool LayerTimings::wants_kept_bytes(int layer) const {
   std::lock_guard<std::mutex> lock(mu_);
   return kept_samples_.at(layer) < kKeptSamples;

@@ -24,7 +24,6 @@ class LayerTimings {
   void add(int layer, Kind kind, double seconds);
   // The bytes of a layer's output for one microbatch (largest seen).
   void add_output_bytes(int layer, int64_t bytes);
-  std::vector<int64_t> output_bytes() const;
   // The bytes a layer's forward with grad keeps until its backward (its
   // saved activations and output), measured on a few forwards
   // (kKeptSamples, the first dropped: it also holds one-off workspaces),

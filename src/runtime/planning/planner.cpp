@@ -154,13 +154,12 @@ double simulate(const std::vector<StageEstimate>& stages, const PlanRequest& req
   return finish[S * kCalls - 1] - finish[S * (kCalls - 1) - 1];
 }
 
-// The host bytes backward stage `r` of `plan` keeps from the forward to its
-// backward (CallState::make_slots): its layers' inputs in layer grain,
-// else its own; none for the fused tail (its inputs are its own stage's)
-// or for layer 0 (the caller's input).
-int64_t checkpoint_bytes_of(const std::vector<LayerCost>& layers, const ExecutePlan& plan,
-                            const LayerRange& r, const PlanRequest& request) {
-  if (request.fused && &r == &plan.backward.front()) return 0;
+// The host bytes a backward stage (not the fused tail, whose inputs are
+// its own stage's) keeps from the forward to its backward
+// (CallState::make_slots): its layers' inputs in layer grain, else its
+// own; none for layer 0 (the caller's input).
+int64_t checkpoint_bytes_of(const std::vector<LayerCost>& layers, const LayerRange& r,
+                            const PlanRequest& request) {
   const bool every_layer = request.layer_grain && !request.rerun_from_stage_input;
   int64_t bytes = 0;
   for (int l = std::max(r.begin, 1); l < (every_layer ? r.end : r.begin + 1); ++l)
@@ -433,13 +432,13 @@ PlanEstimate estimate_plan(const std::vector<LayerCost>& layers, const ExecutePl
   const auto c = costs_of(layers);
   for (const auto& r : plan.forward)
     e.stages.push_back(estimate(layers, c.forward, r, false, request));
-  for (const auto& r : plan.backward) {
+  for (size_t i = 0; i < plan.backward.size(); ++i) {
+    const auto& r = plan.backward[i];
     e.stages.push_back(estimate(layers, c.backward, r, true, request));
-    e.checkpoint_bytes += checkpoint_bytes_of(layers, plan, r, request);
-    // Rerun from the stage's input: all but its last layer once more (the
-    // fused tail's extra forward is with_tail_grown's).
-    const bool tail = request.fused && &r == &plan.backward.front();
-    if (request.rerun_from_stage_input && !tail)
+    if (request.fused && i == 0) continue;  // the tail: with_tail_grown counts its extra forward
+    e.checkpoint_bytes += checkpoint_bytes_of(layers, r, request);
+    // Rerun from the stage's input: all but its last layer once more.
+    if (request.rerun_from_stage_input)
       for (int l = r.begin; l < r.end - 1; ++l) e.stages.back().compute += c.forward[l];
   }
   // While a stage runs, the stage arriving next on its device is the one D
