@@ -316,9 +316,6 @@ PYBIND11_MODULE(_C, m) {
                options.set_data_parallel(data_parallel);
              }
              options.model_memory_limit_gib = model_memory_limit;
-             TORCH_CHECK(!host_checkpoint_limit || *host_checkpoint_limit > 0,
-                         "host_checkpoint_limit must be positive (GiB), got ",
-                         host_checkpoint_limit.value_or(0));
              options.host_checkpoint_limit_gib = host_checkpoint_limit;
              options.verbose = verbose;
              options.optim_dtype = optim_dtype;

@@ -24,6 +24,9 @@ AutoPlan::AutoPlan(const std::string& name, const RoundPipeOptions& options, con
       weights_(weights),
       timings_(timings),
       commits_(commits) {
+  TORCH_CHECK(!options_.host_checkpoint_limit_gib || *options_.host_checkpoint_limit_gib > 0, name_,
+              ": host_checkpoint_limit must be positive (GiB), got ",
+              options_.host_checkpoint_limit_gib.value_or(0));
   all_layers_meterable_ = std::all_of(layers.begin(), layers.end(),
                                       [](const LayerPtr& layer) { return layer->meterable(); });
   first_row_split_layer_ = static_cast<int>(layers.size());
@@ -222,15 +225,14 @@ AutoPlan::Choice AutoPlan::choose(bool fused, int n, int min_stages,
     if (!thin) {
       const int64_t room = host_checkpoint_room();
       thin = room > 0 && plan.checkpoint_bytes > room;
-    }
-    if (thin) {
-      if (!thin_for_host_ && options_.verbose)
+      if (thin && options_.verbose)
         std::fprintf(stderr,
                      "%s: layer grain's checkpoints (%.2f GiB a call) exceed the host's room for "
                      "them (%.2f GiB): calls keep each backward stage's input only "
                      "(layer_from_stage grain)\n",
-                     name_.c_str(), plan.checkpoint_bytes / 1073741824.0,
-                     host_checkpoint_room() / 1073741824.0);
+                     name_.c_str(), plan.checkpoint_bytes / 1073741824.0, room / 1073741824.0);
+    }
+    if (thin) {
       thin_for_host_ = true;
       auto rerun = estimate(fused, n, min_stages, memory_limit_gib, RecomputeGrain::kLayerFromStage,
                             /*grow_tail=*/true, tail_rows);
@@ -241,13 +243,9 @@ AutoPlan::Choice AutoPlan::choose(bool fused, int n, int min_stages,
 }
 
 int64_t AutoPlan::host_checkpoint_room() const {
-  if (options_.host_checkpoint_limit_gib) {
-    TORCH_CHECK(*options_.host_checkpoint_limit_gib > 0, name_,
-                ": host_checkpoint_limit must be positive (GiB), got ",
-                *options_.host_checkpoint_limit_gib);
-    return std::max<int64_t>(
-        static_cast<int64_t>(*options_.host_checkpoint_limit_gib * (1 << 30)), 1);
-  }
+  if (options_.host_checkpoint_limit_gib)
+    return std::max<int64_t>(static_cast<int64_t>(*options_.host_checkpoint_limit_gib * (1 << 30)),
+                             1);
   // Three quarters of what the host could give now: its available memory
   // and the arena's free blocks (the last call's checkpoints went back
   // there). The rest is for the step's staging, the hand-offs in flight
