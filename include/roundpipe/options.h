@@ -45,7 +45,8 @@ struct RoundPipeOptions {
   // stage fits with its parameters, gradients and the activations its
   // layers were measured to keep for backward, plus the next stage's
   // parameters arriving meanwhile (half the limit is held back for the
-  // activations until they are measured).
+  // activations until they are measured; three quarters in a first
+  // forward_backward under the default limit or this one).
   std::optional<double> model_memory_limit_gib;
   // Host memory (GiB) a training call's activation checkpoints may take
   // where the automatic plan chooses the grain; default: three quarters of

@@ -105,7 +105,8 @@ struct PlanEstimate {
 };
 
 // The cheapest plan whose every stage's peak_bytes fits the memory limit
-// (half of it while activations are unmeasured). Throws a c10::Error naming
+// (less PlanRequest::unmeasured_activation_share of it while activations
+// are unmeasured). Throws a c10::Error naming
 // the smallest feasible limit when even one-layer stages do not fit.
 PlanEstimate plan_stages(const std::vector<LayerCost>& layers, const PlanRequest& request);
 
