@@ -41,6 +41,13 @@ def main():
     ap.add_argument("--tokens", type=int, default=16 * 4096, help="tokens a step")
     ap.add_argument("--tflops", type=float, default=80.0,
                     help="bf16 matmul TFLOP/s per GPU with float32 accumulation (RTX 4090: ~83)")
+    ap.add_argument("--microbatch-tokens", type=int, default=0,
+                    help="tokens a microbatch (0: --tokens in one): the checkpoints' arithmetic")
+    ap.add_argument("--card-gib", type=float, default=24.0, help="each GPU's memory (the checkpoints' arithmetic)")
+    ap.add_argument("--layer-act-gib", type=float, default=4.3,
+                    help="what one layer keeps for its backward and works with, at 31,744 tokens a microbatch "
+                         "(measured on the H200: 13.4-13.8 GiB a one-layer stage with two layers' 4.63 GiB "
+                         "of bf16 weights); scaled by the tokens")
     a = ap.parse_args()
     c = QWEN3_235B
     attention, experts = shapes(c)
@@ -70,6 +77,33 @@ def main():
     print(f"  matmul work a step ({a.tokens} tokens, {active / 1e9:.1f} B active parameters): {flops / 1e15:.1f} PFLOP, "
           f"{flops / (a.gpus * a.tflops * 1e12):.1f} s on {a.gpus} GPUs at {a.tflops:g} TFLOP/s (at best)")
     print(f"  the dequantized weights of one layer on its GPU: {(n_attn + n_experts) * 2 / gib:.2f} GiB in bf16")
+    checkpoints(a, L, h, per_layer, (n_attn + n_experts) * 2)
+
+
+def checkpoints(a, L, h, per_layer, dequantized):
+    """The host's checkpoints a call keeps from its forward to its backward
+    (Note [Thin checkpoints]): in layer grain every layer's input of every
+    microbatch; in layer-from-stage grain each backward stage's input, the
+    stages as long as a card holds: the plan's limit (the budget less a
+    tenth, the budget the card less 1.5 GiB: Note [Device memory budget]) >=
+    k layers' weights and the next stage's (2 k), one layer's activations
+    and working memory and its dequantized weights, and the rerun's k - 1
+    inputs of a microbatch on the card."""
+    gib = 1024 ** 3
+    tokens = a.microbatch_tokens or a.tokens
+    microbatches = max(a.tokens // tokens, 1)
+    hidden = tokens * h * 2  # one layer's input, one microbatch, bf16
+    limit = (a.card_gib - 1.5) * 0.9 * gib
+    one_layer = a.layer_act_gib * gib * tokens / 31744 + dequantized
+    k = 1
+    while k < L and 2 * (k + 1) * per_layer + one_layer + k * hidden <= limit:
+        k += 1
+    stages = -(-L // k)
+    layer_grain = (L + 1) * hidden * microbatches
+    thin = stages * hidden * microbatches
+    print(f"  host checkpoints, {microbatches} x {tokens} tokens a call: layer grain {layer_grain / gib:.0f} GiB; "
+          f"layer_from_stage {thin / gib:.0f} GiB ({stages} backward stages of <= {k} layers on "
+          f"{a.card_gib:g} GiB cards, each rerunning its layers but the last once more)")
 
 
 if __name__ == "__main__":

@@ -377,8 +377,14 @@ int train(const Setup& s) {
   };
   for (int i = 0; i < s.warmup; ++i) run_step();
   pipe->synchronize();
+  // The warm-up's peak (the first calls' plans), then the timed steps' own.
+  int64_t warmup_peak = 0;
   roundpipe::DeviceTransferStats before[8];
-  for (int d = 0; d < pool.size() && d < 8; ++d) before[d] = pool.at(d)->transfer_stats();
+  for (int d = 0; d < pool.size() && d < 8; ++d) {
+    before[d] = pool.at(d)->transfer_stats();
+    warmup_peak = std::max(warmup_peak, pool.at(d)->memory_stats().peak_bytes);
+    pool.at(d)->reset_peak_memory();
+  }
   const auto waits_before = pipe->pipeline_stats();
   const auto start = Clock::now();
   at::Tensor loss;
@@ -428,7 +434,8 @@ int train(const Setup& s) {
               static_cast<double>(param_copies) / s.steps, largest_copy / 1048576.0);
   std::printf("  H2D GB/s per device (average) %12.1f  = %.1f%% of the measured copy rate\n", h2d,
               100.0 * h2d / copy);
-  std::printf("  peak device memory            %12.3f GiB\n", peak / 1073741824.0);
+  std::printf("  peak device memory            %12.3f GiB in the timed steps (warm-up: %.3f)\n",
+              peak / 1073741824.0, warmup_peak / 1073741824.0);
   // Beside it, what the plan in use predicts for its largest stage (with
   // the next stage's parameters arriving), and how many calls or
   // microbatches ran out of memory (0: the plan fit from the first call on).

@@ -130,6 +130,9 @@ class Device {
   virtual double seconds_between(const EventPtr& start, const EventPtr& end) = 0;
 
   virtual DeviceMemoryStats memory_stats() const = 0;
+  // Starts memory_stats().peak_bytes over from what is in use now (a
+  // benchmark's steady state against the plan's prediction).
+  virtual void reset_peak_memory() = 0;
   DeviceTransferStats transfer_stats() const {
     return {uploaded_[0].load(), uploaded_[1].load(), downloaded_.load(), param_copies_.load(),
             largest_param_copy_.load()};

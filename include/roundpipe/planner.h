@@ -46,6 +46,11 @@ struct PlanRequest {
   // one with the fewest; 0: the fewest checkpoints, then the fastest (what
   // a caller who asks for this grain wants, Note [Thin checkpoints]).
   int64_t host_checkpoint_limit_bytes = 0;
+  // With rerun_from_stage_input: a backward stage (not the fused tail)
+  // keeps the inputs of its layers but the last, of the microbatch it runs,
+  // on the device, where the host held them: its memory counts them
+  // (LayerCost::output_bytes). Set once activations are measured.
+  bool rerun_inputs_on_device = false;
   // With layer_grain, fused, a limit and measured activations: the fused
   // tail runs as many of its last layers with grad as the limit holds
   // (StageEstimate::layers_with_grad), saving their recompute.
@@ -100,6 +105,8 @@ struct PlanEstimate {
   // stages but the fused tail (every layer's in layer grain, else each
   // stage's), all microbatches; from LayerCost::output_bytes.
   int64_t checkpoint_bytes = 0;
+  // PlanRequest::rerun_inputs_on_device, which the stages' memory counts.
+  bool rerun_inputs_on_device = false;
   // One line per stage (layers, compute, upload, memory) and the totals.
   std::string describe() const;
 };

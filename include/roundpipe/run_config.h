@@ -19,7 +19,8 @@ enum class RecomputeGrain {
   // Save each backward stage's input, as kStage (host memory), and
   // recompute one layer at a time, as kLayer (device memory): the stage's
   // layers rerun without grad from its input first, each one's input kept
-  // on the host for that microbatch only (Note [Thin checkpoints]).
+  // for that microbatch only, on the device where the plan counts it
+  // (Note [Thin checkpoints]).
   kLayerFromStage,
 };
 

@@ -25,9 +25,9 @@ class RoundPipeRunConfig:
     - output_device: where merged outputs go (default: CPU)
     - preserve_rng_state: replay dropout exactly in recompute (default: True)
     - recompute_grain: "stage" or "layer" (less device memory), or
-      "layer_from_stage" (the device memory of "layer", the host memory of
-      "stage": only each backward stage's input is kept on the host, at one
-      extra forward of its other layers); None: the automatic plan chooses
+      "layer_from_stage" (about the device memory of "layer", the host
+      memory of "stage": only each backward stage's input is kept on the
+      host, at one extra forward of its other layers); None: the automatic plan chooses
       (layer until activations are measured, then stage where it fits)
     - num_microbatch: microbatches per call (default: number of devices + 1)
     - split_input: f(args, kwargs, n) -> list of n (args, kwargs) pairs (or

@@ -249,6 +249,7 @@ class CudaDevice final : public Device {
     const auto all = c10::cuda::CUDACachingAllocator::getDeviceStats(index_).allocated_bytes[0];
     return {budget, all.current, all.peak};
   }
+  void reset_peak_memory() override { c10::cuda::CUDACachingAllocator::resetPeakStats(index_); }
   bool supports_pinned_memory() const override { return true; }
 
  private:

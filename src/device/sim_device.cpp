@@ -433,6 +433,7 @@ class SimDevice final : public Device {
   DeviceMemoryStats memory_stats() const override {
     return {memory_->budget, memory_->in_use.load(), memory_->peak.load()};
   }
+  void reset_peak_memory() override { memory_->peak = memory_->in_use.load(); }
   bool supports_pinned_memory() const override { return false; }
 
  private:

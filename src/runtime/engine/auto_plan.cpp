@@ -113,6 +113,10 @@ PlanEstimate AutoPlan::estimate(bool fused, int num_microbatches, int min_stages
   // half the limit is held back for it.
   const bool measured = timings_.complete();
   request.activations_unmeasured = !measured || !all_layers_meterable_;
+  // The rerun's inputs go to the device once their bytes are counted there
+  // (Note [Thin checkpoints]).
+  request.rerun_inputs_on_device =
+      request.rerun_from_stage_input && !request.activations_unmeasured;
   const auto& bytes = weights_.layer_bytes();
   const auto& grad_bytes = weights_.layer_grad_bytes();
   if (measured) request.upload_bytes_per_second = upload_bytes_per_second_;
@@ -279,9 +283,13 @@ AutoPlan::CallPlan AutoPlan::for_call(bool fused, int n, std::optional<Recompute
     plans_in_use_[PlanKey{fused, n, chosen}] = plan.plan;
   }
   if (options_.verbose) log(fused, n, measured, plan);
-  if (!fused || plan.stages.empty()) return {plan.plan, chosen};
+  CallPlan call{plan.plan, chosen};
+  call.rerun_inputs_on_device = plan.rerun_inputs_on_device;
+  if (!fused || plan.stages.empty()) return call;
   const auto& tail = plan.stages.at(plan.plan.forward.size());
-  return {plan.plan, chosen, tail.layers_with_grad, tail.row_chunks};
+  call.tail_layers_with_grad = tail.layers_with_grad;
+  call.tail_row_chunks = tail.row_chunks;
+  return call;
 }
 
 // Later plans smaller: Note [Out-of-memory redo] (out_of_memory.h).

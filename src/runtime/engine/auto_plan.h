@@ -51,8 +51,9 @@ class AutoPlan {
   struct CallPlan {
     ExecutePlan plan;
     RecomputeGrain grain;
-    int tail_layers_with_grad = 0;  // Note [Tail grain]; 0: one, in layer grain
-    int tail_row_chunks = 1;        // Note [Tail row chunks]
+    int tail_layers_with_grad = 0;        // Note [Tail grain]; 0: one, in layer grain
+    int tail_row_chunks = 1;              // Note [Tail row chunks]
+    bool rerun_inputs_on_device = false;  // PlanEstimate::rerun_inputs_on_device
   };
   CallPlan for_call(bool fused, int num_microbatches, std::optional<RecomputeGrain> grain,
                     int tail_rows = 0);

@@ -220,6 +220,7 @@ std::shared_ptr<CallState> Engine::start_call(const c10::IValue& input, const Ru
     call->grain_chosen = !asked_grain;
     call->tail_layers_with_grad = chosen.tail_layers_with_grad;
     call->tail_row_chunks = chosen.tail_row_chunks;
+    call->rerun_inputs_on_device = chosen.rerun_inputs_on_device;
     call->config.recompute_grain = chosen.grain;
   }
   call->plan.validate(num_layers(), call->fused);

@@ -60,14 +60,22 @@ std::vector<c10::IValue> CallState::split_input(const c10::IValue& input, const 
 // 41 GiB, more than its NF4 base and adapters' 20 GiB of state); in stage
 // and layer-from-stage grain each backward stage's input only. A
 // layer-from-stage backward stage then runs by_layer's steps
-// (microbatch_steps.h): its layers without grad from that input, each
-// one's input downloaded for this microbatch only, the last layer with
-// grad, then the others recomputed one at a time. The device holds what it
-// holds in layer grain (one layer's activations); the host holds a
-// stage's inputs of one microbatch at a time; the cost is one more forward
-// of the stage's layers but the last (the planner adds it, `PlanRequest::
-// rerun_from_stage_input`). The recompute replays each layer's random
-// state as every grain does, so the results do not change.
+// (microbatch_steps.h): its layers without grad from that input, keeping
+// each one's input for this microbatch only, the last layer with grad,
+// then the others recomputed one at a time. The device holds one layer's
+// activations, as in layer grain, and those inputs: a k-layer stage k - 1
+// hidden states of one microbatch, a fraction of one layer's activations
+// each (1/27 at 32B), so that long stages, few checkpoints, fit. They stay
+// on the device, where the host would otherwise hold them (5 GiB for a
+// 17-layer stage at 32B over 32,768-token microbatches) and the link carry
+// them down and up again; the planner counts them in the stage's memory
+// (`PlanRequest::rerun_inputs_on_device`) once activations are measured.
+// Before that (the first call, its plan on parameter bytes), and in a
+// retry by layer after running out of memory, they go to the host. The
+// cost is one more forward of the stage's layers but the last (the planner
+// adds it, `PlanRequest::rerun_from_stage_input`). The recompute replays
+// each layer's random state as every grain does, so the results do not
+// change.
 void CallState::make_slots(int num_layers) {
   act[0] = new_slots();
   for (const auto& r : plan.forward) act[r.end] = new_slots();

@@ -58,6 +58,10 @@ struct CallState {
   bool grain_chosen = false;      // by the automatic plan, not the caller
   int tail_layers_with_grad = 0;  // layer grain: of the fused tail (Note [Tail grain]); 0: one
   int tail_row_chunks = 1;        // the fused tail's chunks per microbatch (Note [Tail row chunks])
+  // Layer-from-stage grain: a backward stage keeps the inputs of the layers
+  // it reruns on the device (Note [Thin checkpoints]): a caller's plan, or
+  // an automatic one that counts them; else on the host.
+  bool rerun_inputs_on_device = true;
   bool preserve_rng = true;
   uint64_t call_seed = 0;
 

@@ -21,7 +21,8 @@ std::string MicrobatchSteps::describe() const {
   std::string text = "layers " + layer_span(layers.begin, layers.end - 1) + ": ";
   if (each_layer_from_its_input) return text + "each from its own input with grad, last first";
   if (first_with_grad > layers.begin)
-    text += "without grad " + layer_span(layers.begin, first_with_grad - 1) + " (inputs kept), ";
+    text += "without grad " + layer_span(layers.begin, first_with_grad - 1) +
+            (inputs_on_device ? " (inputs kept on the device), " : " (inputs kept), ");
   text += "with grad " + layer_span(first_with_grad, layers.end - 1);
   if (recompute) text += " (a recompute)";
   if (loss) text += ", loss";
@@ -42,7 +43,8 @@ std::string MicrobatchSteps::describe() const {
   return text;
 }
 
-MicrobatchSteps backward_stage_steps(LayerRange layers, RecomputeGrain grain) {
+MicrobatchSteps backward_stage_steps(LayerRange layers, RecomputeGrain grain,
+                                     bool inputs_on_device) {
   TORCH_CHECK(layers.size() > 0, "a backward stage needs at least one layer");
   MicrobatchSteps steps;
   steps.layers = layers;
@@ -52,7 +54,10 @@ MicrobatchSteps backward_stage_steps(LayerRange layers, RecomputeGrain grain) {
   steps.backward = BackwardKind::kShared;
   // From the stage's input, its last layer alone with grad: the steps of a
   // retry by layer (Note [Thin checkpoints]).
-  return grain == RecomputeGrain::kLayerFromStage ? by_layer(steps) : steps;
+  if (grain != RecomputeGrain::kLayerFromStage) return steps;
+  auto thin = by_layer(steps);
+  thin.inputs_on_device = inputs_on_device;
+  return thin;
 }
 
 int tail_layers_with_grad(LayerRange layers, RecomputeGrain grain, int planned) {
@@ -83,6 +88,7 @@ MicrobatchSteps by_layer(const MicrobatchSteps& steps) {
   lighter.each_layer_from_its_input = false;
   lighter.first_with_grad = steps.layers.end - 1;
   lighter.backward = BackwardKind::kLastLayer;
+  lighter.inputs_on_device = false;
   return lighter;
 }
 

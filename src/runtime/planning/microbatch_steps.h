@@ -36,6 +36,11 @@ struct MicrobatchSteps {
   // are backpropagated as `backward` says; then the kept layers are
   // recomputed with grad one at a time, last first, and backpropagated.
   int first_with_grad = 0;
+  // Those inputs stay on the device, referenced, instead of going to the
+  // host and back (layer-from-stage grain once the plan counts them on the
+  // device, Note [Thin checkpoints]; a retry by layer keeps them on the
+  // host again).
+  bool inputs_on_device = false;
   bool recompute = true;  // the forward pass repeats a forward (a backward stage)
   bool loss = false;      // the fused tail: loss_fn after the last layer
   BackwardKind backward = BackwardKind::kShared;
@@ -53,8 +58,10 @@ struct MicrobatchSteps {
 // A backward stage's microbatch: in layer grain each layer from its own
 // input; in stage grain all layers recomputed with grad, one backward; in
 // layer-from-stage grain from the stage's input, one layer with grad at a
-// time (by_layer's steps).
-MicrobatchSteps backward_stage_steps(LayerRange layers, RecomputeGrain grain);
+// time (by_layer's steps), the inputs of the layers rerun kept on the
+// device where `inputs_on_device`.
+MicrobatchSteps backward_stage_steps(LayerRange layers, RecomputeGrain grain,
+                                     bool inputs_on_device = false);
 
 // A fused tail's microbatch, its last `with_grad` layers with grad (stage
 // grain: all of them). `apart`: a chunk of a microbatch's rows, whose
@@ -68,8 +75,8 @@ int tail_layers_with_grad(LayerRange layers, RecomputeGrain grain, int planned);
 // What a microbatch that ran out of memory runs again (Note [Out-of-memory
 // retry of a microbatch]), and what the rest of its job runs: one layer's
 // activations at a time, from the stage's input, the last layer alone
-// with grad. A layer-grain backward keeps its own steps for later
-// microbatches (they already hold one layer at a time) but retries by layer.
+// with grad, the other layers' inputs kept on the host. A layer-grain backward keeps its own steps
+// for later microbatches (they already hold one layer at a time) but retries by layer.
 MicrobatchSteps by_layer(const MicrobatchSteps& steps);
 MicrobatchSteps after_out_of_memory(const MicrobatchSteps& steps);
 

@@ -30,28 +30,38 @@ struct Costs {
 // What a stage holds, grown one layer at a time. Its memory: parameters,
 // and for backward stages their gradients and one microbatch's activations
 // of every layer (stage-grain recompute) or of its largest layer (layer
-// grain); a forward stage keeps only the largest layer's activations alive;
-// and on top, the largest working memory of one of its layers.
+// grain), in layer-from-stage grain with the rerun's inputs on the device
+// also one microbatch's inputs of its layers but the last (their outputs
+// but the last's stand for them); a forward stage keeps only the largest
+// layer's activations alive; and on top, the largest working memory of
+// one of its layers.
 struct StageLoad {
   double compute = 0;
   int64_t params = 0, grads = 0, acts = 0, max_act = 0, max_working = 0;
-  void add(const LayerCost& layer, double cost) {
+  int64_t outputs = 0, last_output = 0;
+  int last = -1;
+  void add(const LayerCost& layer, double cost, int index) {
     compute += cost;
     params += layer.param_bytes;
     grads += layer.grad_bytes;
     acts += layer.activation_bytes;
     max_act = std::max(max_act, layer.activation_bytes);
     max_working = std::max(max_working, layer.working_bytes);
+    outputs += layer.output_bytes;
+    if (index > last) last = index, last_output = layer.output_bytes;
   }
-  int64_t memory(bool backward, bool layer_grain) const {
+  // `tail`: the fused tail, whose layers' inputs stay on the host.
+  int64_t memory(bool backward, const PlanRequest& request, bool tail = false) const {
     if (!backward) return params + max_act + max_working;
-    return params + grads + (layer_grain ? max_act : acts) + max_working;
+    if (!request.layer_grain) return params + grads + acts + max_working;
+    const bool inputs = request.rerun_from_stage_input && request.rerun_inputs_on_device && !tail;
+    return params + grads + max_act + max_working + (inputs ? outputs - last_output : 0);
   }
   // Its memory while the next stage's parameters arrive, with its own
   // standing for theirs (packing does not know the next stage yet; the
   // packed plan is then checked with the real one).
-  int64_t peak(bool backward, bool layer_grain) const {
-    return memory(backward, layer_grain) + params;
+  int64_t peak(bool backward, const PlanRequest& request, bool tail) const {
+    return memory(backward, request, tail) + params;
   }
 };
 
@@ -66,7 +76,7 @@ int64_t effective_limit(const PlanRequest& request) {
 
 StageLoad stage_load(const std::vector<LayerCost>& layers, const LayerRange& r) {
   StageLoad load;
-  for (int l = r.begin; l < r.end; ++l) load.add(layers[l], 0);
+  for (int l = r.begin; l < r.end; ++l) load.add(layers[l], 0, l);
   return load;
 }
 
@@ -83,14 +93,16 @@ std::vector<LayerRange> pack(const std::vector<LayerCost>& layers, const std::ve
   for (int i = 0; i < end - begin; ++i) {
     const int l = descending ? end - 1 - i : begin + i;
     StageLoad grown = load;
-    grown.add(layers[l], cost[l]);
+    grown.add(layers[l], cost[l], l);
+    // (Backward stages are packed deep to shallow: the first is the tail.)
+    const bool tail = backward && request.fused && stages.empty();
     const bool too_big =
-        grown.compute > budget || (limit > 0 && grown.peak(backward, request.layer_grain) > limit);
+        grown.compute > budget || (limit > 0 && grown.peak(backward, request, tail) > limit);
     if (l != (descending ? edge - 1 : edge) && too_big) {
       stages.push_back(descending ? LayerRange{l + 1, edge} : LayerRange{edge, l});
       edge = descending ? l + 1 : l;
       grown = StageLoad();
-      grown.add(layers[l], cost[l]);
+      grown.add(layers[l], cost[l], l);
     }
     load = grown;
   }
@@ -100,7 +112,8 @@ std::vector<LayerRange> pack(const std::vector<LayerCost>& layers, const std::ve
 }
 
 StageEstimate estimate(const std::vector<LayerCost>& layers, const std::vector<double>& cost,
-                       const LayerRange& r, bool backward, const PlanRequest& request) {
+                       const LayerRange& r, bool backward, const PlanRequest& request,
+                       bool tail = false) {
   StageEstimate s;
   s.range = r;
   s.backward = backward;
@@ -108,7 +121,7 @@ StageEstimate estimate(const std::vector<LayerCost>& layers, const std::vector<d
   const auto load = stage_load(layers, r);
   s.param_bytes = load.params;
   if (request.upload_bytes_per_second > 0) s.upload = load.params / request.upload_bytes_per_second;
-  s.memory_bytes = load.memory(backward, request.layer_grain);
+  s.memory_bytes = load.memory(backward, request, tail);
   return s;
 }
 
@@ -297,8 +310,7 @@ int64_t smallest_feasible_memory_limit(const std::vector<LayerCost>& layers,
   // backward stage and the largest layer's parameters.
   int64_t worst_memory = 0;
   for (int l = 0; l < static_cast<int>(layers.size()); ++l)
-    worst_memory =
-        std::max(worst_memory, stage_load(layers, {l, l + 1}).memory(true, request.layer_grain));
+    worst_memory = std::max(worst_memory, stage_load(layers, {l, l + 1}).memory(true, request));
   const int64_t limit = worst_memory + largest_param_bytes(layers);
   return request.activations_unmeasured
              ? static_cast<int64_t>(std::ceil(static_cast<double>(limit) /
@@ -342,7 +354,7 @@ PlanEstimate plan_stages(const std::vector<LayerCost>& layers, const PlanRequest
   int worst = 0;
   int64_t worst_memory = 0;
   for (int l = 0; l < L; ++l) {
-    const int64_t m = stage_load(layers, {l, l + 1}).memory(true, request.layer_grain);
+    const int64_t m = stage_load(layers, {l, l + 1}).memory(true, request);
     if (m > worst_memory) worst = l, worst_memory = m;
   }
   bool any_fits = false, any_staged = false;
@@ -432,10 +444,12 @@ PlanEstimate estimate_plan(const std::vector<LayerCost>& layers, const ExecutePl
   const auto c = costs_of(layers);
   for (const auto& r : plan.forward)
     e.stages.push_back(estimate(layers, c.forward, r, false, request));
+  e.rerun_inputs_on_device = request.rerun_from_stage_input && request.rerun_inputs_on_device;
   for (size_t i = 0; i < plan.backward.size(); ++i) {
     const auto& r = plan.backward[i];
-    e.stages.push_back(estimate(layers, c.backward, r, true, request));
-    if (request.fused && i == 0) continue;  // the tail: with_tail_grown counts its extra forward
+    const bool tail = request.fused && i == 0;
+    e.stages.push_back(estimate(layers, c.backward, r, true, request, tail));
+    if (tail) continue;  // the tail: with_tail_grown counts its extra forward
     e.checkpoint_bytes += checkpoint_bytes_of(layers, r, request);
     // Rerun from the stage's input: all but its last layer once more.
     if (request.rerun_from_stage_input)
@@ -474,6 +488,8 @@ std::string PlanEstimate::describe() const {
   out << "  plan " << plan.to_string() << ", predicted " << iteration << " per call";
   if (checkpoint_bytes > 0)
     out << ", " << gib(checkpoint_bytes) << " GiB of checkpoints on the host";
+  if (rerun_inputs_on_device)
+    out << " (the backward stages' reruns keep their inputs on the device)";
   return out.str();
 }
 

@@ -53,7 +53,7 @@ c10::IValue StageRun::input_leaves(const c10::IValue& x, int l, std::vector<at::
 
 void StageRun::run_backward() {
   const auto& r = job.range;
-  const auto steps = backward_stage_steps(r, call.grain);
+  const auto steps = backward_stage_steps(r, call.grain, call.rerun_inputs_on_device);
   for (int m = 0; m < call.n; ++m) {
     where.microbatch = m;
     auto grads = binding.load_grad(r.end, m);
@@ -148,7 +148,7 @@ void StageRun::run_steps(const MicrobatchSteps& s, const c10::IValue& input,
   auto lock = device.compute_lock();
   RngScope rng(device, rng_start);
   c10::IValue x = input;
-  auto saved = run_keeping_inputs(r.begin, s.first_with_grad, x, rng, s.recompute, s.metered);
+  auto saved = run_keeping_inputs(r.begin, s.first_with_grad, x, rng, s);
   c10::AutoGradMode grad_mode(true);
   x = input_leaves(x, s.first_with_grad, leaves);
   for (int l = s.first_with_grad; l < r.end; ++l) x = run_layer(l, x, s.recompute, s.metered);
@@ -178,20 +178,27 @@ void StageRun::run_steps(const MicrobatchSteps& s, const c10::IValue& input,
 }
 
 // Runs layers [begin, end) on `x` without grad, keeping each one's input
-// on the host with the random state it starts from (`recompute`: in a
-// backward stage, this pass repeats the forward). This pass makes the
-// layers' buffer writes. Local to one microbatch (the call's slots would
-// hold every microbatch's inputs until the call ends).
+// with the random state it starts from: on the host, or where
+// `steps.inputs_on_device`, the device tensors themselves (a layer never
+// writes its input in place: a forward stage downloads it while the layer
+// runs). `steps.recompute`: in a backward stage, this pass repeats the
+// forward. This pass makes the layers' buffer writes. Local to one
+// microbatch (the call's slots would hold every microbatch's inputs until
+// the call ends).
 std::vector<StageRun::SavedInput> StageRun::run_keeping_inputs(int begin, int end, c10::IValue& x,
-                                                               RngScope& rng, bool recompute,
-                                                               bool metered) {
+                                                               RngScope& rng,
+                                                               const MicrobatchSteps& steps) {
   std::vector<SavedInput> saved;
   c10::NoGradGuard no_grad;
   for (int l = begin; l < end; ++l) {
-    where.phase = "download";
-    auto [value, event] = download_value(device, x, ctx.weights.host_allocator());
-    saved.push_back({value, event, rng.capture()});
-    x = run_layer(l, x, recompute, metered);
+    if (steps.inputs_on_device) {
+      saved.push_back({x, nullptr, rng.capture(), /*on_device=*/true});
+    } else {
+      where.phase = "download";
+      auto [value, event] = download_value(device, x, ctx.weights.host_allocator());
+      saved.push_back({value, event, rng.capture()});
+    }
+    x = run_layer(l, x, steps.recompute, steps.metered);
   }
   return saved;
 }
@@ -201,14 +208,21 @@ std::vector<StageRun::SavedInput> StageRun::run_keeping_inputs(int begin, int en
 // `leaves` (the next layer's input leaves) received. A recompute's buffer
 // writes are undone, after its backward (which may read them): the pass
 // that saved the inputs made them. Runs inside the microbatch's RngScope.
-void StageRun::backward_layer_by_layer(int first, const std::vector<SavedInput>& saved,
+void StageRun::backward_layer_by_layer(int first, std::vector<SavedInput>& saved,
                                        std::vector<at::Tensor>& leaves, bool metered) {
   for (int l = first + static_cast<int>(saved.size()) - 1; l >= first; --l) {
     auto grads = leaf_grads(leaves);
-    const auto& s = saved[l - first];
-    where.phase = "activation upload";
-    auto [input, event] = upload_value(device, s.value, s.event);
-    device.wait(Queue::kCompute, event);
+    auto& s = saved[l - first];
+    c10::IValue input;
+    if (!s.on_device) {
+      where.phase = "activation upload";
+      auto [uploaded, event] = upload_value(device, s.value, s.event);
+      device.wait(Queue::kCompute, event);
+      input = std::move(uploaded);
+    } else {
+      input = std::move(s.value);  // on the device: its memory goes once the layer is done
+    }
+    s.value = c10::IValue();
     apply_rng(device, s.rng);  // the scope restores the generator after
     leaves.clear();
     auto kept = binding.clone_buffers(l);

@@ -82,14 +82,15 @@ struct StageRun {
   bool run_tail_in_chunks(Slot& in, int with_grad);
 
  private:
-  struct SavedInput {  // a layer's input kept for its recompute (host)
-    c10::IValue value;
+  struct SavedInput {   // a layer's input kept for its recompute
+    c10::IValue value;  // on the host (`event`: its download), or the device's own
     EventPtr event;
     RngState rng;
+    bool on_device = false;
   };
   std::vector<SavedInput> run_keeping_inputs(int begin, int end, c10::IValue& x, RngScope& rng,
-                                             bool recompute, bool metered);
-  void backward_layer_by_layer(int first, const std::vector<SavedInput>& saved,
+                                             const MicrobatchSteps& steps);
+  void backward_layer_by_layer(int first, std::vector<SavedInput>& saved,
                                std::vector<at::Tensor>& leaves, bool metered);
   void layer_backward(int layer, const c10::IValue& y, const std::vector<at::Tensor>& grads,
                       bool metered);

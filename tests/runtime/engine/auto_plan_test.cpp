@@ -202,6 +202,13 @@ TEST(AutoPlan, WhereTheHostHasNoRoomForLayerGrainsCheckpointsCallsKeepStageInput
   planning.options.host_checkpoint_limit_gib = 1000.0 * kMicrobatches * kept_layers / 2 / (1 << 30);
   const auto short_of_room = planning.plan.for_call(true, kMicrobatches, std::nullopt);
   EXPECT_EQ(short_of_room.grain, RecomputeGrain::kLayerFromStage);
+  // Measured: the backward stages' reruns keep their inputs on the device,
+  // which the plan counted (Note [Thin checkpoints]); before any
+  // measurement, on the host.
+  EXPECT_TRUE(short_of_room.rerun_inputs_on_device);
+  EXPECT_FALSE(Planning(sim_with_limit(round_limit(probe.smallest_feasible_limit())))
+                   .plan.for_call(true, kMicrobatches, RecomputeGrain::kLayerFromStage)
+                   .rerun_inputs_on_device);
   EXPECT_NO_THROW(short_of_room.plan.validate(kLayers, true));
   planning.options.host_checkpoint_limit_gib = 1024;
   EXPECT_EQ(planning.plan.for_call(true, kMicrobatches, std::nullopt).grain,

@@ -46,6 +46,17 @@ TEST(MicrobatchSteps, LayerFromStageGrainRunsFromTheStageInputOneLayerWithGradAt
             "layer 5, then 4..2 recomputed one at a time");
   EXPECT_EQ(steps, detail::by_layer(detail::backward_stage_steps({2, 6}, RecomputeGrain::kStage)));
   EXPECT_EQ(detail::after_out_of_memory(steps), steps);
+  // Where the plan counts them, the rerun's inputs stay on the device; a
+  // retry, and the microbatches after it, keep them on the host.
+  const auto on_device =
+      detail::backward_stage_steps({2, 6}, RecomputeGrain::kLayerFromStage, true);
+  EXPECT_TRUE(on_device.inputs_on_device);
+  EXPECT_EQ(on_device.describe(),
+            "layers 2..5: without grad 2..4 (inputs kept on the device), with grad 5 (a "
+            "recompute), backward of layer 5, then 4..2 recomputed one at a time");
+  EXPECT_EQ(detail::by_layer(on_device), steps);
+  EXPECT_EQ(detail::after_out_of_memory(on_device), steps);
+  EXPECT_FALSE(detail::backward_stage_steps({2, 6}, RecomputeGrain::kStage, true).inputs_on_device);
   // Its tail runs the plan's count of layers with grad, as in layer grain.
   EXPECT_EQ(detail::tail_layers_with_grad({4, 8}, RecomputeGrain::kLayerFromStage, 2), 2);
   EXPECT_EQ(detail::tail_layers_with_grad({4, 8}, RecomputeGrain::kLayerFromStage, 0), 1);

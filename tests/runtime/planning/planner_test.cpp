@@ -360,6 +360,48 @@ TEST(Planner, LayerFromStageKeepsTheFewestCheckpointsOrTheFastestWithinTheHostLi
   }
 }
 
+// Note [Thin checkpoints]: once activations are measured, a backward
+// stage's rerun keeps the inputs of its layers but the last on the device
+// (a microbatch's; the outputs before them stand for them), and its memory
+// counts them: longer stages hold more there, so under a device limit the
+// fewest checkpoints come with shorter stages. The fused tail keeps its
+// recompute's inputs on the host, and its memory does not change.
+TEST(Planner, LayerFromStageCountsTheRerunsInputsOnTheDevice) {
+  std::vector<LayerCost> layers(8);
+  for (auto& l : layers) l = {1.0, 1.0, 2.0, 50 * kMiB, 0, 100 * kMiB, 0, 40 * kMiB};
+  PlanRequest request;
+  request.fused = true;
+  request.layer_grain = true;
+  request.rerun_from_stage_input = true;
+  request.num_microbatches = 2;
+  const auto plan = ExecutePlan({{0, 4}}, {{4, 8}, {0, 4}});
+  const auto on_host = estimate_plan(layers, plan, request);
+  request.rerun_inputs_on_device = true;
+  const auto on_device = estimate_plan(layers, plan, request);
+  EXPECT_TRUE(on_device.rerun_inputs_on_device);
+  ASSERT_EQ(on_device.stages.size(), 3u);
+  for (size_t i = 0; i < 3; ++i) {
+    // [0, 4) keeps the inputs of layers 0, 1 and 2: three 40 MiB outputs.
+    EXPECT_EQ(on_device.stages[i].memory_bytes,
+              on_host.stages[i].memory_bytes + (i == 2 ? 3 * 40 * kMiB : 0))
+        << i << "\n"
+        << on_device.describe();
+  }
+  EXPECT_EQ(on_device.checkpoint_bytes, on_host.checkpoint_bytes);
+
+  // Under 500 MiB a backward stage of four (200 MiB of parameters, 100 of
+  // activations, 120 of inputs and the next stage's 200) does not fit, one
+  // of three does (480); the tail of four does (500).
+  request.memory_limit_bytes = 500 * kMiB;
+  const auto fewest = plan_stages(layers, request);
+  for (const auto& s : fewest.stages) EXPECT_LE(s.peak_bytes, request.memory_limit_bytes);
+  const auto& tail = fewest.plan.backward.front();
+  EXPECT_EQ(tail.end - tail.begin, 4) << fewest.describe();
+  EXPECT_GT(fewest.plan.backward.size(), 2u) << fewest.describe();
+  request.rerun_inputs_on_device = false;
+  EXPECT_LT(plan_stages(layers, request).checkpoint_bytes, fewest.checkpoint_bytes);
+}
+
 // What a layer keeps for its backward is measured on its forward with grad
 // (its saved tensors and output), not only its output: a block whose hidden
 // activations are 4 x wider than its output keeps them, and the automatic

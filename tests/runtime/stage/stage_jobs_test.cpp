@@ -66,22 +66,29 @@ TEST(StageJobs, ForwardStagesHandOnWhatTheirLayersCompute) {
 // A training forward keeps the inputs where later backward stages (stage
 // grain) or their layers (layer grain) start; a backward stage then gives
 // autograd's input and parameter gradients for any output gradient.
-class BackwardStage : public ::testing::TestWithParam<RecomputeGrain> {};
+// (Layer-from-stage grain with its rerun's inputs on the device or, as
+// before activations are measured, on the host: Note [Thin checkpoints].)
+struct GrainCase {
+  RecomputeGrain grain;
+  bool rerun_inputs_on_device = true;
+};
+class BackwardStage : public ::testing::TestWithParam<GrainCase> {};
 
 TEST_P(BackwardStage, GivesAutogradsGradients) {
   auto model = make_model(ModelKind::kMlp), oracle = make_model(ModelKind::kMlp);
   StageFixture f(model);
   const int n = 3;
   const auto x = make_input(ModelKind::kMlp, 8, 4).requires_grad_(true);
-  auto call = f.call(x, n, ExecutePlan({{0, 5}}, {{3, 5}, {0, 3}}), true, false, GetParam());
+  const auto grain = GetParam().grain;
+  auto call = f.call(x, n, ExecutePlan({{0, 5}}, {{3, 5}, {0, 3}}), true, false, grain);
+  call->rerun_inputs_on_device = GetParam().rerun_inputs_on_device;
   f.run(call, JobKind::kForward, {0, kLayers});
   // What the host keeps for the backward stages: every layer's input in
   // layer grain, else each backward stage's (Note [Thin checkpoints]).
   std::set<int> kept;
   for (const auto& [l, slots] : call->act) kept.insert(l);
-  const std::set<int> expected = GetParam() == RecomputeGrain::kLayer
-                                     ? std::set<int>{0, 1, 2, 3, 4, 5}
-                                     : std::set<int>{0, 3, 5};
+  const std::set<int> expected =
+      grain == RecomputeGrain::kLayer ? std::set<int>{0, 1, 2, 3, 4, 5} : std::set<int>{0, 3, 5};
   EXPECT_EQ(kept, expected);
   const auto xs = microbatches_of(x.detach(), n);
   std::vector<at::Tensor> out_grads;
@@ -116,9 +123,16 @@ TEST_P(BackwardStage, GivesAutogradsGradients) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Grains, BackwardStage,
-                         ::testing::Values(RecomputeGrain::kStage, RecomputeGrain::kLayer,
-                                           RecomputeGrain::kLayerFromStage),
-                         [](const auto& info) { return std::string(to_string(info.param)); });
+                         ::testing::Values(GrainCase{RecomputeGrain::kStage},
+                                           GrainCase{RecomputeGrain::kLayer},
+                                           GrainCase{RecomputeGrain::kLayerFromStage, true},
+                                           GrainCase{RecomputeGrain::kLayerFromStage, false}),
+                         [](const auto& info) {
+                           const bool thin = info.param.grain == RecomputeGrain::kLayerFromStage;
+                           return std::string(to_string(info.param.grain)) +
+                                  (thin && !info.param.rerun_inputs_on_device ? "_inputs_on_host"
+                                                                              : "");
+                         });
 
 // A Linear whose input may be cut into chunks of rows (Note [Tail row
 // chunks]): the fused tail may then run a microbatch chunk by chunk.
@@ -237,27 +251,33 @@ torch::nn::Sequential with_failing_layer(FailsOnce failing) {
   return nn::Sequential(nn::Linear(6, 16), nn::Tanh(), failing, nn::Linear(16, 4));
 }
 
+// In stage grain all four layers run with grad; in layer-from-stage grain
+// (its rerun's inputs on the device) the failing layer's first run with
+// grad is its recompute, and the retry keeps the inputs on the host.
 TEST(StageJobs, OutOfMemoryRetriesTheMicrobatchByLayerWithTheSameResult) {
-  FailsOnce failing;
-  auto model = with_failing_layer(failing), oracle = with_failing_layer(FailsOnce());
-  StageFixture f(model);
-  const int n = 2;
-  const auto x = make_input(ModelKind::kMlp, 6, 9);
-  auto call = f.call(x, n, ExecutePlan({{0, 4}}, {{0, 4}}), true, false);
-  f.run(call, JobKind::kForward, {0, 4});
-  std::vector<at::Tensor> out_grads;
-  for (int m = 0; m < n; ++m) {
-    out_grads.push_back(at::randn({3, 4}, at::detail::createCPUGenerator(20 + m)));
-    CallState::put(*call->grad.at(4)[m], {}, {out_grads[m]}, nullptr, {});
+  for (auto grain : {RecomputeGrain::kStage, RecomputeGrain::kLayerFromStage}) {
+    SCOPED_TRACE(to_string(grain));
+    FailsOnce failing;
+    auto model = with_failing_layer(failing), oracle = with_failing_layer(FailsOnce());
+    StageFixture f(model);
+    const int n = 2;
+    const auto x = make_input(ModelKind::kMlp, 6, 9);
+    auto call = f.call(x, n, ExecutePlan({{0, 4}}, {{0, 4}}), true, false, grain);
+    f.run(call, JobKind::kForward, {0, 4});
+    std::vector<at::Tensor> out_grads;
+    for (int m = 0; m < n; ++m) {
+      out_grads.push_back(at::randn({3, 4}, at::detail::createCPUGenerator(20 + m)));
+      CallState::put(*call->grad.at(4)[m], {}, {out_grads[m]}, nullptr, {});
+    }
+    *failing->fail = 1;  // the first run with grad of microbatch 0
+    f.run(call, JobKind::kBackward, {0, 4});
+    ASSERT_FALSE(call->error.has_value()) << call->error->what();
+    EXPECT_EQ(*failing->fail, 0) << "the layer never ran with grad";
+    EXPECT_EQ(f.out_of_memory_retries, 1);
+    const auto xs = microbatches_of(x, n);
+    for (int m = 0; m < n; ++m) (oracle->forward(xs[m]) * out_grads[m]).sum().backward();
+    expect_same_grads(f.gradients(*call), oracle_grads(oracle));
   }
-  *failing->fail = 1;  // the recompute with grad of microbatch 0
-  f.run(call, JobKind::kBackward, {0, 4});
-  ASSERT_FALSE(call->error.has_value()) << call->error->what();
-  EXPECT_EQ(*failing->fail, 0) << "the layer never ran with grad";
-  EXPECT_EQ(f.out_of_memory_retries, 1);
-  const auto xs = microbatches_of(x, n);
-  for (int m = 0; m < n; ++m) (oracle->forward(xs[m]) * out_grads[m]).sum().backward();
-  expect_same_grads(f.gradients(*call), oracle_grads(oracle));
 }
 
 // An error fails the job's call with where it happened; the worker lives on.
