@@ -73,6 +73,14 @@ std::string shape_json(const std::string& shape) {
          (shape == "8B" || shape == "32B" ? "false}" : "true}");
 }
 
+// A line of /proc/self/status ("VmRSS", "VmHWM") in GiB; 0 if absent.
+double status_gib(const std::string& key) {
+  std::ifstream status("/proc/self/status");
+  for (std::string line; std::getline(status, line);)
+    if (line.rfind(key + ":", 0) == 0) return std::stod(line.substr(key.size() + 1)) / 1048576.0;
+  return 0;
+}
+
 void synchronize(const DevicePtr& device) {
 #ifdef ROUNDPIPE_WITH_CUDA
   if (device->torch_device().is_cuda()) torch::cuda::synchronize(device->torch_device().index());
@@ -337,12 +345,16 @@ int train(const Setup& s) {
   const auto made = Clock::now();
   roundpipe::models::CausalLM model(config, model_options);
   std::printf("model made in %.1f s\n", std::chrono::duration<double>(Clock::now() - made).count());
+  // Where the host's resident memory goes: the model as made, then wrapped
+  // (its tensors moved into the arena), then trained (printed at the end).
+  const double rss_made = status_gib("VmRSS"), hwm_made = status_gib("VmHWM");
   if (s.freeze_linear) {
     for (auto& p : model.sequential()->parameters()) {
       if (p.dim() == 2) p.requires_grad_(false);
     }
   }
   auto pipe = wrap(model, s);
+  const double rss_wrapped = status_gib("VmRSS");
   const auto& pool = pipe->devices();
   const auto device = pool.at(0);
   if (!s.quantize_base.empty()) check_dequantization(model, device);
@@ -480,12 +492,13 @@ int train(const Setup& s) {
       host.arena.peak_allocated_bytes / 1073741824.0, host.model_state_bytes / 1073741824.0,
       (host.arena.peak_allocated_bytes - host.model_state_bytes) / 1073741824.0);
   // The process's peak resident memory (/proc's VmHWM): everything the host
-  // holds, LibTorch's own included, as a user's `top` shows it.
-  std::ifstream status("/proc/self/status");
-  for (std::string line; std::getline(status, line);)
-    if (line.rfind("VmHWM:", 0) == 0)
-      std::printf("  host peak resident memory     %12.2f GiB\n",
-                  std::stod(line.substr(6)) / 1048576.0);
+  // holds, LibTorch's own included, as a user's `top` shows it; and the
+  // resident memory along the way (on simulated devices, device memory is
+  // host memory too).
+  std::printf(
+      "  host peak resident memory     %12.2f GiB (resident: %.2f with the model made, peak "
+      "%.2f by then; %.2f wrapped; %.2f now)\n",
+      status_gib("VmHWM"), rss_made, hwm_made, rss_wrapped, status_gib("VmRSS"));
   // What the threads waited for, per timed step: an optimizer slower than
   // the devices shows as workers waiting for weights.
   const auto waits = pipe->pipeline_stats();
