@@ -32,7 +32,7 @@ TEST_P(ThinCheckpoints, LayerFromStageGrainKeepsStageInputsOnly) {
   // Seven layers in one forward stage and one backward stage (six hidden
   // inputs), the last two in the fused tail.
   const auto plan = ExecutePlan({{0, 7}}, {{7, 9}, {0, 7}});
-  std::map<RecomputeGrain, int64_t> peak, device_peak;
+  std::map<RecomputeGrain, int64_t> peak, device_peak, activation_uploads;
   std::map<RecomputeGrain, std::vector<at::Tensor>> grads;
   for (auto grain : {RecomputeGrain::kLayer, RecomputeGrain::kLayerFromStage}) {
     SCOPED_TRACE(to_string(grain));
@@ -44,12 +44,18 @@ TEST_P(ThinCheckpoints, LayerFromStageGrainKeepsStageInputsOnly) {
                    RoundPipeOptions().set_devices(GetParam()).set_pin_model(PinMode::kAlloc));
     const int64_t placed = pipe.host_memory_stats().arena.allocated_bytes;
     pipe.devices().at(0)->reset_peak_memory();
+    int64_t uploaded = 0;
+    for (int d = 0; d < pipe.devices().size(); ++d)
+      uploaded -= pipe.devices().at(d)->transfer_stats().activation_upload_bytes;
     pipe.forward_backward(
         x, y, mse_loss, false,
         RunConfig().set_num_microbatch(n).set_recompute_grain(grain).set_execute_plan(plan));
     pipe.synchronize();
     peak[grain] = pipe.host_memory_stats().arena.peak_allocated_bytes - placed;
     device_peak[grain] = pipe.devices().at(0)->memory_stats().peak_bytes;
+    for (int d = 0; d < pipe.devices().size(); ++d)
+      uploaded += pipe.devices().at(d)->transfer_stats().activation_upload_bytes;
+    activation_uploads[grain] = uploaded;
     for (const auto& p : model->parameters()) grads[grain].push_back(p.grad().clone());
   }
   // Layer grain: the six hidden inputs of all microbatches and the
@@ -63,6 +69,11 @@ TEST_P(ThinCheckpoints, LayerFromStageGrainKeepsStageInputsOnly) {
   // 6 runs with grad.
   EXPECT_LE(peak[RecomputeGrain::kLayerFromStage], 2 * layer_input + layer_input / n);
   EXPECT_GE(device_peak[RecomputeGrain::kLayerFromStage], 6 * layer_input / n);
+  // So they never cross the link: layer grain uploads the six inputs of
+  // every microbatch for its recompute (6 x layer_input), this grain none
+  // of them (one input's worth of slack).
+  EXPECT_LE(activation_uploads[RecomputeGrain::kLayerFromStage] + 5 * layer_input,
+            activation_uploads[RecomputeGrain::kLayer]);
   for (size_t i = 0; i < grads[RecomputeGrain::kLayer].size(); ++i)
     EXPECT_TENSOR_NEAR(grads[RecomputeGrain::kLayerFromStage][i], grads[RecomputeGrain::kLayer][i],
                        1e-6, "parameter gradient " + std::to_string(i));
