@@ -11,7 +11,8 @@
 # memory, host memory, and for a quantized base the CUDA dequantization
 # checked against the CPU path, the plan's predicted peak and the calls or
 # microbatches that ran out of memory (VERBOSE=1: every plan with its
-# per-stage memory, and the layers' measured costs). Logs go to $OUT (or ./bench-out); a summary
+# per-stage memory, and the layers' measured costs; EXTRA: more
+# roundpipe-bench options, e.g. --oom-census). Logs go to $OUT (or ./bench-out); a summary
 # to qlora.txt.
 set -uo pipefail
 out="${OUT:-$PWD/bench-out}"; mkdir -p "$out"
@@ -28,9 +29,9 @@ for shape in ${SHAPES:-8B}; do
     log="$out/bench_${shape}_${run//\//_}.log"
     timeout "${RUN_TIMEOUT:-240}" stdbuf -oL ./build-gpu/roundpipe-bench --shape "$shape" --devices "cuda,mem=${cap}GiB" \
       --batch "${BATCH:-16}" --seq "${SEQ:-4096}" --warmup "${WARMUP:-2}" --steps "${STEPS:-3}" \
-      --lora-rank 16 "${quant[@]}" "${grain[@]}" ${VERBOSE:+--verbose} > "$log" 2>&1
+      --lora-rank 16 "${quant[@]}" "${grain[@]}" ${VERBOSE:+--verbose} ${EXTRA:-} > "$log" 2>&1
     echo "== $shape $run base, LoRA r16, cap $cap GiB (exit $?, ${SECONDS}s)" | tee -a "$out/qlora.txt"
-    grep -E "model made|dequantization|tokens/s|H2D bytes|peak device|predicted peak|recoveries|host peak|host arena|parameters|host pinned" "$log" \
+    grep -E "oom census|model made|dequantization|tokens/s|H2D bytes|peak device|predicted peak|recoveries|host peak|host arena|parameters|host pinned" "$log" \
       | tee -a "$out/qlora.txt"
   done
 done

@@ -125,6 +125,7 @@ struct Setup {
   bool max_seq = false, verbose = false;
   bool freeze_linear = false;  // train only the norms: uploads, not compute, bound a small batch
   int profile_steps = 0;
+  bool oom_census = false;    // CUDA: print the allocated blocks at each out-of-memory error
   int64_t lora_rank = 0;      // > 0: LoRA adapters on every projection, the base frozen
   std::string quantize_base;  // nf4, fp4, int8 or fp8: the base quantized (QLoRA)
 };
@@ -282,6 +283,37 @@ void print_compute_gaps(const torch::autograd::profiler::ProfilerResult& result,
   }
 }
 
+// --oom-census: at each out-of-memory error of the caching allocator (the
+// engine retries the microbatch), what was allocated, by block size: which
+// tensors a plan's memory model missed (parameters, hand-offs, activations).
+void attach_oom_census() {
+  namespace alloc = c10::cuda::CUDACachingAllocator;
+  alloc::attachOutOfMemoryObserver([](int64_t device, size_t asked, size_t, size_t) {
+    std::map<size_t, std::pair<int, size_t>> by_size;  // MiB -> (blocks, bytes)
+    size_t total = 0;
+    for (const auto& segment : alloc::snapshot({0, 0}, /*include_traces=*/false).segments) {
+      if (segment.device != device) continue;
+      for (const auto& block : segment.blocks) {
+        if (!block.allocated) continue;
+        auto& entry = by_size[block.size >> 20];
+        ++entry.first;
+        entry.second += block.size;
+        total += block.size;
+      }
+    }
+    std::vector<std::pair<size_t, std::pair<int, size_t>>> rows(by_size.begin(), by_size.end());
+    std::sort(rows.begin(), rows.end(),
+              [](const auto& a, const auto& b) { return a.second.second > b.second.second; });
+    std::fprintf(stderr,
+                 "oom census: asked %.2f GiB with %.2f GiB allocated:", asked / 1073741824.0,
+                 total / 1073741824.0);
+    for (size_t i = 0; i < rows.size() && i < 16; ++i)
+      std::fprintf(stderr, " %zu x %zu MiB (%.2f GiB);", static_cast<size_t>(rows[i].second.first),
+                   rows[i].first, rows[i].second.second / 1073741824.0);
+    std::fprintf(stderr, "\n");
+  });
+}
+
 template <typename Step>
 void profile_kernels(int steps, const roundpipe::DevicePool& pool, Step step,
                      double wall_per_step) {
@@ -355,6 +387,9 @@ int train(const Setup& s) {
   }
   auto pipe = wrap(model, s);
   const double rss_wrapped = status_gib("VmRSS");
+#ifdef ROUNDPIPE_WITH_CUDA
+  if (s.oom_census && torch::cuda::is_available()) attach_oom_census();
+#endif
   const auto& pool = pipe->devices();
   const auto device = pool.at(0);
   if (!s.quantize_base.empty()) check_dequantization(model, device);
@@ -593,6 +628,8 @@ int main(int argc, char** argv) {
   app.add_option("--memory-cap", s.memory_cap_gib,
                  "device memory limit in GiB (plan and --max-seq)");
   app.add_flag("--verbose", s.verbose, "log layer timings and the chosen plan");
+  app.add_flag("--oom-census", s.oom_census,
+               "CUDA: at each out-of-memory error, the allocated blocks by size");
   app.add_flag("--freeze-linear", s.freeze_linear,
                "freeze every 2-D weight (train the norms only): with a small batch the "
                "parameter uploads, not compute or the optimizer, set the pace");

@@ -109,10 +109,12 @@ PlanEstimate AutoPlan::estimate(bool fused, int num_microbatches, int min_stages
   request.first_row_split_layer = first_row_split_layer_;
   // Measured times once every layer has them (with the measured upload
   // rate, in the same unit), else bytes stand in. Until what layers keep
-  // for their backward is measured (or where a layer cannot be metered),
-  // half the limit is held back for it.
+  // for their backward and their backward's working memory are measured
+  // (Note [Backward working memory]; or where a layer cannot be metered),
+  // part of the limit is held back for them.
   const bool measured = timings_.complete();
-  request.activations_unmeasured = !measured || !all_layers_meterable_;
+  const bool still_measuring = !measured || (all_layers_meterable_ && !timings_.memory_measured());
+  request.activations_unmeasured = still_measuring || !all_layers_meterable_;
   // The rerun's inputs go to the device once their bytes are counted there
   // (Note [Thin checkpoints]).
   request.rerun_inputs_on_device =
@@ -131,7 +133,7 @@ PlanEstimate AutoPlan::estimate(bool fused, int num_microbatches, int min_stages
     request.memory_limit_bytes =
         std::max(shrunk, std::min(unshrunk_limit, smallest_feasible_memory_limit(costs, request)));
   }
-  if (fused && !measured && request.memory_limit_bytes > 0 && !callers_question) {
+  if (fused && still_measuring && request.memory_limit_bytes > 0 && !callers_question) {
     // Note [First training call]
     request.unmeasured_activation_share = 0.75;
     try {
@@ -181,7 +183,8 @@ PlanEstimate AutoPlan::estimate(bool fused, int num_microbatches, int min_stages
 AutoPlan::Choice AutoPlan::choose(bool fused, int n, int min_stages,
                                   std::optional<double> memory_limit_gib,
                                   std::optional<RecomputeGrain> grain, int tail_rows) const {
-  const bool activations_measured = timings_.complete() && all_layers_meterable_;
+  const bool activations_measured =
+      timings_.complete() && all_layers_meterable_ && timings_.memory_measured();
   bool layer_grain_only = false;
   {
     std::lock_guard<std::mutex> lock(mu_);

@@ -24,7 +24,9 @@ LayerTimings::LayerTimings(int num_layers, bool verbose)
       kept_per_output_byte_(num_layers),
       kept_samples_(num_layers),
       working_per_output_byte_(num_layers),
-      backward_samples_(num_layers) {}
+      backward_samples_(num_layers),
+      kept_recorded_(num_layers),
+      backward_recorded_(num_layers) {}
 
 void LayerTimings::add(int layer, Kind kind, double seconds) {
   std::lock_guard<std::mutex> lock(mu_);
@@ -51,6 +53,7 @@ bool LayerTimings::wants_kept_bytes(int layer) const {
 void LayerTimings::add_kept_bytes(int layer, int64_t kept, int64_t peak, int64_t output) {
   std::lock_guard<std::mutex> lock(mu_);
   if (kept_samples_.at(layer)++ == 0 || output <= 0) return;
+  ++kept_recorded_.at(layer);
   auto& ratio = kept_per_output_byte_.at(layer);
   ratio = std::max(ratio, static_cast<double>(kept) / static_cast<double>(output));
   auto& working = working_per_output_byte_.at(layer);
@@ -62,10 +65,28 @@ bool LayerTimings::wants_backward_bytes(int layer) const {
   return backward_samples_.at(layer) < kKeptSamples;
 }
 
-void LayerTimings::add_backward_bytes(int layer, int64_t peak) {
+// Note [Backward working memory]
+// A layer's backward holds more than its forward kept: a 32B decoder
+// layer's SwiGLU backward allocates both input gradients (2 x 1.56 GiB over
+// a 32,768-token microbatch) beside what it saved, about 3 GiB beyond the
+// start of the backward against ~1 GiB of the forward's working memory.
+// The first backward of a layer with trainable parameters is not metered
+// (it allocates their gradients, which the plan counts apart), and the
+// first metered sample used to be dropped as a warm-up too: with two
+// microbatches a call, the first call then measured no backward at all, and
+// the second call's plan (the first measured one) counted the forward's
+// working memory only. At 32B its backward stages ran out of memory by
+// ~3 GiB in every grain with several layers a stage (H100, 2026-12-05:
+// the allocator's census at the error showed four 1.56 GiB blocks where
+// the plan had room for three). So a metered backward that follows an
+// unmetered one counts, and the plan counts activations as measured only
+// once every layer's backward working memory is (memory_measured()).
+void LayerTimings::add_backward_bytes(int layer, int64_t peak, bool after_a_first_backward) {
   std::lock_guard<std::mutex> lock(mu_);
   const int64_t output = output_bytes_.at(layer);
-  if (backward_samples_.at(layer)++ == 0 || output <= 0) return;
+  const bool first = backward_samples_.at(layer)++ == 0;
+  if ((first && !after_a_first_backward) || output <= 0) return;
+  ++backward_recorded_.at(layer);
   auto& working = working_per_output_byte_.at(layer);
   working = std::max(working, static_cast<double>(peak) / static_cast<double>(output));
 }
@@ -88,6 +109,13 @@ bool LayerTimings::complete() const {
         times_[3 * l + kForward].samples >= 2 || times_[3 * l + kRecompute].samples >= 2;
     if (!forward || times_[3 * l + kBackward].samples < 2) return false;
   }
+  return true;
+}
+
+bool LayerTimings::memory_measured() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (size_t l = 0; l < output_bytes_.size(); ++l)
+    if (kept_recorded_[l] == 0 || backward_recorded_[l] == 0) return false;
   return true;
 }
 

@@ -38,10 +38,17 @@ class LayerTimings {
   // loss's logit chunks, gradients on their way to the parameters),
   // measured and scaled as kept bytes are. The planner adds a stage's
   // largest to what the stage holds.
+  // `after_a_first_backward`: the layer ran a backward before, unmetered
+  // (its parameters' gradients were allocated there, with the one-off
+  // workspaces), so this sample counts; else the first is dropped.
   bool wants_backward_bytes(int layer) const;
-  void add_backward_bytes(int layer, int64_t peak);
+  void add_backward_bytes(int layer, int64_t peak, bool after_a_first_backward);
   // Whether every layer has a smoothed time of every kind.
   bool complete() const;
+  // Whether every layer has what it keeps and its backward's working memory
+  // measured (Note [Backward working memory]): until then the plan holds
+  // back part of the limit for them.
+  bool memory_measured() const;
   // Measured costs (call when complete()).
   std::vector<LayerCost> costs(const std::vector<int64_t>& param_bytes,
                                const std::vector<int64_t>& grad_bytes) const;
@@ -64,6 +71,7 @@ class LayerTimings {
   std::vector<int> kept_samples_;
   std::vector<double> working_per_output_byte_;
   std::vector<int> backward_samples_;
+  std::vector<int> kept_recorded_, backward_recorded_;  // samples that counted
 };
 
 }  // namespace roundpipe::detail

@@ -241,8 +241,11 @@ void StageRun::layer_backward(int l, const c10::IValue& y, const std::vector<at:
   where.layer = l;
   where.phase = "backward";
   std::optional<MeterScope> metering;
+  bool trainable = false;
   if (metered && ctx.layers[l]->meterable() && ctx.timings.wants_backward_bytes(l)) {
     const auto params = binding.instance(l).parameter_leaves();
+    trainable = std::any_of(params.begin(), params.end(),
+                            [](const at::Tensor& p) { return p.requires_grad(); });
     if (std::all_of(params.begin(), params.end(),
                     [](const at::Tensor& p) { return !p.requires_grad() || p.grad().defined(); }))
       metering.emplace();
@@ -251,7 +254,9 @@ void StageRun::layer_backward(int l, const c10::IValue& y, const std::vector<at:
   backward_through(y, grads);
   timer.add(l, LayerTimings::kBackward, start, timer.mark());
   const auto* meter = metering ? metering->meter() : nullptr;
-  if (meter) ctx.timings.add_backward_bytes(l, meter->peak_bytes());
+  // (A trainable layer's first backward ran unmetered: Note [Backward
+  // working memory].)
+  if (meter) ctx.timings.add_backward_bytes(l, meter->peak_bytes(), trainable);
 }
 
 // One backward through the layers from `first` on: one time, shared by

@@ -186,8 +186,12 @@ TEST(AutoPlan, WhereTheHostHasNoRoomForLayerGrainsCheckpointsCallsKeepStageInput
       planning.timings.add(l, kind, 1e-3);
     }
     planning.timings.add_output_bytes(l, 1000);
+    planning.timings.add_kept_bytes(l, 1000, 1000, 1000);  // dropped
+    planning.timings.add_kept_bytes(l, 1000, 1000, 1000);
+    planning.timings.add_backward_bytes(l, 500, /*after_a_first_backward=*/true);
   }
   ASSERT_TRUE(planning.timings.complete());
+  ASSERT_TRUE(planning.timings.memory_measured());
   const auto failed = planning.plan.for_call(true, kMicrobatches, std::nullopt).plan;
   planning.plan.shrink_after_out_of_memory(failed, RecomputeGrain::kStage, /*grain_chosen=*/true);
   planning.options.host_checkpoint_limit_gib = 1024;  // room

@@ -96,15 +96,38 @@ TEST(LayerTimings, WorkingBytesAreTheLargestPeakBeyondWhatIsKept) {
   timings.add_kept_bytes(0, 300, 500, 100);   // held 200 beyond the 300 it keeps
   EXPECT_EQ(timings.costs({0, 0}, {0, 0})[0].working_bytes, 200);
   EXPECT_TRUE(timings.wants_backward_bytes(0));
-  timings.add_backward_bytes(0, 9000);  // dropped
-  timings.add_backward_bytes(0, 150);   // less than the forward's: stays 200
+  // A frozen layer's first backward is metered, and dropped (workspaces).
+  timings.add_backward_bytes(0, 9000, /*after_a_first_backward=*/false);
+  timings.add_backward_bytes(0, 150, false);  // less than the forward's: stays 200
   EXPECT_EQ(timings.costs({0, 0}, {0, 0})[0].working_bytes, 200);
-  timings.add_backward_bytes(0, 700);
+  timings.add_backward_bytes(0, 700, false);
   EXPECT_FALSE(timings.wants_backward_bytes(0));
   EXPECT_EQ(timings.costs({0, 0}, {0, 0})[0].working_bytes, 700);
   EXPECT_EQ(timings.costs({0, 0}, {0, 0})[1].working_bytes, 0);  // never metered
   timings.add_output_bytes(0, 200);                              // scales with the output
   EXPECT_EQ(timings.costs({0, 0}, {0, 0})[0].working_bytes, 1400);
+}
+
+// Note [Backward working memory]: a trainable layer's first backward runs
+// unmetered (it allocates the gradients), so its first metered one counts;
+// the memory counts as measured once every layer has both what it keeps
+// and its backward's working memory.
+TEST(LayerTimings, ATrainableLayersFirstMeteredBackwardCountsAndCompletesTheMemory) {
+  LayerTimings timings(2);
+  for (int l = 0; l < 2; ++l) {
+    timings.add_output_bytes(l, 100);
+    timings.add_kept_bytes(l, 900, 900, 100);  // dropped
+    timings.add_kept_bytes(l, 300, 400, 100);
+  }
+  EXPECT_FALSE(timings.memory_measured()) << "no backward measured";
+  timings.add_backward_bytes(0, 1000, /*after_a_first_backward=*/true);
+  EXPECT_EQ(timings.costs({0, 0}, {0, 0})[0].working_bytes, 1000);
+  EXPECT_FALSE(timings.memory_measured()) << "layer 1's backward is not";
+  timings.add_backward_bytes(1, 1000, /*after_a_first_backward=*/false);  // dropped
+  EXPECT_FALSE(timings.memory_measured());
+  timings.add_backward_bytes(1, 500, false);
+  EXPECT_TRUE(timings.memory_measured());
+  EXPECT_EQ(timings.costs({0, 0}, {0, 0})[1].working_bytes, 500);
 }
 
 TEST(LayerTimings, CostsNeedOneSizePerLayer) {
