@@ -105,6 +105,7 @@ struct PlanEstimate {
   // stages but the fused tail (every layer's in layer grain, else each
   // stage's), all microbatches; from LayerCost::output_bytes.
   int64_t checkpoint_bytes = 0;
+  int checkpoint_inputs = 0;  // how many layer inputs of a microbatch those are
   // PlanRequest::rerun_inputs_on_device, which the stages' memory counts.
   bool rerun_inputs_on_device = false;
   // One line per stage (layers, compute, upload, memory) and the totals.

@@ -171,12 +171,16 @@ double simulate(const std::vector<StageEstimate>& stages, const PlanRequest& req
 // its own stage's) keeps from the forward to its backward
 // (CallState::make_slots): its layers' inputs in layer grain, else its
 // own; none for layer 0 (the caller's input).
+// `inputs`: how many layer inputs (a microbatch's) those are, which
+// orders plans where output bytes are not measured yet.
 int64_t checkpoint_bytes_of(const std::vector<LayerCost>& layers, const LayerRange& r,
-                            const PlanRequest& request) {
+                            const PlanRequest& request, int& inputs) {
   const bool every_layer = request.layer_grain && !request.rerun_from_stage_input;
   int64_t bytes = 0;
-  for (int l = std::max(r.begin, 1); l < (every_layer ? r.end : r.begin + 1); ++l)
+  for (int l = std::max(r.begin, 1); l < (every_layer ? r.end : r.begin + 1); ++l) {
     bytes += layers[l - 1].output_bytes;
+    ++inputs;
+  }
   return bytes * request.num_microbatches;
 }
 
@@ -326,8 +330,12 @@ bool host_order(const PlanEstimate& candidate, const PlanEstimate& best, bool fa
                 const PlanRequest& request) {
   if (!request.rerun_from_stage_input) return faster;
   const int64_t limit = request.host_checkpoint_limit_bytes;
-  const auto fewer = candidate.checkpoint_bytes < best.checkpoint_bytes;
-  const auto same = candidate.checkpoint_bytes == best.checkpoint_bytes;
+  // (Equal bytes, as before output bytes are measured: fewer inputs.)
+  const auto fewer = candidate.checkpoint_bytes < best.checkpoint_bytes ||
+                     (candidate.checkpoint_bytes == best.checkpoint_bytes &&
+                      candidate.checkpoint_inputs < best.checkpoint_inputs);
+  const auto same = candidate.checkpoint_bytes == best.checkpoint_bytes &&
+                    candidate.checkpoint_inputs == best.checkpoint_inputs;
   if (limit <= 0) return fewer || (same && faster);
   const bool candidate_fits = candidate.checkpoint_bytes <= limit;
   const bool best_fits = best.checkpoint_bytes <= limit;
@@ -450,7 +458,7 @@ PlanEstimate estimate_plan(const std::vector<LayerCost>& layers, const ExecutePl
     const bool tail = request.fused && i == 0;
     e.stages.push_back(estimate(layers, c.backward, r, true, request, tail));
     if (tail) continue;  // the tail: with_tail_grown counts its extra forward
-    e.checkpoint_bytes += checkpoint_bytes_of(layers, r, request);
+    e.checkpoint_bytes += checkpoint_bytes_of(layers, r, request, e.checkpoint_inputs);
     // Rerun from the stage's input: all but its last layer once more.
     if (request.rerun_from_stage_input)
       for (int l = r.begin; l < r.end - 1; ++l) e.stages.back().compute += c.forward[l];

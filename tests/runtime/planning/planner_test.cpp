@@ -402,6 +402,33 @@ TEST(Planner, LayerFromStageCountsTheRerunsInputsOnTheDevice) {
   EXPECT_LT(plan_stages(layers, request).checkpoint_bytes, fewest.checkpoint_bytes);
 }
 
+// A first call's plan in layer-from-stage grain, on byte costs (the 32B
+// shape's: 64 decoder layers of 0.242 GiB between an embedding and a head of
+// 1.449) under a 20.25 GiB limit with three quarters held back: output
+// bytes are not measured yet, so every plan's checkpoints weigh 0 bytes,
+// and the plan took the fastest, one layer a backward stage (no rerun),
+// every layer's input a checkpoint (41 GiB at 32B, H100, 2026-12-05). It
+// counts the inputs it keeps then: a quarter of the limit holds 10 layers
+// a backward stage (2 x 10 x 0.242 GiB with the next stage's), so the
+// fewest are 7.
+TEST(Planner, LayerFromStageKeepsTheFewestInputsBeforeTheirBytesAreMeasured) {
+  const int64_t G = int64_t{1} << 30;
+  std::vector<int64_t> bytes(66, static_cast<int64_t>(0.242 * G)), grads(66, 16 * kMiB);
+  bytes[0] = bytes[65] = static_cast<int64_t>(1.449 * G);
+  grads[0] = grads[65] = 0;
+  PlanRequest request;
+  request.fused = true;
+  request.layer_grain = true;
+  request.rerun_from_stage_input = true;
+  request.memory_limit_bytes = static_cast<int64_t>(20.25 * G);
+  request.activations_unmeasured = true;
+  request.unmeasured_activation_share = 0.75;
+  const auto thin = plan_stages(costs_from_bytes(bytes, grads), request);
+  for (const auto& s : thin.stages) EXPECT_LE(s.peak_bytes, request.memory_limit_bytes / 4);
+  EXPECT_EQ(thin.checkpoint_bytes, 0);
+  EXPECT_LE(thin.checkpoint_inputs, 7) << thin.describe();
+}
+
 // What a layer keeps for its backward is measured on its forward with grad
 // (its saved tensors and output), not only its output: a block whose hidden
 // activations are 4 x wider than its output keeps them, and the automatic
