@@ -77,8 +77,9 @@ bool LayerTimings::wants_backward_bytes(int layer) const {
 // the second call's plan (the first measured one) counted the forward's
 // working memory only. At 32B its backward stages ran out of memory by
 // ~3 GiB in every grain with several layers a stage (H100, 2026-12-05:
-// the allocator's census at the error showed four 1.56 GiB blocks where
-// the plan had room for three). So a metered backward that follows an
+// the allocator's census at the error showed the layer's saved MLP blocks,
+// the SwiGLU output's gradient and one of its input gradients, 1.56 GiB
+// each, the other being asked for). So a metered backward that follows an
 // unmetered one counts, and the plan counts activations as measured only
 // once every layer's backward working memory is (memory_measured()).
 void LayerTimings::add_backward_bytes(int layer, int64_t peak, bool after_a_first_backward) {
