@@ -114,7 +114,7 @@ PlanEstimate AutoPlan::estimate(bool fused, int num_microbatches, int min_stages
   // part of the limit is held back for them.
   const bool measured = timings_.complete();
   const bool still_measuring = !measured || (all_layers_meterable_ && !timings_.memory_measured());
-  request.activations_unmeasured = still_measuring || !all_layers_meterable_;
+  request.activations_unmeasured = !activations_measured();
   // The rerun's inputs go to the device once their bytes are counted there
   // (Note [Thin checkpoints]).
   request.rerun_inputs_on_device =
@@ -160,8 +160,10 @@ PlanEstimate AutoPlan::estimate(bool fused, int num_microbatches, int min_stages
 // One layer per stage would hold less still, but each backward stage's
 // input is a checkpoint on the host: at 32B in layer-from-stage grain it
 // kept 41 GiB there (every layer's input) in that first call, which the
-// later calls then did not need (H100, 2026-12-05). The next call's plan
-// is the measured one.
+// later calls then did not need (H100, 2026-12-05). The measured plan
+// comes once every layer's kept activations and backward working memory
+// are measured (Note [Backward working memory]): the next call where calls
+// have two or more microbatches.
 
 // Note [Automatic grain]
 // Where the caller sets no recompute_grain, the plan chooses it. Until
@@ -183,8 +185,7 @@ PlanEstimate AutoPlan::estimate(bool fused, int num_microbatches, int min_stages
 AutoPlan::Choice AutoPlan::choose(bool fused, int n, int min_stages,
                                   std::optional<double> memory_limit_gib,
                                   std::optional<RecomputeGrain> grain, int tail_rows) const {
-  const bool activations_measured =
-      timings_.complete() && all_layers_meterable_ && timings_.memory_measured();
+  const bool activations_measured = this->activations_measured();
   bool layer_grain_only = false;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -247,6 +248,10 @@ AutoPlan::Choice AutoPlan::choose(bool fused, int n, int min_stages,
     }
   }
   return {std::move(plan), chosen};
+}
+
+bool AutoPlan::activations_measured() const {
+  return all_layers_meterable_ && timings_.complete() && timings_.memory_measured();
 }
 
 int64_t AutoPlan::host_checkpoint_room() const {

@@ -75,6 +75,9 @@ class AutoPlan {
 
  private:
   double probe_upload_rate() const;
+  // Every layer's times, kept activations and backward working memory are
+  // measured, and every layer can be (Note [Backward working memory]).
+  bool activations_measured() const;
   // The room the host has for a call's checkpoints (Note [Host room for
   // checkpoints]).
   int64_t host_checkpoint_room() const;
