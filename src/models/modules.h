@@ -47,10 +47,9 @@ TORCH_MODULE(BareWeight);
 // and PCIe bytes for these weights), never downloads or updates them (no
 // gradient), and the projection dequantizes its weight into the input's
 // dtype where it runs (a CUDA kernel on a GPU for 4 bits, tensor
-// operations for 8) before its matmul. The dequantized weight lives while
-// autograd needs it for the input's gradient (to the layer's backward): on
-// the device, the bytes the full-precision weight would take, plus the
-// packed ones (the plan measures it as the layer's kept memory). The LoRA
+// operations for 8) before its matmul, and again in the backward for the
+// input's gradient: autograd keeps the packed weight, not the dequantized
+// one (Note [Dequantized weights are not kept]). The LoRA
 // factors keep their own dtype. from_pretrained quantizes each projection
 // as it reads it, so the full-precision model is never held;
 // save_pretrained writes the weights dequantized in the model's dtype (the
@@ -104,7 +103,7 @@ struct LinearImpl : torch::nn::Cloneable<LinearImpl> {
     return quant ? base.dequantize(dtype) : weight;
   }
   at::Tensor forward(const at::Tensor& x) {
-    auto y = at::linear(x, base_weight(x.scalar_type()), bias);
+    auto y = quant ? quantized_linear(x, base, bias) : at::linear(x, weight, bias);
     if (lora.rank == 0) return y;
     const auto h = lora.dropout > 0 ? at::dropout(x, lora.dropout, is_training()) : x;
     const auto a = lora_A->weight.to(x.scalar_type()), b = lora_B->weight.to(x.scalar_type());

@@ -127,6 +127,12 @@ struct QuantizedWeight {
   }
 };
 
+// x W^T + bias for a frozen quantized W, where autograd keeps the packed
+// weight, not the dequantized one, for the input's gradient
+// (quantized_linear.cpp, Note [Dequantized weights are not kept]).
+at::Tensor quantized_linear(const at::Tensor& x, const QuantizedWeight& weight,
+                            const at::Tensor& bias = {});
+
 // Whether a parameter name is one of a quantized weight's scales (saved
 // and loaded with its weight, never on their own).
 inline bool is_quantization_scale_name(const std::string& name) {

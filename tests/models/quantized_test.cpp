@@ -5,8 +5,14 @@
 // (skipped without a GPU; bench/gpu_tests.sh runs it). The comparison
 // with bitsandbytes itself is tests/python/test_quantized.py.
 #include <gtest/gtest.h>
+#include <roundpipe/device.h>
 #include <roundpipe/models/quantized.h>
 #include <torch/torch.h>
+
+#include <limits>
+#include <thread>
+
+#include "models/modules.h"
 
 namespace roundpipe::testing {
 namespace {
@@ -146,6 +152,54 @@ TEST(Quantized4Bit, TheGpuKernelEqualsTheCpuPathBitForBit) {
             << models::to_string(type) << " nested " << nested << " " << dtype;
       }
     }
+  }
+}
+
+// Note [Dequantized weights are not kept]: a projection on a quantized base
+// keeps its packed weight for the backward, not the dequantized one (the
+// simulated device charges what the forward leaves allocated), and gives
+// the gradients autograd gives through at::linear on the dequantized weight.
+// (In float32, a sum of n products differs between two summation orders by
+// at most 2 n u times the sum of the products' magnitudes.)
+TEST(QuantizedLinear, KeepsThePackedWeightAndGivesAutogradsGradients) {
+  constexpr int64_t in = 1024, out = 512, rows = 8;  // a float32 weight of 2 MiB
+  const double u = std::numeric_limits<float>::epsilon() / 2;
+  for (const auto type : {QuantType::kNF4, QuantType::kInt8}) {
+    auto devices = make_devices("sim:1,mem=64MiB");
+    auto& device = *devices.front();
+    models::detail::Linear linear(in, out, /*bias=*/true, models::LoraOptions{},
+                                  models::BaseQuantization{type, true});
+    torch::manual_seed(11);
+    linear->base.set(at::randn({out, in}) * 0.05);
+    {
+      c10::NoGradGuard no_grad;
+      linear->bias.copy_(at::randn({out}));
+    }
+    linear->bias.requires_grad_(true);
+    const auto x = at::randn({rows, in}).requires_grad_();
+    const auto grad = at::randn({rows, out});
+    int64_t kept = 0;
+    std::thread compute([&] {  // a thread working for the device, as its worker does
+      device.bind_compute_thread();
+      const auto before = device.memory_stats().in_use_bytes;
+      auto y = linear->forward(x);
+      kept = device.memory_stats().in_use_bytes - before;
+      y.backward(grad);
+    });
+    compute.join();
+    // The output (16 KiB) and no weight: at::linear's own backward kept
+    // the 2 MiB dequantized weight.
+    EXPECT_LT(kept, out * in * 4 / 8) << models::to_string(type);
+
+    const auto w = linear->base.dequantize(at::kFloat);
+    const auto x2 = x.detach().requires_grad_();
+    const auto b2 = linear->bias.detach().requires_grad_();
+    at::linear(x2, w, b2).backward(grad);
+    const auto x_bound = 2 * out * u * grad.abs().mm(w.abs());
+    EXPECT_TRUE((x.grad() - x2.grad()).abs().le(x_bound).all().item<bool>())
+        << models::to_string(type);
+    const auto b_bound = 2 * rows * u * grad.abs().sum(0);
+    EXPECT_TRUE((linear->bias.grad() - b2.grad()).abs().le(b_bound).all().item<bool>());
   }
 }
 
