@@ -117,6 +117,8 @@ class WeightTable {
   void unstage(int id);
 
  private:
+  // Note [Freed heap memory goes back] (weight_table.cpp).
+  static void return_freed_heap_memory();
   bool available(const ParamEntry& entry, int64_t version) const;
   void mark_published(ParamEntry& entry, int64_t version);  // (mu_ held)
 

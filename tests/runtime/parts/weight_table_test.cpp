@@ -10,7 +10,12 @@
 
 #include <atomic>
 #include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <string>
 #include <thread>
+#include <vector>
 
 #include "test_util.h"
 
@@ -56,6 +61,39 @@ TEST(WeightTable, AllocPlacementKeepsTheModelsTensorsAndValues) {
   EXPECT_EQ(table.host_memory_stats().model_state_bytes, bytes);
   EXPECT_TRUE(static_cast<bool>(table.host_allocator()));
 }
+
+#ifdef __GLIBC__
+// This process's anonymous resident memory (/proc/self/status), in bytes.
+int64_t anonymous_resident_bytes() {
+  std::ifstream status("/proc/self/status");
+  for (std::string line; std::getline(status, line);)
+    if (line.rfind("RssAnon:", 0) == 0) return std::stoll(line.substr(8)) * 1024;
+  return -1;
+}
+
+// Note [Freed heap memory goes back]: 64 MiB freed in pieces under glibc's
+// mmap threshold, behind a block still in use (so that glibc's own trimming
+// of the heap's top does not return them), stay resident until the table is
+// made, and are gone after.
+TEST(WeightTable, MakingItReturnsTheHeapsFreedMemory) {
+  constexpr int kPieces = 1024;
+  constexpr size_t kPiece = 64 << 10;  // 64 MiB in all
+  std::vector<char*> pieces;
+  for (int i = 0; i < kPieces; ++i) {
+    pieces.push_back(static_cast<char*>(std::malloc(kPiece)));
+    std::memset(pieces.back(), 1, kPiece);  // resident
+  }
+  char* fence = static_cast<char*>(std::malloc(64));
+  for (char* p : pieces) std::free(p);
+  const int64_t before = anonymous_resident_bytes();
+  auto layers = tied_model();
+  WeightTable table(layers, PinMode::kAlloc, /*can_pin=*/false, "test");
+  const int64_t after = anonymous_resident_bytes();
+  std::free(fence);
+  // At least half of it (the rest of the process may move a few MiB).
+  EXPECT_LT(after, before - (int64_t{32} << 20)) << before << " -> " << after;
+}
+#endif
 
 TEST(WeightTable, PublishingWaitsForReadsOfOlderVersionsThenCopiesTheMaster) {
   auto layers = tied_model();
