@@ -24,7 +24,9 @@ inline double status_gib(const std::string& key) {
 // on CUDA the pinned arena, which the driver maps as anonymous or shared
 // memory), file pages (the libraries: LibTorch, cuBLAS, the kernels loaded)
 // and shared memory; and, of the heap, how much glibc holds free for reuse
-// (freed memory that `top` still counts).
+// (freed memory that `top` counts until it is trimmed: once RoundPipe's
+// weight table returns it, Note [Freed heap memory goes back], the free
+// bytes stay in this count but no longer in the resident set).
 inline std::string resident_by_kind() {
   const struct mallinfo2 heap = mallinfo2();
   char line[256];
