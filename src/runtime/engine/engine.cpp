@@ -173,6 +173,7 @@ std::shared_ptr<CallState> Engine::start_call(const c10::IValue& input, const Ru
   const auto start = std::chrono::steady_clock::now();
   check_earlier_calls();
   stats_.add_since(&PipelineStats::call_start_wait_seconds, start);
+  weights_.release_idle_host_memory();
   auto call = std::make_shared<CallState>();
   // Every engine wait that may wait on this call (Note [Call cancellation]).
   call->wakers.push_back([this] { commits_.wake(); });

@@ -27,6 +27,11 @@ struct HostArenaChunk {
   char* base = nullptr;
   int64_t size = 0;
   bool pinned = false;
+  // Note [Idle arena chunks go back]: whether a block was taken from it
+  // since the last release pass, and how many passes in a row found it
+  // entirely free and untouched.
+  bool taken = false;
+  int idle_passes = 0;
   std::map<int64_t, int64_t> free_at;
   std::set<std::pair<int64_t, int64_t>> free_by_size;
 
@@ -38,7 +43,13 @@ struct HostArenaChunk {
     free_by_size.erase({it->second, it->first});
     free_at.erase(it);
   }
+  bool entirely_free() const { return free_at.size() == 1 && free_at.begin()->second == size; }
 };
+
+void free_chunk(const HostArenaChunk& chunk) {
+  if (chunk.pinned) unregister_host_memory(chunk.base);
+  std::free(chunk.base);
+}
 
 }  // namespace
 
@@ -53,10 +64,7 @@ struct HostArena::State {
 
   explicit State(const HostArenaOptions& o) : options(o) {}
   ~State() {
-    for (auto& chunk : chunks) {
-      if (chunk->pinned) unregister_host_memory(chunk->base);
-      std::free(chunk->base);
-    }
+    for (auto& chunk : chunks) free_chunk(*chunk);
   }
 
   int64_t round_up(int64_t bytes) const {
@@ -119,6 +127,7 @@ struct HostArena::State {
       best = &add_chunk(std::max(round_up(options.chunk_bytes), need));
       fit = {best->size, 0};
     }
+    best->taken = true;
     best->remove_free(best->free_at.find(fit.second));
     if (fit.first > need) best->add_free(fit.second + need, fit.first - need);
     stats.allocated_bytes += need;
@@ -160,6 +169,44 @@ struct HostArena::State {
     block->state->give_back(*block->chunk, block->offset, block->bytes);
     // Destroying `block` may drop the last reference to the state: that frees
     // the chunks, outside the lock.
+  }
+
+  // Note [Idle arena chunks go back]
+  // A call can need more host memory than the calls after it: the first one
+  // keeps more layer inputs on the host (its plan has not measured
+  // activations yet; in layer-from-stage grain it sends the rerun's inputs
+  // there too), and a retry by layer after a device out-of-memory error
+  // does the same. Chunks kept for good hold the process at that peak:
+  // 14.98 GiB of staging and downloads in a 32B NF4 run whose later calls
+  // need a few. So each call's start makes a pass: a chunk no block was
+  // taken from since the last pass, and entirely free now, counts one idle
+  // pass; after `passes` of them in a row it goes back (unpinned, freed).
+  // Chunks a steady run uses are taken from every call and stay, so a
+  // repeated pattern reaches its steady state without churn; a free chunk
+  // has no copy in flight (a device holds its block until its copy ends).
+  int64_t release_idle_chunks(int passes) {
+    std::vector<std::unique_ptr<HostArenaChunk>> idle;
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      for (auto& chunk : chunks) {
+        if (chunk->taken || !chunk->entirely_free()) {
+          chunk->taken = false;
+          chunk->idle_passes = 0;
+        } else if (++chunk->idle_passes >= passes) {
+          stats.reserved_bytes -= chunk->size;
+          if (chunk->pinned) stats.pinned_bytes -= chunk->size;
+          stats.chunks -= 1;
+          idle.push_back(std::move(chunk));
+        }
+      }
+      std::erase(chunks, nullptr);
+    }
+    int64_t released = 0;
+    for (const auto& chunk : idle) {  // outside the lock: unpinning takes a while
+      free_chunk(*chunk);
+      released += chunk->size;
+    }
+    return released;
   }
 
   const HostArenaOptions options;
@@ -209,6 +256,11 @@ at::Tensor HostArena::empty(at::IntArrayRef sizes, at::ScalarType dtype) {
 
 int64_t HostArena::block_bytes(int64_t bytes) const {
   return state_->round_up(bytes);
+}
+
+int64_t HostArena::release_idle_chunks(int passes) {
+  TORCH_CHECK(passes >= 1, "HostArena::release_idle_chunks: passes must be >= 1, got ", passes);
+  return state_->release_idle_chunks(passes);
 }
 
 HostArenaStats HostArena::stats() const {

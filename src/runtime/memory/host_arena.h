@@ -62,6 +62,11 @@ class HostArena {
   // What a request of `bytes` takes: rounded up to the alignment.
   int64_t block_bytes(int64_t bytes) const;
 
+  // A release pass (Note [Idle arena chunks go back], host_arena.cpp):
+  // returns the chunks that are entirely free and that no block was taken
+  // from through `passes` passes in a row, counting this one. Returns the
+  // bytes released.
+  int64_t release_idle_chunks(int passes);
   HostArenaStats stats() const;
   const HostArenaOptions& options() const { return options_; }
 

@@ -73,6 +73,9 @@ class WeightTable {
   const std::string& name(int id) const { return params_[id].name; }
   std::vector<std::pair<std::string, at::Tensor>> named_homes() const;
   HostMemoryStats host_memory_stats() const { return {arena_->stats(), model_state_bytes_}; }
+  // At each call's start: the arena's chunks idle through two calls go back
+  // (Note [Idle arena chunks go back], host_arena.cpp).
+  void release_idle_host_memory() { arena_->release_idle_chunks(2); }
   // Where downloads go: the arena with pin_model=alloc, else empty (the
   // backend's own memory).
   const HostAllocator& host_allocator() const { return host_allocator_; }
