@@ -3,6 +3,8 @@
 // weights are not kept].
 #include <torch/csrc/autograd/custom_function.h>
 
+#include <utility>
+
 #include "models/quantized_weight.h"
 
 namespace roundpipe::models::detail {
@@ -27,6 +29,15 @@ using torch::autograd::variable_list;
 // for a 5120 x 25600 weight on an H100) against its matmuls. The weight is
 // frozen, so the backward computes the input's gradient only.
 struct QuantizedLinearFunction : torch::autograd::Function<QuantizedLinearFunction> {
+  // The weight's tensors (undefined where its format has none), by the names
+  // the context keeps them under.
+  static constexpr std::pair<const char*, at::Tensor QuantizedWeight::*> kParts[] = {
+      {"codes", &QuantizedWeight::codes},
+      {"absmax", &QuantizedWeight::absmax},
+      {"nested_absmax", &QuantizedWeight::nested_absmax},
+      {"nested_code", &QuantizedWeight::nested_code},
+      {"nested_offset", &QuantizedWeight::nested_offset},
+      {"scale", &QuantizedWeight::scale}};
   // (An absent bias is an empty tensor: custom functions take no undefined
   // inputs.)
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& bias,
@@ -35,12 +46,7 @@ struct QuantizedLinearFunction : torch::autograd::Function<QuantizedLinearFuncti
     saved["type"] = static_cast<int64_t>(weight.quant.type);
     saved["double_quant"] = weight.quant.double_quant;
     saved["shape"] = weight.shape;
-    saved["codes"] = weight.codes;
-    saved["absmax"] = weight.absmax;
-    saved["nested_absmax"] = weight.nested_absmax;
-    saved["nested_code"] = weight.nested_code;
-    saved["nested_offset"] = weight.nested_offset;
-    saved["scale"] = weight.scale;
+    for (const auto& [name, part] : kParts) saved[name] = weight.*part;
     return at::linear(x, weight.dequantize(x.scalar_type()),
                       bias.numel() > 0 ? bias : at::Tensor());
   }
@@ -49,12 +55,7 @@ struct QuantizedLinearFunction : torch::autograd::Function<QuantizedLinearFuncti
     QuantizedWeight weight(BaseQuantization{static_cast<QuantType>(saved["type"].toInt()),
                                             saved["double_quant"].toBool()},
                            saved["shape"].toIntVector());
-    weight.codes = saved["codes"].toTensor();
-    weight.absmax = saved["absmax"].toTensor();
-    weight.nested_absmax = saved["nested_absmax"].toTensor();
-    weight.nested_code = saved["nested_code"].toTensor();
-    weight.nested_offset = saved["nested_offset"].toTensor();
-    weight.scale = saved["scale"].toTensor();
+    for (const auto& [name, part] : kParts) weight.*part = saved[name].toTensor();
     const auto& grad = grads[0];
     // y = x W^T + b, so dL/dx = dL/dy W and dL/db sums dL/dy over the rows.
     at::Tensor grad_bias;
