@@ -371,6 +371,23 @@ std::vector<std::string> arena_backends() {
   return specs;
 }
 
+// 6 -> width -> width -> width -> 4, tanh between: three hidden layers'
+// inputs of `width` a row.
+torch::nn::Sequential seven_layers(int64_t width) {
+  namespace nn = torch::nn;
+  return nn::Sequential(nn::Linear(6, width), nn::Tanh(), nn::Linear(width, width), nn::Tanh(),
+                        nn::Linear(width, width), nn::Tanh(), nn::Linear(width, 4));
+}
+
+// The model in the arena (pin_model=alloc) on `devices`, planned within
+// `limit_bytes`.
+RoundPipeOptions arena_options(const std::string& devices, double limit_bytes) {
+  return RoundPipeOptions()
+      .set_devices(devices)
+      .set_pin_model(PinMode::kAlloc)
+      .set_model_memory_limit_gib(limit_bytes / (1 << 30));
+}
+
 class HostArenaEngineTest : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(HostArenaEngineTest, AllocModePlacesTheModelInOneExactChunkAndReusesDownloads) {
@@ -434,7 +451,6 @@ TEST_P(HostArenaEngineTest, AllocModePlacesTheModelInOneExactChunkAndReusesDownl
 // accumulation kept its own (and the next call's forward beside an
 // asynchronous step found the previous call's still there).
 TEST_P(HostArenaEngineTest, ACallsLayerInputsGoBackWithItsBackward) {
-  namespace nn = torch::nn;
   const int64_t rows = 4096, width = 12;
   const int64_t layer_input = rows * width * 4;  // a hidden layer's input, all microbatches
   auto x = at::randn({rows, 6}, at::detail::createCPUGenerator(11));
@@ -443,15 +459,9 @@ TEST_P(HostArenaEngineTest, ACallsLayerInputsGoBackWithItsBackward) {
        {RecomputeGrain::kLayer, RecomputeGrain::kStage, RecomputeGrain::kLayerFromStage}) {
     SCOPED_TRACE(to_string(grain));
     torch::manual_seed(3);
-    auto model =
-        nn::Sequential(nn::Linear(6, width), nn::Tanh(), nn::Linear(width, width), nn::Tanh(),
-                       nn::Linear(width, width), nn::Tanh(), nn::Linear(width, 4));
     // A limit of two or three layers' activations: several stages, whose
     // inputs (4096 rows) dwarf the weights.
-    RoundPipe pipe(model, RoundPipeOptions()
-                              .set_devices(GetParam())
-                              .set_pin_model(PinMode::kAlloc)
-                              .set_model_memory_limit_gib(6e5 / (1 << 30)));
+    RoundPipe pipe(seven_layers(width), arena_options(GetParam(), 6e5));
     const int64_t placed = pipe.host_memory_stats().arena.allocated_bytes;
     const auto config = RunConfig().set_num_microbatch(2).set_recompute_grain(grain);
     for (int call = 1; call <= 3; ++call) {
@@ -472,17 +482,10 @@ TEST_P(HostArenaEngineTest, ACallsLayerInputsGoBackWithItsBackward) {
 // inputs on the host, calls that need less return the chunks it took (at
 // the start of the second call after the last that used them).
 TEST_P(HostArenaEngineTest, ChunksALargerCallTookGoBackWhenLaterCallsNeedLess) {
-  namespace nn = torch::nn;
   const int64_t width = 64, large_rows = 16384;
   const int64_t layer_input = large_rows * width * 4;  // 4 MiB, above the 2 MiB chunks
   torch::manual_seed(5);
-  auto model =
-      nn::Sequential(nn::Linear(6, width), nn::Tanh(), nn::Linear(width, width), nn::Tanh(),
-                     nn::Linear(width, width), nn::Tanh(), nn::Linear(width, 4));
-  RoundPipe pipe(model, RoundPipeOptions()
-                            .set_devices(GetParam())
-                            .set_pin_model(PinMode::kAlloc)
-                            .set_model_memory_limit_gib(12e6 / (1 << 30)));
+  RoundPipe pipe(seven_layers(width), arena_options(GetParam(), 12e6));
   const auto config = RunConfig().set_num_microbatch(2).set_recompute_grain(RecomputeGrain::kLayer);
   auto call = [&](int64_t rows) {
     pipe.forward_backward(at::randn({rows, 6}), at::randn({rows, 4}), mse_loss, false, config);
