@@ -31,7 +31,7 @@ for shape in ${SHAPES:-8B}; do
       --batch "${BATCH:-16}" --seq "${SEQ:-4096}" --warmup "${WARMUP:-2}" --steps "${STEPS:-3}" \
       --lora-rank 16 "${quant[@]}" "${grain[@]}" ${VERBOSE:+--verbose} ${EXTRA:-} > "$log" 2>&1
     echo "== $shape $run base, LoRA r16, cap $cap GiB (exit $?, ${SECONDS}s)" | tee -a "$out/qlora.txt"
-    grep -E "oom census|model made|dequantization|tokens/s|H2D bytes|peak device|predicted peak|recoveries|host peak|host arena|parameters|host pinned" "$log" \
+    grep -E "oom census|model made|dequantization|one-byte-a-thread|tokens/s|H2D bytes|peak device|predicted peak|recoveries|host peak|host arena|parameters|host pinned" "$log" \
       | tee -a "$out/qlora.txt"
   done
 done

@@ -168,6 +168,18 @@ void check_dequantization(const roundpipe::models::CausalLM& model, const Device
       m::to_string(type), static_cast<long long>(shape[0]), static_cast<long long>(shape[1]),
       device->name().c_str(), same ? "yes" : "NO", seconds * 1e6,
       (bytes + 2.0 * cpu.numel()) / seconds / 1e9);
+  if (!m::is_4bit(type)) return;
+  // The kernel's one-byte-a-thread form (Note [A wide thread a scale]): the
+  // packed bytes one past an aligned address.
+  const at::Tensor& codes = named.at(w);
+  const auto shifted =
+      at::empty({codes.numel() + 1}, codes.options().device(device->torch_device()));
+  shifted.narrow(0, 1, codes.numel()).copy_(upload(codes));
+  uploaded[codes.data_ptr()] = shifted.narrow(0, 1, codes.numel());
+  const bool narrow_same = at::equal(cpu, dequantize(upload).cpu());
+  const double narrow = time_on(device, 20, [&] { dequantize(upload); });
+  std::printf("  its one-byte-a-thread form (unaligned bytes) equals it too: %s; %.0f us\n",
+              narrow_same ? "yes" : "NO", narrow * 1e6);
 }
 
 std::unique_ptr<roundpipe::RoundPipe> wrap(roundpipe::models::CausalLM& model, const Setup& s) {

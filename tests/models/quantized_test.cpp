@@ -155,6 +155,26 @@ TEST(Quantized4Bit, TheGpuKernelEqualsTheCpuPathBitForBit) {
   }
 }
 
+// Note [A wide thread a scale]: the kernel's one-byte form, where the wide
+// one cannot go (packed bytes at an odd address; a block size 16 does not
+// divide), gives the CPU path's values too.
+TEST(Quantized4Bit, TheGpuKernelsNarrowFormEqualsTheCpuPath) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA GPU: runs on the GPU machine";
+  torch::manual_seed(7);
+  const auto w = at::randn({96, 40}, at::kBFloat16) * 0.05;
+  const c10::Device gpu(c10::kCUDA, 0);
+  for (const int64_t blocksize : {int64_t{64}, int64_t{18}}) {
+    const auto q = models::quantize_4bit(w, QuantType::kNF4, blocksize, /*double_quant=*/true);
+    auto on_gpu = q.to(gpu);
+    // The same bytes one past an aligned address.
+    const auto shifted = at::empty({q.packed.numel() + 1}, on_gpu.packed.options());
+    shifted.narrow(0, 1, q.packed.numel()).copy_(on_gpu.packed);
+    on_gpu.packed = shifted.narrow(0, 1, q.packed.numel());
+    EXPECT_TRUE(at::equal(models::dequantize_4bit(on_gpu).cpu(), models::dequantize_4bit(q)))
+        << "block size " << blocksize;
+  }
+}
+
 // Note [Dequantized weights are not kept]: a projection on a quantized base
 // keeps its packed weight for the backward, not the dequantized one (the
 // simulated device charges what the forward leaves allocated), and gives
