@@ -174,8 +174,8 @@ void check_dequantization(const roundpipe::models::CausalLM& model, const Device
   const at::Tensor& codes = named.at(w);
   const auto shifted =
       at::empty({codes.numel() + 1}, codes.options().device(device->torch_device()));
-  shifted.narrow(0, 1, codes.numel()).copy_(upload(codes));
-  uploaded[codes.data_ptr()] = shifted.narrow(0, 1, codes.numel());
+  shifted.narrow(0, 1, codes.numel()).copy_(upload(codes).reshape(-1));
+  uploaded[codes.data_ptr()] = shifted.narrow(0, 1, codes.numel()).view(codes.sizes());
   const bool narrow_same = at::equal(cpu, dequantize(upload).cpu());
   const double narrow = time_on(device, 20, [&] { dequantize(upload); });
   std::printf("  its one-byte-a-thread form (unaligned bytes) equals it too: %s; %.0f us\n",
