@@ -22,6 +22,7 @@
 #include "device/memory_budget.h"
 #include "device/staging_ring.h"
 #include "roundpipe/device.h"
+#include "support/trace.h"
 
 namespace roundpipe {
 namespace {
@@ -171,6 +172,12 @@ class CudaDevice final : public Device {
                                                            StagingRing* staging) override {
     std::vector<at::Tensor> dst;
     dst.reserve(host.size());
+    // (Traced: how long the allocations took and how often the caching
+    // allocator released its cached blocks for them, which synchronises the
+    // device: Note [Uploads that wait on the allocator].)
+    const bool traced = detail::tracing();
+    const auto alloc_start = std::chrono::steady_clock::now();
+    const int64_t releases_before = traced ? allocator_releases() : 0;
     {
       // Allocated in the upload stream's order and marked as used by the
       // compute stream: the caching allocator hands the memory out again
@@ -185,6 +192,11 @@ class CudaDevice final : public Device {
                                                       stream(Queue::kCompute));
       }
     }
+    if (traced)
+      ROUNDPIPE_TRACE("%s: %s upload of %zu tensors allocated in %.1f ms, %lld allocator releases",
+                      name().c_str(), queue == Queue::kParamUpload ? "parameter" : "activation",
+                      host.size(), detail::ms_since(alloc_start),
+                      static_cast<long long>(allocator_releases() - releases_before));
     count_upload(queue, host);
     wait(queue, after);
     {
@@ -254,6 +266,20 @@ class CudaDevice final : public Device {
 
  private:
   const c10::cuda::CUDAStream& stream(Queue q) const { return streams_[static_cast<int>(q)]; }
+
+  // Note [Uploads that wait on the allocator]
+  // The caching allocator keeps a stream's freed blocks for that stream.
+  // Parameters arrive on the upload stream; activations come and go on the
+  // compute stream. When a stage's parameters need more than the upload
+  // stream has cached and the cap leaves no room for a new segment, the
+  // allocator releases every cached block (num_alloc_retries) and that
+  // synchronises the device: the upload then starts only once all compute
+  // enqueued so far has finished, and the GPU waits for it. ROUNDPIPE_TRACE
+  // prints each upload's allocation time and releases to tell this apart
+  // from waiting for the weights.
+  int64_t allocator_releases() const {
+    return c10::cuda::CUDACachingAllocator::getDeviceStats(index_).num_alloc_retries;
+  }
 
   // Keeps the host side of the copies just enqueued on `queue` referenced
   // until they have completed (see Device::download): the releaser thread

@@ -177,12 +177,15 @@ void DeviceWorker::upload(Job& job) {
   const bool available =
       weights.wait_available(job.param_ids, version, [&] { return job.call->aborted.load(); });
   context_.stats.add_since(&PipelineStats::weight_wait_seconds, start);
+  const double weights_ms = ms_since(start);
   if (!available) return;  // the call failed: nothing to run
   auto [copies, event] =
       device_->upload(Queue::kParamUpload, weights.tensors_to_upload(job.param_ids, version),
                       nullptr, staging_.get());
-  ROUNDPIPE_TRACE("call %lld: parameter upload of %s enqueued (after %.1f ms)",
-                  static_cast<long long>(job.call->id), job.describe().c_str(), ms_since(start));
+  ROUNDPIPE_TRACE(
+      "call %lld: parameter upload of %s enqueued (after %.1f ms, %.1f of them "
+      "waiting for the weights)",
+      static_cast<long long>(job.call->id), job.describe().c_str(), ms_since(start), weights_ms);
   job.device_params = std::move(copies);
   job.params_ready = event;
   // Once the copies have read the host tensors, the optimizer may publish.
