@@ -103,6 +103,13 @@ struct RoundPipeOptions {
 // loss_fn(output of the last layer, label) -> a 0-dim loss, run on the
 // device for every microbatch.
 using LossFn = std::function<at::Tensor(const c10::IValue& output, const c10::IValue& label)>;
+// Whether the loss function now running gives the microbatch's reported
+// loss. Where the fused tail runs a microbatch in chunks of rows, a loss
+// function of the caller's is also called on each chunk's output, for its
+// gradient there (Note [A caller's loss over row chunks]); this is false
+// in those calls, so that one with side effects (recording its values)
+// can skip them.
+bool loss_value_is_reported();
 
 // Host memory held by a HostArena (the engine's pinned host memory, see
 // HostMemoryStats).
@@ -139,6 +146,9 @@ struct PipelineStats {
   double call_start_wait_seconds = 0;      // new calls waiting for earlier calls
   // Fused-tail microbatches run in chunks of rows (Note [Tail row chunks]).
   int64_t tail_microbatches_in_row_chunks = 0;
+  // Calls redone with whole microbatches: the caller's loss function failed
+  // its check on chunks of rows (Note [A caller's loss over row chunks]).
+  int64_t calls_redone_for_the_loss_check = 0;
   // Parameter uploads that ran out of device memory and were retried once
   // the device's earlier jobs had finished (Note [Upload out of memory]).
   int64_t upload_out_of_memory_retries = 0;

@@ -288,7 +288,9 @@ class RoundPipe(PassThroughToModel, nn.Module):
                                           whole_batch_loss=loss_fn is None)
         # The default loss_fn returns the model's loss: where the model's
         # layers promise that it adds up over rows (the presets'), the
-        # engine may run a microbatch's tail in chunks of rows.
+        # engine may run a microbatch's tail in chunks of rows. A caller's
+        # loss_fn may run on chunks too, checked (Note [A caller's loss over
+        # row chunks]).
         config.loss_sums_over_rows = loss_fn is None
         to_user = self._user_microbatch_output
         # A loss_fn may return a sequence of losses (as the original's): the
@@ -301,9 +303,12 @@ class RoundPipe(PassThroughToModel, nn.Module):
             if isinstance(loss, (list, tuple)):
                 if not loss or not all(isinstance(t, torch.Tensor) and t.numel() == 1 for t in loss):
                     raise TypeError("loss_fn returned a sequence: it must hold single-element loss tensors")
-                values = torch.stack([t.detach().reshape(()).float() for t in loss]).cpu()
-                with parts_lock:
-                    parts.append(values)
+                # (Not in the calls for a chunk's gradient only: Note [A caller's
+                # loss over row chunks].)
+                if _C.loss_value_is_reported():
+                    values = torch.stack([t.detach().reshape(()).float() for t in loss]).cpu()
+                    with parts_lock:
+                        parts.append(values)
                 return functools.reduce(lambda a, b: a + b, [t.reshape(()) for t in loss])
             return loss
 

@@ -411,6 +411,7 @@ PYBIND11_MODULE(_C, m) {
              d["weight_wait_seconds"] = s.weight_wait_seconds;
              d["call_start_wait_seconds"] = s.call_start_wait_seconds;
              d["tail_microbatches_in_row_chunks"] = s.tail_microbatches_in_row_chunks;
+             d["calls_redone_for_the_loss_check"] = s.calls_redone_for_the_loss_check;
              d["calls_with_thin_checkpoints"] = s.calls_with_thin_checkpoints;
              d["upload_out_of_memory_retries"] = s.upload_out_of_memory_retries;
              d["out_of_memory_recoveries"] = s.out_of_memory_recoveries;
@@ -511,6 +512,7 @@ PYBIND11_MODULE(_C, m) {
 
   m.def("save_for_recompute", [](py::object data) { save_for_recompute(to_ivalue(data)); });
   m.def("doing_recompute", &doing_recompute);
+  m.def("loss_value_is_reported", &loss_value_is_reported);
   m.def("get_recompute_data", [] { return to_python(get_recompute_data()); });
 
   bind_training(m);

@@ -53,7 +53,8 @@ Engine::Engine(std::vector<LayerPtr> layers, RoundPipeOptions options)
                             const std::string& device, const std::string& message) {
                        recovery_.shrink(call, stage, device, "the microbatch was retried by layer",
                                         message);
-                     }},
+                     },
+                     callers_loss_},
       worker_context_{
           this,
           weights_,
@@ -204,8 +205,14 @@ std::shared_ptr<CallState> Engine::start_call(const c10::IValue& input, const Ru
   } else {
     // Where the loss adds up over rows, the fused tail may split the
     // smallest microbatch's rows (Note [Tail row chunks], layer.h).
+    // A caller's loss function, once a whole microbatch showed it a
+    // candidate, is checked chunk by chunk (Note [A caller's loss over row
+    // chunks]); not with data parallel, whose ranks would redo apart.
     int tail_rows = 0;
-    if (call->fused && *call->config.loss_sums_over_rows) {
+    call->check_chunk_loss = !*call->config.loss_sums_over_rows;
+    const bool rows_add_up = *call->config.loss_sums_over_rows ||
+                             (callers_loss_ == kCallersLossChunks && data_parallel() == nullptr);
+    if (call->fused && rows_add_up) {
       tail_rows = std::numeric_limits<int>::max();
       for (const auto& m : microbatches) {
         const auto tensors = flatten_tensors(m);
@@ -398,6 +405,12 @@ std::vector<c10::IValue> Engine::run_call(
     try {
       return collect(call, results(*call));
     } catch (const StageError& e) {
+      // (Later calls run their tails whole: callers_loss_ says so already.)
+      if (call->loss_check_failed && callers_loss_ == kCallersLossWhole) {
+        recovery_.undo(*call);
+        stats_.count(&PipelineStats::calls_redone_for_the_loss_check);
+        continue;
+      }
       if (!recovery_.undo_for_redo(*call, e, attempt)) throw;
     }
   }

@@ -151,6 +151,7 @@ class Engine {
   // A call redone, a microbatch retried, later plans smaller (Note
   // [Out-of-memory redo]).
   OutOfMemoryRecovery recovery_;
+  std::atomic<int> callers_loss_{kCallersLossUnknown};  // Note [A caller's loss over row chunks]
   StageContext stage_context_;
   WorkCounter in_flight_;  // stage jobs dispatched, not finished
   WorkerContext worker_context_;

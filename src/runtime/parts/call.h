@@ -58,6 +58,11 @@ struct CallState {
   bool grain_chosen = false;      // by the automatic plan, not the caller
   int tail_layers_with_grad = 0;  // layer grain: of the fused tail (Note [Tail grain]); 0: one
   int tail_row_chunks = 1;        // the fused tail's chunks per microbatch (Note [Tail row chunks])
+  // The loss function is the caller's, not known to add up over rows: the
+  // tail checks it where it runs in chunks (Note [A caller's loss over row
+  // chunks]), and sets loss_check_failed when the call must be redone whole.
+  bool check_chunk_loss = false;
+  std::atomic<bool> loss_check_failed{false};
   // Layer-from-stage grain: a backward stage keeps the inputs of the layers
   // it reruns on the device (Note [Thin checkpoints]): a caller's plan, or
   // an automatic one that counts them; else on the host.

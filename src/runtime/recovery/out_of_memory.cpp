@@ -83,6 +83,12 @@ bool OutOfMemoryRecovery::undo_for_redo(CallState& call, const StageError& error
     throw StageError(what.str(), error.stage, error.layer, error.microbatch, error.phase,
                      error.device, true, error.cause);
   }
+  undo(call);
+  shrink(call, error.stage, error.device, "the call is redone", error.what());
+  return true;
+}
+
+void OutOfMemoryRecovery::undo(CallState& call) {
   // Its jobs have stopped (the engine's collect waited); its gradients and
   // buffer commits still in the host tasks land, then its forward stages'
   // buffer writes are undone from the snapshot taken before its first
@@ -90,8 +96,6 @@ bool OutOfMemoryRecovery::undo_for_redo(CallState& call, const StageError& error
   call.work.wait_none();
   drain_host_tasks_();
   call.restore_buffer_snapshots([this](int layer) { return layers_[layer]->buffers(); });
-  shrink(call, error.stage, error.device, "the call is redone", error.what());
-  return true;
 }
 
 void OutOfMemoryRecovery::shrink(const CallState& call, const std::string& stage,

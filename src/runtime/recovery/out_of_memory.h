@@ -132,6 +132,10 @@ class OutOfMemoryRecovery {
   // times at most (then it throws the error, naming what does not fit).
   // Its effects are undone first, and later plans are smaller.
   bool undo_for_redo(CallState& call, const StageError& error, int attempt);
+  // Undoes a failed call's effects before it is redone: waits for its jobs
+  // and host tasks, and restores its layers' buffers from the snapshot
+  // taken before its first microbatch (its gradients go with the call).
+  void undo(CallState& call);
 
   // Later calls plan smaller after `stage` ran out of memory on `device`
   // (unless the caller gave the plan); warns, saying how it was recovered

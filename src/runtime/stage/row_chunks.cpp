@@ -92,6 +92,14 @@ bool StageRun::run_tail_in_chunks(Slot& in, int with_grad) {
   std::vector<std::vector<at::Tensor>> grads;  // per chunk: the input gradients
   at::Tensor loss_sum;
   std::vector<c10::IValue> outputs;
+  // A caller's loss function: checked (Note [A caller's loss over row chunks]).
+  ChunkLossCheck check;
+  if (call.check_chunk_loss) {
+    check.chunks = static_cast<int>(chunks.size());
+    auto [label, label_event] = upload_value(device, call.labels[m], nullptr);
+    device.wait(Queue::kCompute, label_event);
+    check.label = label;
+  }
   int64_t first_row = 0;
   for (size_t k = 0; k < chunks.size(); ++k) {
     where.phase = "activation upload";
@@ -103,6 +111,12 @@ bool StageRun::run_tail_in_chunks(Slot& in, int with_grad) {
     first_row += sizes[k];
     const bool last = k + 1 == chunks.size();
     std::vector<at::Tensor> leaves;
+    check.chunk = static_cast<int>(k);
+    TailResults checked{label, [&](const at::Tensor& loss, const c10::IValue& out) {
+                          binding.send_results(m, loss,
+                                               out.isNone() ? out : binding.download_output(out));
+                        }};
+    checked.check = &check;
     TailResults results{label, [&](const at::Tensor& loss, const c10::IValue& out) {
                           const auto part = loss.detach().reshape({});
                           loss_sum = loss_sum.defined() ? loss_sum + part : part;
@@ -116,8 +130,9 @@ bool StageRun::run_tail_in_chunks(Slot& in, int with_grad) {
                           }
                           binding.send_results(m, loss_sum, merged);
                         }};
+    auto& tail = call.check_chunk_loss ? checked : results;
     run_retrying(steps,
-                 [&](const MicrobatchSteps& s) { run_steps(s, x, in.rng, {}, &results, leaves); });
+                 [&](const MicrobatchSteps& s) { run_steps(s, x, in.rng, {}, &tail, leaves); });
     grads.push_back(leaf_grads(leaves));
   }
   timer.flush(r);

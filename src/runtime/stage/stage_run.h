@@ -3,7 +3,7 @@
 // in a file per job: the forward stage and the layer step
 // (stage_forward.cpp), a microbatch's steps and the backward stage
 // (stage_backward.cpp), the fused tail (stage_tail.cpp) and its row chunks
-// (row_chunks.cpp). run_stage_job (stage_runner.cpp) makes one and turns
+// (row_chunks.cpp, chunk_loss_check.cpp). run_stage_job (stage_runner.cpp) makes one and turns
 // its errors into the call's. Internal header.
 #pragma once
 
@@ -27,10 +27,23 @@ namespace roundpipe::detail {
 // and output go once the forward is done (before the backward is enqueued:
 // the caller has them, and may issue the next call, while the backward
 // still runs). Sent once, also across a retry.
+struct ChunkLossCheck;
 struct TailResults {
   const c10::IValue& label;
   std::function<void(const at::Tensor& loss, const c10::IValue& output)> send;
   bool sent = false;
+  ChunkLossCheck* check = nullptr;  // a caller's loss over chunks of rows, checked
+};
+
+// Note [A caller's loss over row chunks] (chunk_loss_check.cpp): one
+// microbatch's chunks, what the loss function gave at each.
+struct ChunkLossCheck {
+  int chunks = 0;
+  int chunk = 0;                 // the one running
+  c10::IValue label;             // the microbatch's, on the device
+  c10::IValue detached;          // the first chunk's output, detached: the structure
+  std::vector<bool> needs_grad;  // per output tensor: it depends on parameters
+  std::vector<std::vector<at::Tensor>> outputs, grads;  // per chunk, per output tensor
 };
 
 struct StageRun {
@@ -77,6 +90,12 @@ struct StageRun {
   // stage_tail.cpp: the fused tail.
   void run_tail();
   at::Tensor run_loss(const c10::IValue& output, TailResults& tail);
+  // chunk_loss_check.cpp: Note [A caller's loss over row chunks]. The
+  // first learns, on a whole microbatch's output, whether the caller's loss
+  // function may run on chunks; the second runs it on one chunk's, and
+  // checks it at the last, returning the root to backpropagate.
+  void learn_callers_loss(const c10::IValue& output, const c10::IValue& label);
+  at::Tensor run_checked_loss(const c10::IValue& output, TailResults& tail);
   // row_chunks.cpp: one microbatch of the tail in chunks of rows (Note
   // [Tail row chunks]); false where its first layer cannot split this input.
   bool run_tail_in_chunks(Slot& in, int with_grad);

@@ -4,6 +4,8 @@
 // the parts below the engine, never the engine. Internal header.
 #pragma once
 
+#include <atomic>
+
 #include <functional>
 #include <string>
 #include <vector>
@@ -22,6 +24,11 @@
 namespace roundpipe::detail {
 
 // What a stage job uses; owned by the engine, outlives every job.
+// Whether a caller's loss function may run on chunks of rows (Note [A
+// caller's loss over row chunks]): unknown until a tail has run it on a
+// whole microbatch; then checked chunks, or whole microbatches for good.
+enum CallersLoss : int { kCallersLossUnknown = 0, kCallersLossChunks, kCallersLossWhole };
+
 struct StageContext {
   const std::string& name;  // the engine's, for messages
   const std::vector<LayerPtr>& layers;
@@ -39,6 +46,9 @@ struct StageContext {
   std::function<void(const CallState& call, const std::string& stage, const std::string& device,
                      const std::string& message)>
       out_of_memory_retried;
+  // What the fused tail learned of a caller's loss function (Note [A
+  // caller's loss over row chunks]): a CallersLoss.
+  std::atomic<int>& callers_loss;
 };
 
 // Runs `job` on `worker`'s device. An error fails the job's call with its

@@ -46,6 +46,7 @@ void StageRun::run_tail() {
 at::Tensor StageRun::run_loss(const c10::IValue& output, TailResults& tail) {
   where.layer = -1;
   where.phase = "loss";
+  if (tail.check != nullptr) return run_checked_loss(output, tail);
   at::Tensor loss = call.loss_fn(output, tail.label);
   TORCH_CHECK(loss.defined() && loss.numel() == 1, "loss_fn must return a single-element ",
               "loss tensor, got ", loss.defined() ? loss.sizes() : at::IntArrayRef{});
@@ -54,6 +55,10 @@ at::Tensor StageRun::run_loss(const c10::IValue& output, TailResults& tail) {
   if (!tail.sent) {
     tail.send(loss, call.return_outputs ? output : c10::IValue());
     tail.sent = true;
+    // (Once, on a whole microbatch of a tail that could split its rows.)
+    if (call.check_chunk_loss && ctx.callers_loss == kCallersLossUnknown &&
+        ctx.layers[job.range.begin]->row_splitter() != nullptr)
+      learn_callers_loss(output, tail.label);
   }
   return loss.reshape({});
 }

@@ -49,7 +49,8 @@ class StageFixture {
                 commits,
                 stats,
                 [this](const CallState&, const std::string&, const std::string&,
-                       const std::string&) { ++out_of_memory_retries; }},
+                       const std::string&) { ++out_of_memory_retries; },
+                callers_loss},
         worker_context{this,
                        weights,
                        host_tasks,
@@ -155,6 +156,7 @@ class StageFixture {
   detail::HostTasks host_tasks{this};
   detail::HostTasks grad_tasks{this};
   std::atomic<int> out_of_memory_retries{0};
+  std::atomic<int> callers_loss{detail::kCallersLossUnknown};
   detail::StageContext context;
   detail::WorkCounter in_flight;
   detail::WorkerContext worker_context;
