@@ -79,3 +79,16 @@ MODELS = {
     "qwen3-moe-every-2nd": lambda: tiny_qwen3_moe(norm_topk_prob=False, decoder_sparse_step=2,
                                                   mlp_only_layers=()),
 }
+
+
+def padded_rows_batch():
+    """8 rows of 64 tokens (vocabulary 96) padded on the right to lengths from
+    12 to 64, labels -100 on the padding: the row-chunk tests' batch."""
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 96, (8, 64), generator=g)
+    mask = torch.ones(8, 64, dtype=torch.long)
+    for row, length in enumerate([64, 40, 12, 64, 50, 33, 64, 20]):
+        mask[row, length:] = 0
+    labels = ids.clone()
+    labels[mask == 0] = -100
+    return dict(input_ids=ids, attention_mask=mask, labels=labels)

@@ -387,37 +387,6 @@ def test_the_loss_keywords_ignore_index_and_shift_labels_are_transformers():
         pipe.forward_backward(input_kwargs=dict(inputs, shift_labels=inputs["labels"]))
 
 
-def test_a_short_budget_runs_the_tail_in_chunks_of_rows_with_transformers_results():
-    """Where a simulated card holds only some of the tail's activations, the
-    default loss (the model's, which adds up over rows) lets the engine run
-    each microbatch's tail in chunks of rows instead of recomputing layers
-    (Note [Tail row chunks]); padded rows, losses and gradients stay
-    transformers' on the whole batch."""
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, 96, (8, 64), generator=g)
-    mask = torch.ones(8, 64, dtype=torch.long)
-    for row, length in enumerate([64, 40, 12, 64, 50, 33, 64, 20]):
-        mask[row, length:] = 0
-    labels = ids.clone()
-    labels[mask == 0] = -100
-    chunked = []
-    for kib in (1500, 1600):
-        hf = tiny_qwen3()
-        oracle = copy.deepcopy(hf)
-        pipe = wrap_model_to_roundpipe(hf, devices=f"sim:1,mem={kib}KiB",
-                                       model_run_config=RoundPipeRunConfig(num_microbatch=2))
-        calls = 5
-        expected = oracle(input_ids=ids, attention_mask=mask, labels=labels).loss
-        (expected * calls).backward()
-        for _ in range(calls):
-            loss = pipe.forward_backward(input_kwargs=dict(input_ids=ids, attention_mask=mask, labels=labels))
-            assert_close(loss, expected.detach(), TOL)
-        pipe.synchronize()
-        grads_close(hf, oracle)
-        chunked.append(pipe.pipeline_stats()["tail_microbatches_in_row_chunks"])
-    assert any(c > 0 for c in chunked), f"no budget ran the tail in chunks of rows: {chunked}"
-
-
 @pytest.mark.parametrize("kind", ["left", "packed"])
 def test_the_router_load_balancing_loss_is_transformers(devices, kind):
     """output_router_logits: in one microbatch the loss and every gradient
