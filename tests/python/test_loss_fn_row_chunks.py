@@ -106,3 +106,10 @@ def test_a_sequence_of_losses_is_summed_once_per_microbatch():
         assert_close(second, total / 4, TOL)
     pipe.synchronize()
     assert pipe.pipeline_stats()["tail_microbatches_in_row_chunks"] > 0
+
+
+def test_a_loss_fn_that_cannot_run_on_a_detached_copy_keeps_whole_microbatches():
+    # Dividing in place works on the model's output; on the detached copy
+    # the check would use (a leaf), autograd refuses it.
+    chunked = train(lambda o, _: o.loss.div_(2), of_microbatches(lambda losses: sum(losses) / 2))
+    assert all(counts[-1] == 0 for counts in chunked), chunked

@@ -129,10 +129,17 @@ void StageRun::learn_callers_loss(const c10::IValue& output, const c10::IValue& 
     std::vector<at::Tensor> twice;
     for (const auto& t : tensors) twice.push_back(t.defined() ? t.detach() * 2 : t);
     const auto structure = replace_tensors(output, detached(tensors));
-    const auto here = loss_at(call.loss_fn, structure, detached(tensors), needs_grad, label, false);
-    const auto there = loss_at(call.loss_fn, structure, twice, needs_grad, label, false);
-    for (size_t i = 0; i < tensors.size() && chunks; ++i)
-      chunks = same_gradient(here.grads[i], there.grads[i]);
+    try {
+      const auto here =
+          loss_at(call.loss_fn, structure, detached(tensors), needs_grad, label, false);
+      const auto there = loss_at(call.loss_fn, structure, twice, needs_grad, label, false);
+      for (size_t i = 0; i < tensors.size() && chunks; ++i)
+        chunks = same_gradient(here.grads[i], there.grads[i]);
+    } catch (const std::exception&) {
+      // (It ran on the model's output; on a detached copy it may not, e.g.
+      // writing in place into what is now a leaf: it keeps whole tails.)
+      chunks = false;
+    }
   }
   int unknown = kCallersLossUnknown;
   ctx.callers_loss.compare_exchange_strong(unknown,
@@ -161,8 +168,22 @@ at::Tensor StageRun::run_checked_loss(const c10::IValue& output, TailResults& ta
   }
   TORCH_CHECK(tensors.size() == c.needs_grad.size(), "the tail's chunks of rows gave outputs of ",
               c.needs_grad.size(), " and ", tensors.size(), " tensors");
-  const auto at_chunk = loss_at(call.loss_fn, c.detached, detached(tensors), c.needs_grad,
-                                tail.label, /*reported=*/false);
+  // (An error on a detached copy, where the model's output did not raise
+  // one when it was learned: the whole microbatch shows the real one.)
+  auto guarded = [&](const auto& run) {
+    try {
+      return run();
+    } catch (const c10::OutOfMemoryError&) {
+      throw;
+    } catch (const std::exception& e) {
+      fail(std::string("raised an error on a chunk (") + e.what() + ")");
+    }
+    return LossAt{};
+  };
+  const auto at_chunk = guarded([&] {
+    return loss_at(call.loss_fn, c.detached, detached(tensors), c.needs_grad, tail.label,
+                   /*reported=*/false);
+  });
   c.outputs[c.chunk] = detached(tensors);
   c.grads[c.chunk] = at_chunk.grads;
   // The root whose backward puts g_k into the chunk's output.
@@ -180,8 +201,9 @@ at::Tensor StageRun::run_checked_loss(const c10::IValue& output, TailResults& ta
         merged[i] = merged[i].defined() ? merged[i] + chunk[i] : chunk[i];
       }
     }
-    const auto whole =
-        loss_at(call.loss_fn, c.detached, merged, c.needs_grad, c.label, /*reported=*/true);
+    const auto whole = guarded([&] {
+      return loss_at(call.loss_fn, c.detached, merged, c.needs_grad, c.label, /*reported=*/true);
+    });
     for (int k = 0; k < c.chunks; ++k) {
       for (size_t i = 0; i < merged.size(); ++i) {
         if (same_gradient(c.grads[k][i], whole.grads[i])) continue;
