@@ -225,6 +225,9 @@ gib = 2**30
 segments = torch.cuda.memory._snapshot()["segments"] if cuda else []
 expandable = sum(1 for s in segments if s.get("is_expandable"))
 predicted, described = 0.0, ""
+# (The plan a call makes where its tail may split rows: the default loss, or
+# a loss_fn the first call learned to be linear, Note [A caller's loss over
+# row chunks]; before 3af3470 a loss_fn's calls could not, and ran another.)
 if impl == "ours":  # the plan's predicted peak: its largest stage with the next one's parameters
     import re
     described = str(model._engine.auto_plan(True, num_microbatch, 0, None, batch // num_microbatch)[1])
