@@ -46,8 +46,9 @@ namespace detail {
 //     every chunk's bit for bit, as a linear function's constant gradient
 //     does. Where one differs, the call fails and is redone with whole
 //     microbatches, and later calls run them whole (a warning says so).
-// The function is thus called once more per chunk than per microbatch;
-// loss_value_is_reported() (options.h) is false in those calls.
+// The function is thus called once per chunk besides once per microbatch
+// (and twice more when learning); loss_value_is_reported() (options.h) is
+// false in those extra calls.
 
 namespace {
 
@@ -68,15 +69,15 @@ struct LossAt {
   std::vector<at::Tensor> grads;  // per output tensor; undefined: none (zero)
 };
 
-// The loss function at `tensors` (put in `structure`'s places, as leaves
-// where `needs_grad`), its value and gradient.
+// The loss function at `tensors` (detached ones, put in `structure`'s
+// places, as leaves where `needs_grad`), its value and gradient.
 LossAt loss_at(const LossFn& loss_fn, const c10::IValue& structure,
                const std::vector<at::Tensor>& tensors, const std::vector<bool>& needs_grad,
                const c10::IValue& label, bool reported) {
   std::vector<at::Tensor> leaves, inputs;
   std::vector<size_t> where;
   for (size_t i = 0; i < tensors.size(); ++i) {
-    auto leaf = tensors[i].defined() ? tensors[i].detach() : tensors[i];
+    auto leaf = tensors[i].defined() ? tensors[i].detach() : tensors[i];  // (its own leaf)
     if (leaf.defined() && needs_grad[i]) {
       leaf.requires_grad_(true);
       inputs.push_back(leaf);
@@ -126,12 +127,12 @@ void StageRun::learn_callers_loss(const c10::IValue& output, const c10::IValue& 
   for (const auto& t : tensors) needs_grad.push_back(t.defined() && t.requires_grad());
   bool chunks = all_zero_dim(tensors);
   if (chunks) {
+    const auto values = detached(tensors);
     std::vector<at::Tensor> twice;
-    for (const auto& t : tensors) twice.push_back(t.defined() ? t.detach() * 2 : t);
-    const auto structure = replace_tensors(output, detached(tensors));
+    for (const auto& t : values) twice.push_back(t.defined() ? t * 2 : t);
+    const auto structure = replace_tensors(output, values);
     try {
-      const auto here =
-          loss_at(call.loss_fn, structure, detached(tensors), needs_grad, label, false);
+      const auto here = loss_at(call.loss_fn, structure, values, needs_grad, label, false);
       const auto there = loss_at(call.loss_fn, structure, twice, needs_grad, label, false);
       for (size_t i = 0; i < tensors.size() && chunks; ++i)
         chunks = same_gradient(here.grads[i], there.grads[i]);
@@ -159,8 +160,9 @@ at::Tensor StageRun::run_checked_loss(const c10::IValue& output, TailResults& ta
     throw std::runtime_error("the loss function " + why + " (the call is redone whole)");
   };
   if (!all_zero_dim(tensors)) fail("got an output holding tensors of more than 0 dimensions");
+  const auto values = detached(tensors);
   if (c.chunk == 0) {
-    c.detached = replace_tensors(output, detached(tensors));
+    c.detached = replace_tensors(output, values);
     c.needs_grad.clear();
     for (const auto& t : tensors) c.needs_grad.push_back(t.defined() && t.requires_grad());
     c.outputs.assign(c.chunks, {});
@@ -181,10 +183,10 @@ at::Tensor StageRun::run_checked_loss(const c10::IValue& output, TailResults& ta
     return LossAt{};
   };
   const auto at_chunk = guarded([&] {
-    return loss_at(call.loss_fn, c.detached, detached(tensors), c.needs_grad, tail.label,
+    return loss_at(call.loss_fn, c.detached, values, c.needs_grad, tail.label,
                    /*reported=*/false);
   });
-  c.outputs[c.chunk] = detached(tensors);
+  c.outputs[c.chunk] = values;
   c.grads[c.chunk] = at_chunk.grads;
   // The root whose backward puts g_k into the chunk's output.
   at::Tensor root;

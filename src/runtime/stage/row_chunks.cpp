@@ -112,11 +112,6 @@ bool StageRun::run_tail_in_chunks(Slot& in, int with_grad) {
     const bool last = k + 1 == chunks.size();
     std::vector<at::Tensor> leaves;
     check.chunk = static_cast<int>(k);
-    TailResults checked{label, [&](const at::Tensor& loss, const c10::IValue& out) {
-                          binding.send_results(m, loss,
-                                               out.isNone() ? out : binding.download_output(out));
-                        }};
-    checked.check = &check;
     TailResults results{label, [&](const at::Tensor& loss, const c10::IValue& out) {
                           const auto part = loss.detach().reshape({});
                           loss_sum = loss_sum.defined() ? loss_sum + part : part;
@@ -130,9 +125,11 @@ bool StageRun::run_tail_in_chunks(Slot& in, int with_grad) {
                           }
                           binding.send_results(m, loss_sum, merged);
                         }};
-    auto& tail = call.check_chunk_loss ? checked : results;
+    // (Checked, the loss function's value at the merged output comes once,
+    // at the last chunk: the sum and merge above take it as it is.)
+    if (call.check_chunk_loss) results.check = &check;
     run_retrying(steps,
-                 [&](const MicrobatchSteps& s) { run_steps(s, x, in.rng, {}, &tail, leaves); });
+                 [&](const MicrobatchSteps& s) { run_steps(s, x, in.rng, {}, &results, leaves); });
     grads.push_back(leaf_grads(leaves));
   }
   timer.flush(r);

@@ -3,8 +3,8 @@
 // in a file per job: the forward stage and the layer step
 // (stage_forward.cpp), a microbatch's steps and the backward stage
 // (stage_backward.cpp), the fused tail (stage_tail.cpp) and its row chunks
-// (row_chunks.cpp, chunk_loss_check.cpp). run_stage_job (stage_runner.cpp) makes one and turns
-// its errors into the call's. Internal header.
+// (row_chunks.cpp, chunk_loss_check.cpp). run_stage_job (stage_runner.cpp)
+// makes one and turns its errors into the call's. Internal header.
 #pragma once
 
 #include <ATen/core/Tensor.h>

@@ -5,7 +5,6 @@
 #pragma once
 
 #include <atomic>
-
 #include <functional>
 #include <string>
 #include <vector>
@@ -23,12 +22,12 @@
 
 namespace roundpipe::detail {
 
-// What a stage job uses; owned by the engine, outlives every job.
 // Whether a caller's loss function may run on chunks of rows (Note [A
 // caller's loss over row chunks]): unknown until a tail has run it on a
 // whole microbatch; then checked chunks, or whole microbatches for good.
 enum CallersLoss : int { kCallersLossUnknown = 0, kCallersLossChunks, kCallersLossWhole };
 
+// What a stage job uses; owned by the engine, outlives every job.
 struct StageContext {
   const std::string& name;  // the engine's, for messages
   const std::vector<LayerPtr>& layers;
