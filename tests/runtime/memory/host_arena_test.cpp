@@ -9,6 +9,7 @@
 #include <random>
 #include <set>
 #include <thread>
+#include <vector>
 
 #include "test_util.h"
 
@@ -203,6 +204,33 @@ TEST(HostArena, IdleChunksGoBackAfterTheirPassesAndUsedOnesStay) {
   EXPECT_NE(after.get(), nullptr);
   EXPECT_EQ(arena.stats().chunks, 2);
   EXPECT_THROW(arena.release_idle_chunks(0), c10::Error);
+}
+
+// Note [Pinned chunks go back off the caller's thread]: the released
+// chunks leave the accounting at once and are freed on the releaser's
+// thread; the arena stays usable meanwhile, and an arena destroyed with
+// chunks still queued frees them before it goes.
+TEST(HostArena, ReleasedChunksAreFreedOffTheCallersThread) {
+  constexpr int64_t kChunk = 256 * kKiB;
+  for (int round = 0; round < 20; ++round) {
+    HostArena arena(HostArenaOptions().set_chunk_bytes(kChunk));
+    std::vector<c10::DataPtr> blocks;
+    for (int i = 0; i < 8; ++i) blocks.push_back(arena.allocate(kChunk));
+    blocks.clear();
+    EXPECT_EQ(arena.release_idle_chunks(1), 0);  // taken since the last pass
+    EXPECT_EQ(arena.release_idle_chunks(1), 8 * kChunk);
+    const auto s = arena.stats();
+    EXPECT_EQ(s.chunks, 0);
+    EXPECT_EQ(s.reserved_bytes, 0);
+    auto again = arena.allocate(kChunk);  // a new chunk while the old ones are freed
+    ASSERT_NE(again.get(), nullptr);
+    static_cast<char*>(again.get())[kChunk - 1] = 1;
+    EXPECT_EQ(arena.stats().chunks, 1);
+    again = c10::DataPtr();
+    EXPECT_EQ(arena.release_idle_chunks(1), 0);
+    if (round % 2 == 0) EXPECT_EQ(arena.release_idle_chunks(1), kChunk);
+    // destroyed here, with chunks maybe still queued
+  }
 }
 
 TEST(HostArena, ConcurrentMixedSizesLeakNothing) {
