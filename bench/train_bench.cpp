@@ -168,9 +168,8 @@ void check_dequantization(const roundpipe::models::CausalLM& model, const Device
       m::to_string(type), static_cast<long long>(shape[0]), static_cast<long long>(shape[1]),
       device->name().c_str(), same ? "yes" : "NO", seconds * 1e6,
       (bytes + 2.0 * cpu.numel()) / seconds / 1e9);
-  if (!m::is_4bit(type)) return;
-  // The kernel's one-byte-a-thread form (Note [A wide thread a scale]): the
-  // packed bytes one past an aligned address.
+  // The kernels' one-value-a-thread forms (Note [A wide thread a scale],
+  // Note [8-bit weights, 16 a thread]): the bytes one past an aligned address.
   const at::Tensor& codes = named.at(w);
   const auto shifted =
       at::empty({codes.numel() + 1}, codes.options().device(device->torch_device()));

@@ -15,8 +15,9 @@
 //     it: a relative rounding error of at most 2^-4, against 1/254 of the
 //     row's maximum (absolute) for int8.
 // Both halve the host memory and PCIe bytes of bf16 (plus 4 bytes a row).
-// Dequantization runs as tensor operations wherever the values live (a
-// GPU or the simulated devices' CPU).
+// Dequantization runs as tensor operations on the CPU (the simulated
+// devices), and as one kernel on a CUDA GPU, with the tensor operations'
+// roundings (Note [8-bit weights, 16 a thread], src/kernels/quant_kernels.cu).
 #include <ATen/TensorOperators.h>
 #include <ATen/ops/abs.h>
 #include <ATen/ops/amax.h>
@@ -26,6 +27,13 @@
 #include <c10/util/Exception.h>
 
 #include "roundpipe/models/quantized.h"
+
+#ifdef ROUNDPIPE_WITH_CUDA
+#include <ATen/ops/empty.h>
+
+#include "kernels/quant_kernels.h"
+#include "models/fused_launch.h"
+#endif
 
 namespace roundpipe::models {
 namespace {
@@ -75,6 +83,22 @@ at::Tensor dequantize_8bit(const Quantized8Bit& q) {
                     "an 8-bit weight of ", q.values.size(0),
                     " rows needs as many float32 scales, got ", q.scale.scalar_type(), " ",
                     q.scale.sizes());
+  TORCH_CHECK_VALUE(q.scale.device() == q.values.device(), "an 8-bit weight's scales are on ",
+                    q.scale.device(), ", its values on ", q.values.device(),
+                    ": move both to one device");
+  TORCH_CHECK_VALUE(q.dtype == at::kFloat || q.dtype == at::kHalf || q.dtype == at::kBFloat16,
+                    "8-bit weights dequantize to float32, float16 or bfloat16, not ", q.dtype);
+#ifdef ROUNDPIPE_WITH_CUDA
+  if (q.values.is_cuda() && q.values.is_contiguous() && q.scale.is_contiguous()) {
+    auto out = at::empty(q.values.sizes(), q.values.options().dtype(q.dtype));
+    ops::check_launch(kernels::dequantize_8bit(
+        ops::kernel_dtype(out), int8 ? kernels::EightBit::kInt8 : kernels::EightBit::kE4M3,
+        static_cast<const uint8_t*>(q.values.const_data_ptr()), q.scale.const_data_ptr<float>(),
+        static_cast<float>(kInverseInt8Max), out.mutable_data_ptr(), q.values.size(0),
+        q.values.size(1), ops::current_stream()));
+    return out;
+  }
+#endif
   const auto scale = q.scale.view({-1, 1});
   if (int8) return (q.values * scale * kInverseInt8Max).to(q.dtype);
   return (q.values.view(at::kFloat8_e4m3fn).to(at::kFloat) * scale).to(q.dtype);

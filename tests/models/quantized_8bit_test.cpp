@@ -97,19 +97,33 @@ TEST(Quantized8Bit, BadInputNamesTheFix) {
   EXPECT_THROW(models::dequantize_8bit(q), c10::ValueError);
 }
 
+// Note [8-bit weights, 16 a thread]: the kernel's wide form (16 | cols,
+// aligned) and its one-value form (129 columns; values one byte off their
+// allocation) give the CPU path's values bit for bit.
 TEST(Quantized8Bit, TheGpuPathEqualsTheCpuPathBitForBit) {
   if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA GPU: runs on the GPU machine";
   torch::manual_seed(10);
-  const auto w = at::randn({300, 129}) * 0.03;
   const c10::Device gpu(c10::kCUDA, 0);
-  for (const auto type : {QuantType::kInt8, QuantType::kFP8}) {
-    for (const auto dtype : {at::kFloat, at::kBFloat16, at::kHalf}) {
-      const auto q = models::quantize_8bit(w.to(dtype), type);
-      auto on_gpu = q;
-      on_gpu.values = q.values.to(gpu);
-      on_gpu.scale = q.scale.to(gpu);
-      EXPECT_TRUE(at::equal(models::dequantize_8bit(on_gpu).cpu(), models::dequantize_8bit(q)))
-          << models::to_string(type) << " " << dtype;
+  for (const auto cols : {129, 512}) {
+    const auto w = at::randn({300, cols}) * 0.03;
+    for (const auto type : {QuantType::kInt8, QuantType::kFP8}) {
+      for (const auto dtype : {at::kFloat, at::kBFloat16, at::kHalf}) {
+        const auto q = models::quantize_8bit(w.to(dtype), type);
+        auto on_gpu = q;
+        on_gpu.values = q.values.to(gpu);
+        on_gpu.scale = q.scale.to(gpu);
+        const auto want = models::dequantize_8bit(q);
+        EXPECT_TRUE(at::equal(models::dequantize_8bit(on_gpu).cpu(), want))
+            << models::to_string(type) << " " << dtype << " " << cols << " columns";
+        // The same values one byte into their storage: the narrow form.
+        auto shifted = on_gpu;
+        shifted.values = at::empty({q.values.numel() + 1}, on_gpu.values.options())
+                             .narrow(0, 1, q.values.numel())
+                             .view(q.values.sizes());
+        shifted.values.copy_(on_gpu.values);
+        EXPECT_TRUE(at::equal(models::dequantize_8bit(shifted).cpu(), want))
+            << models::to_string(type) << " " << dtype << " " << cols << " columns, unaligned";
+      }
     }
   }
 }
