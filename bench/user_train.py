@@ -232,10 +232,12 @@ if impl == "ours":  # the plan's predicted peak: its largest stage with the next
     import re
     described = str(model._engine.auto_plan(True, num_microbatch, 0, None, batch // num_microbatch)[1])
     predicted = max([float(x) for x in re.findall(r"([0-9.]+) GiB", described)] or [0])
+pipeline = model.pipeline_stats() if impl == "ours" and hasattr(model, "pipeline_stats") else {}
 print(f"RESULT impl={impl} shape={shape} lora={lora_rank}{' ' + qlora if qlora else ''} cap={cap_gib:g} tokens={batch}x{seq} "
       f"tok_s={rate:.0f} peak_alloc={stats.get('allocated_bytes.all.peak', 0) / gib:.2f} "
       f"peak_reserved={stats.get('reserved_bytes.all.peak', 0) / gib:.2f} predicted={predicted:.2f} "
       f"device_used={peak_used / gib:.2f} alloc_retries={stats.get('num_alloc_retries', 0)} "
-      f"ooms={stats.get('num_ooms', 0)} expandable_segments={expandable}/{len(segments)} losses={','.join(f'{x:.4f}' for x in losses)}", flush=True)
+      f"ooms={stats.get('num_ooms', 0)} expandable_segments={expandable}/{len(segments)} "
+      f"tails_in_row_chunks={pipeline.get('tail_microbatches_in_row_chunks', '-')} losses={','.join(f'{x:.4f}' for x in losses)}", flush=True)
 if os.environ.get("PLAN"):
     print("  plan: " + described.replace("\n", "\n  "))
