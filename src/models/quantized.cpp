@@ -42,6 +42,8 @@
 #include "support/parallel.h"
 
 #ifdef ROUNDPIPE_WITH_CUDA
+#include <c10/cuda/CUDAGuard.h>
+
 #include "kernels/quant_kernels.h"
 #include "models/fused_launch.h"
 #endif
@@ -325,6 +327,7 @@ at::Tensor dequantize_4bit(const Quantized4Bit& q) {
   auto out = at::empty(q.shape, at::TensorOptions().dtype(q.dtype).device(device));
 #ifdef ROUNDPIPE_WITH_CUDA
   if (device.is_cuda()) {
+    const c10::cuda::CUDAGuard guard(device);
     const bool nested = q.double_quantized();
     kernels::Code16 code{};
     std::copy(table_of(q.type).begin(), table_of(q.type).end(), code.value);

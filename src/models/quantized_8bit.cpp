@@ -30,6 +30,7 @@
 
 #ifdef ROUNDPIPE_WITH_CUDA
 #include <ATen/ops/empty.h>
+#include <c10/cuda/CUDAGuard.h>
 
 #include "kernels/quant_kernels.h"
 #include "models/fused_launch.h"
@@ -86,10 +87,11 @@ at::Tensor dequantize_8bit(const Quantized8Bit& q) {
   TORCH_CHECK_VALUE(q.scale.device() == q.values.device(), "an 8-bit weight's scales are on ",
                     q.scale.device(), ", its values on ", q.values.device(),
                     ": move both to one device");
-  TORCH_CHECK_VALUE(q.dtype == at::kFloat || q.dtype == at::kHalf || q.dtype == at::kBFloat16,
-                    "8-bit weights dequantize to float32, float16 or bfloat16, not ", q.dtype);
 #ifdef ROUNDPIPE_WITH_CUDA
-  if (q.values.is_cuda() && q.values.is_contiguous() && q.scale.is_contiguous()) {
+  const bool kernel_dtype =
+      q.dtype == at::kFloat || q.dtype == at::kHalf || q.dtype == at::kBFloat16;
+  if (q.values.is_cuda() && kernel_dtype && q.values.is_contiguous() && q.scale.is_contiguous()) {
+    const c10::cuda::CUDAGuard guard(q.values.device());
     auto out = at::empty(q.values.sizes(), q.values.options().dtype(q.dtype));
     ops::check_launch(kernels::dequantize_8bit(
         ops::kernel_dtype(out), int8 ? kernels::EightBit::kInt8 : kernels::EightBit::kE4M3,

@@ -74,7 +74,7 @@ TEST(Quantized8Bit, DequantizesToTheWeightsDtypeRoundedOnce) {
   torch::manual_seed(9);
   const auto w = at::randn({8, 64});
   for (const auto type : {QuantType::kInt8, QuantType::kFP8}) {
-    for (const auto dtype : {at::kBFloat16, at::kHalf}) {
+    for (const auto dtype : {at::kBFloat16, at::kHalf, at::kDouble}) {
       const auto q = models::quantize_8bit(w.to(dtype), type);
       EXPECT_EQ(q.dtype, dtype);
       auto as_float = q;

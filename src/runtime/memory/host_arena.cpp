@@ -75,6 +75,7 @@ class ChunkReleaser {
     }
     cv_.notify_all();
     if (thread_.joinable()) thread_.join();
+    for (const auto& chunk : queue_) free_chunk(*chunk);  // where no thread could start
   }
 
   void post(std::vector<std::unique_ptr<HostArenaChunk>> chunks) {
