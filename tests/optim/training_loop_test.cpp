@@ -157,6 +157,59 @@ TEST_P(OptimizerLoopTest, FrozenParametersGetNoMasterAndStayFixed) {
   EXPECT_FALSE(at::equal(params[2], make_model(ModelKind::kMlp)->parameters()[2]));
 }
 
+// Note [Gradient buffers kept across steps]: a step function sees each
+// batch's gradient in the masters' .grad; set to None, the next step casts
+// into the same buffer, unless the caller still holds it (its values stay);
+// not set to None, the next gradient is added to it. No step updates the
+// weights here, so every gradient is plain LibTorch's on the same weights.
+TEST_P(OptimizerLoopTest, StepFunctionGradientsReuseTheirBufferUnlessHeld) {
+  const c10::Device dev = oracle_device(GetParam());
+  auto model = make_model(ModelKind::kMlp), ref = make_model(ModelKind::kMlp);
+  ref->to(dev);
+  RoundPipe pipe(model, RoundPipeOptions().set_devices(GetParam()));
+  const auto masters = pipe.optim_parameters();
+  const int n = pipe.devices().size() + 1;
+  auto plain_grad = [&](int step) {
+    auto [x, y] = batch(step);
+    for (auto& p : ref->parameters()) p.mutable_grad() = at::Tensor();
+    plain_microbatch_loss(ref, x, y, n, dev).backward();
+    return ref->parameters()[0].grad().cpu();
+  };
+  // One call and a sync step; `in_step` sees master 0's .grad.
+  auto run = [&](int step, bool set_to_none,
+                 const std::function<void(const at::Tensor&)>& in_step) {
+    auto [x, y] = batch(step);
+    pipe.forward_backward(x, y, mse_loss);
+    pipe.step(
+        [&] {
+          in_step(masters[0].grad());
+          if (set_to_none)
+            for (auto m : masters) m.mutable_grad() = at::Tensor();
+        },
+        /*is_async=*/false);
+  };
+  // Step 0's gradient, watched without holding it (a weak reference).
+  c10::weak_intrusive_ptr<c10::TensorImpl> first{c10::intrusive_ptr<c10::TensorImpl>()};
+  at::Tensor values;
+  run(0, true, [&](const at::Tensor& g) { first = c10::weak_intrusive_ptr(g.getIntrusivePtr()); });
+  run(1, true, [&](const at::Tensor& g) {
+    EXPECT_EQ(first.lock().get(), g.unsafeGetTensorImpl()) << "step 0's buffer, reused";
+    values = g.clone();
+  });
+  EXPECT_TENSOR_NEAR(values, plain_grad(1), 1e-5, "gradient of batch 1");
+  at::Tensor held;  // the caller keeps step 2's gradient
+  run(2, true, [&](const at::Tensor& g) { held = g; });
+  run(3, true, [&](const at::Tensor& g) {
+    EXPECT_NE(g.data_ptr(), held.data_ptr()) << "a held buffer is not written again";
+    values = g.clone();
+  });
+  EXPECT_TENSOR_NEAR(held, plain_grad(2), 1e-5, "the held gradient of batch 2");
+  EXPECT_TENSOR_NEAR(values, plain_grad(3), 1e-5, "gradient of batch 3");
+  run(4, false, [](const at::Tensor&) {});  // not set to None: the next one adds to it
+  run(5, true, [&](const at::Tensor& g) { values = g.clone(); });
+  EXPECT_TENSOR_NEAR(values, plain_grad(4) + plain_grad(5), 1e-5, "batches 4 and 5 summed");
+}
+
 TEST_P(OptimizerLoopTest, StepFunctionErrorsReachTheCaller) {
   auto model = make_model(ModelKind::kMlp);
   RoundPipe pipe(model, RoundPipeOptions().set_devices(GetParam()));
