@@ -188,19 +188,19 @@ TEST_P(OptimizerLoopTest, StepFunctionGradientsReuseTheirBufferUnlessHeld) {
         },
         /*is_async=*/false);
   };
-  // Step 0's gradient, watched without holding it (a weak reference).
-  c10::weak_intrusive_ptr<c10::TensorImpl> first{c10::intrusive_ptr<c10::TensorImpl>()};
+  // Step 0's gradient memory, watched without holding it (a weak reference).
+  c10::weak_intrusive_ptr<c10::StorageImpl> first{c10::intrusive_ptr<c10::StorageImpl>()};
   at::Tensor values;
-  run(0, true, [&](const at::Tensor& g) { first = c10::weak_intrusive_ptr(g.getIntrusivePtr()); });
+  run(0, true, [&](const at::Tensor& g) { first = g.storage().getWeakStorageImpl(); });
   run(1, true, [&](const at::Tensor& g) {
-    EXPECT_EQ(first.lock().get(), g.unsafeGetTensorImpl()) << "step 0's buffer, reused";
+    EXPECT_EQ(first.lock().get(), g.storage().unsafeGetStorageImpl()) << "step 0's memory, reused";
     values = g.clone();
   });
   EXPECT_TENSOR_NEAR(values, plain_grad(1), 1e-5, "gradient of batch 1");
   at::Tensor held;  // the caller keeps step 2's gradient
   run(2, true, [&](const at::Tensor& g) { held = g; });
   run(3, true, [&](const at::Tensor& g) {
-    EXPECT_NE(g.data_ptr(), held.data_ptr()) << "a held buffer is not written again";
+    EXPECT_NE(g.data_ptr(), held.data_ptr()) << "held memory is not written again";
     values = g.clone();
   });
   EXPECT_TENSOR_NEAR(held, plain_grad(2), 1e-5, "the held gradient of batch 2");

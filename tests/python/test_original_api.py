@@ -59,3 +59,41 @@ def test_the_default_name_is_the_call_site():
     pipe = RoundPipe(torch.nn.Sequential(torch.nn.Linear(2, 2)), devices="sim:1")
     assert pipe.name.startswith("test_original_api.py:"), pipe.name
     assert RoundPipe(torch.nn.Sequential(torch.nn.Linear(2, 2)), name="mine").name == "mine"
+
+
+def test_a_step_functions_gradients_reuse_their_memory_unless_held(devices):
+    """Note [Gradient buffers kept across steps], through Python: float16
+    gradients cast into the float32 masters' .grad reuse the memory of the
+    step before once torch's zero_grad() set it to None, never memory the
+    caller still holds; a .grad not zeroed takes the next gradient in place.
+    No step updates the weights, so one batch gives one gradient (up to the
+    order in which the devices' float16 parts were summed: 2 ** -10 of
+    each)."""
+    pipe = RoundPipe(make_model(dtype=torch.float16), devices=devices, optim_dtype=torch.float32)
+    master = next(iter(pipe.optim_parameters()))
+    x, y = torch.randn(6, 4).half(), torch.randn(6, 3).half()
+    seen = []
+
+    def same(a, b):
+        return torch.allclose(a, b, rtol=4e-3, atol=4e-3 * b.abs().max().item())
+
+    def run(keep=False, zero=True):
+        pipe.forward_backward(input_args=(x,), label=y, loss_fn=lambda o, t: ((o - t) ** 2).float().mean())
+
+        def step():
+            seen.append((master.grad.data_ptr(), master.grad.clone(), master.grad if keep else None))
+            if zero:
+                for p in pipe.optim_parameters():
+                    p.grad = None
+        pipe.step(step, is_async=False)
+
+    run()
+    run()
+    assert seen[1][0] == seen[0][0]  # the memory of the step before
+    assert same(seen[1][1], seen[0][1]) and seen[0][1].abs().sum() > 0
+    run(keep=True)  # the caller keeps this .grad
+    run()
+    assert seen[3][0] != seen[2][0] and torch.equal(seen[2][2], seen[2][1])
+    run(zero=False)
+    run()
+    assert same(seen[5][1], seen[4][1] + seen[0][1])  # added in place

@@ -102,21 +102,26 @@ std::vector<std::pair<std::string, at::Tensor>> OptimizerStream::named_masters()
 // step (g.to(float32)), a 3B model's 12.8 GB of float32 gradients came
 // from new pages every step: glibc maps allocations that large afresh, and
 // the kernel zeroes each page at its first touch, then zero_grad() (None,
-// torch's default) unmaps them again. So each master keeps the buffer it
-// had last step and the cast writes into it, when nothing else holds it
-// (neither the tensor nor its storage: a caller who kept last step's
-// p.grad keeps its values, and this step gets a new buffer). Where a .grad
-// is still there (the step function did not zero it), the gradient is
-// added in place, cast on the fly where that is exact (into a wider or the
-// same dtype: the same sum as adding its cast copy). The buffers stay
-// allocated between steps: 4 bytes a trainable float32 parameter.
+// torch's default) unmaps them again. So each master keeps the memory of
+// its last .grad and the cast writes into it, when no tensor uses that
+// memory any more: a caller who kept last step's p.grad (or a view of it)
+// keeps its values, and this step gets new memory. The memory is kept, not
+// the tensor: a tensor still referenced here when Python drops its wrapper
+// would keep the wrapper alive (PyObject preservation), and with it the
+// tensor, so its memory could never be reused. Where a .grad is still there
+// (the step function did not zero it), the gradient is added in place, cast
+// on the fly where that is exact (into a wider or the same dtype: the same
+// sum as adding its cast copy). The memory stays allocated between steps:
+// 4 bytes a trainable float32 parameter.
 at::Tensor OptimizerStream::grad_buffer(int id, const at::Tensor& master) {
-  auto& buffer = grad_buffers_[id];
-  const bool reusable =
-      buffer.defined() && buffer.use_count() == 1 && buffer.storage().use_count() == 1 &&
-      buffer.scalar_type() == master.scalar_type() && buffer.sizes().equals(master.sizes());
-  if (!reusable) buffer = at::empty(master.sizes(), master.options());
-  return buffer;
+  auto& memory = grad_memory_[id];
+  const auto bytes = static_cast<size_t>(master.numel()) * master.element_size();
+  if (memory && memory.use_count() == 1 && memory.nbytes() == bytes) {
+    return at::empty({0}, master.options()).set_(memory, 0, master.sizes());
+  }
+  auto fresh = at::empty(master.sizes(), master.options());
+  memory = fresh.storage();
+  return fresh;
 }
 
 void OptimizerStream::step(std::vector<std::shared_ptr<CallState>> calls,

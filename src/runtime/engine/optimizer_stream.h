@@ -82,8 +82,9 @@ class OptimizerStream {
  private:
   using Update = std::function<void(std::map<int, at::Tensor>&)>;
   void ensure_masters();
-  // The buffer master `id`'s gradient is cast into for a step function
-  // (Note [Gradient buffers kept across steps]). On the optimizer thread.
+  // A tensor shaped as master `id` for its gradient in a step function,
+  // on the memory of its last one where nothing uses that any more (Note
+  // [Gradient buffers kept across steps]). On the optimizer thread.
   at::Tensor grad_buffer(int id, const at::Tensor& master);
   void queue(std::vector<std::shared_ptr<CallState>> calls, Update update, StepKind kind);
   // The update of one step, on the optimizer thread.
@@ -132,7 +133,7 @@ class OptimizerStream {
   int64_t updates_ = 0;                         // step() calls so far
   int64_t version_for_new_calls_ = 0;           // weights a new call reads
   int64_t pending_publish_ = -1;                // async: masters hold this version, homes not yet
-  std::map<int, at::Tensor> grad_buffers_;      // Note [Gradient buffers kept across steps]
+  std::map<int, c10::Storage> grad_memory_;     // Note [Gradient buffers kept across steps]
   // Last: destroyed (its thread joined) before the members its tasks use.
   HostTasks thread_;
 };
