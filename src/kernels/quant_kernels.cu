@@ -1,4 +1,5 @@
-// The 4-bit dequantization kernel: see quant_kernels.h and Note [4-bit base
+// The dequantization kernels: 4-bit (below) and 8-bit (Note [8-bit weights,
+// 16 a thread], further down). See quant_kernels.h and Note [4-bit base
 // weights] (src/models/quantized.cpp; the code table comes from there).
 // Each thread decodes its block's scale once (a byte of codes and two loads,
 // cached), with __fmul_rn / __fadd_rn so that no multiply-add is fused: the
