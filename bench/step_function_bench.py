@@ -10,8 +10,9 @@ the devices' compute is negligible. Run it under two versions of the package
 
   step_function_bench.py [LAYERS [WIDTH [STEPS]]]   (default 16 4096 6)
 
-Prints: RESULT params=... update_s_per_step=... (the mean of the steps after
-the first two).
+Prints: RESULT params=... update_s_per_step=... publish_s_per_step=... (the
+means of the steps after the first two; publishing copies the float32 masters
+into the float16 weights: optimizer_publish_seconds).
 """
 import sys
 import time
@@ -29,13 +30,17 @@ model = roundpipe.RoundPipe(net, optim_dtype=torch.float32,
                             model_run_config=roundpipe.RoundPipeRunConfig(num_microbatch=1))
 optim = roundpipe.optim.Adam(model.optim_parameters(), lr=1e-5)
 x = torch.randn(1, width).half()
-per_step = []
+per_step, publish = [], []
 for step in range(steps):
     before = model.pipeline_stats()["optimizer_update_seconds"]
+    published = model.pipeline_stats()["optimizer_publish_seconds"]
     model.forward_backward(input_args=(x,), loss_fn=lambda o, _: o.float().square().mean())
     model.step(lambda: (optim.step(), optim.zero_grad()), is_async=False)
     per_step.append(model.pipeline_stats()["optimizer_update_seconds"] - before)
+    publish.append(model.pipeline_stats()["optimizer_publish_seconds"] - published)
 params = sum(p.numel() for p in net.parameters())
-timed = per_step[2:] or per_step
+timed, timed_publish = per_step[2:] or per_step, publish[2:] or publish
 print(f"  update seconds per step: {', '.join(f'{s:.3f}' for s in per_step)}")
-print(f"RESULT params={params} update_s_per_step={sum(timed) / len(timed):.3f}")
+print(f"  publish seconds per step: {', '.join(f'{s:.3f}' for s in publish)}")
+print(f"RESULT params={params} update_s_per_step={sum(timed) / len(timed):.3f} "
+      f"publish_s_per_step={sum(timed_publish) / len(timed_publish):.3f}")

@@ -9,6 +9,7 @@
 #include <cmath>
 #include <set>
 
+#include "support/host_cast.h"
 #include "support/trace.h"
 
 namespace roundpipe::detail {
@@ -134,7 +135,9 @@ void OptimizerStream::step(std::vector<std::shared_ptr<CallState>> calls,
           if (!master.defined()) continue;
           auto& grad = master.mutable_grad();
           if (!grad.defined()) {
-            grad = grad_buffer(id, master).copy_(g);
+            auto buffer = grad_buffer(id, master);
+            cast_copy(buffer, g);  // Note [Casts that bypass the cache]
+            grad = buffer;
           } else if (c10::promoteTypes(grad.scalar_type(), g.scalar_type()) == grad.scalar_type()) {
             grad.add_(g);
           } else {

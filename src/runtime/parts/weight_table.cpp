@@ -4,7 +4,6 @@
 #include <ATen/EmptyTensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
-#include <c10/core/GradMode.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>
@@ -18,6 +17,7 @@
 #include <malloc.h>
 #endif
 
+#include "support/host_cast.h"
 #include "support/parallel.h"
 
 namespace roundpipe::detail {
@@ -322,10 +322,7 @@ void WeightTable::publish_one(int id, int64_t version) {
       return;
     }
   }
-  if (entry.master.defined()) {
-    c10::NoGradGuard no_grad;
-    entry.home.copy_(entry.master);
-  }
+  if (entry.master.defined()) cast_copy(entry.home, entry.master);  // (host_cast.h)
   std::lock_guard<std::mutex> lock(mu_);
   mark_published(entry, version);
 }

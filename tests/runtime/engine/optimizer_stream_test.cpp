@@ -16,6 +16,7 @@
 #include <chrono>
 #include <thread>
 
+#include "support/host_cast.h"
 #include "test_util.h"
 
 namespace roundpipe::testing {
@@ -210,6 +211,50 @@ TEST(OptimizerStream, AFusedAsyncStepWritesStagingCopiesThatItsVersionUploadsBef
   EXPECT_EQ(p.stream.version_for_new_calls(), 1);
   for (int id = 0; id < p.weights.size(); ++id)
     EXPECT_TENSOR_ABS_NEAR(p.weights.home(id), v1[id], kKernelRounding, "published " << id);
+}
+
+// Note [Casts that bypass the cache]: a float16 weight large enough for the
+// streaming casts, with float32 masters. The step function sees each
+// float16 gradient exactly in float32, and the publish writes the master
+// rounded to float16 as copy_ rounds it.
+TEST(OptimizerStream, ALargeWeightsGradientAndPublishAreExactCasts) {
+  torch::nn::Sequential model(torch::nn::Linear(torch::nn::LinearOptions(2048, 1024).bias(false)));
+  model->to(at::kHalf);
+  const auto layers = layers_of(model);
+  detail::WeightTable weights{layers, PinMode::kOff, /*can_pin=*/false, "large weight"};
+  detail::GradientLedger ledger;
+  detail::StatsRecorder stats;
+  OptimizerStream stream{&weights, weights, ledger, stats, at::kFloat, nullptr};
+  stream.prepare_step();
+  const auto master = weights.master(0);
+  ASSERT_EQ(master.scalar_type(), at::kFloat);
+#if defined(__x86_64__)
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c")) {  // both casts stream
+    EXPECT_TRUE(cast_copy_streams(weights.home(0), master));
+    EXPECT_TRUE(cast_copy_streams(master, weights.home(0)));
+  }
+#endif
+  optim::Adam adam({master}, adam_config());
+  auto gen = at::detail::createCPUGenerator(51);
+  for (int step = 1; step <= 2; ++step) {
+    const auto g = (at::randn(master.sizes(), gen) * 1e-3).to(at::kHalf);
+    auto call = std::make_shared<CallState>();
+    ledger.expect(call->grads, {0});
+    ledger.add(call->grads, 0, -1, g.clone());
+    ledger.delivered(call->grads, {0});
+    at::Tensor seen;
+    stream.prepare_step();
+    stream.step(
+        {call},
+        [&] {
+          seen = master.grad().clone();
+          adam.step();
+          adam.zero_grad();
+        },
+        /*is_async=*/false);
+    EXPECT_TRUE(seen.equal(g.to(at::kFloat))) << "step " << step << ": the gradient's cast";
+    EXPECT_TRUE(weights.home(0).equal(master.to(at::kHalf))) << "step " << step << ": the publish";
+  }
 }
 
 // A call that failed in the background (its error not yet reported) is
