@@ -20,14 +20,16 @@
 set -uo pipefail
 out="${OUT:-$PWD/bench-out}"; mkdir -p "$out"
 py=python3
-if [ -n "${BASE:-}" ]; then  # the earlier version, built beside the current one
+base_pid=""
+if [ -n "${BASE:-}" ] && { [ ! -d /tmp/base/roundpipe ] || [ -n "${REINSTALL:-}" ]; }; then
+  # the earlier version, built beside the current one (kept by a warm machine: REINSTALL=1 redoes it)
   ln -sfn ../.deps .gpu-base/.deps
   $py -m pip install -q --no-index --find-links .deps/wheels "scikit-build-core>=0.10" 2>&1 | tail -2
   ( CMAKE_BUILD_PARALLEL_LEVEL=8 $py -m pip install -q --no-build-isolation --no-deps --target /tmp/base ./.gpu-base \
       > "$out/base_install.log" 2>&1 || echo "base: install failed" ) & base_pid=$!
 fi
 source bench/gpu_install.sh
-[ -n "${BASE:-}" ] && { wait "$base_pid"; echo "base installed after ${SECONDS}s"; }
+[ -n "$base_pid" ] && { wait "$base_pid"; echo "base installed after ${SECONDS}s"; }
 if [ -n "${ORIGINAL:-}" ]; then
   $py -m pip install -q --no-index --no-deps --target /tmp/original .deps/original/*.whl \
     > "$out/original_install.log" 2>&1 || echo "original: install failed"
