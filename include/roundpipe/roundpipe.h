@@ -119,6 +119,12 @@ class RoundPipe {
   // gradient of the step before it updates anything.
   void step(optim::Adam& adam, bool is_async = true, optim::GradScaler* scaler = nullptr,
             optim::GradClipper* clip = nullptr);
+  // The fused path with an optimizer of the caller's (the Python package's
+  // roundpipe.optim.Adam): `update` gets the masters with a gradient, their
+  // low-precision gradients and where each new low-precision weight goes,
+  // once every gradient of the step is final (optim::FusedUpdate). The
+  // staleness of step(step_fn, is_async); the masters' .grad stay untouched.
+  void step(optim::FusedUpdate update, bool is_async = true);
 
   std::vector<at::Tensor> parameters() const;  // unique, in layer order
   // Named "<layer index>.<name in the layer>" (tied weights: first use).

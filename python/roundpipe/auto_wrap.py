@@ -121,7 +121,11 @@ class AutoRoundPipe(PassThroughToModel, nn.Module):
         """One optimizer step over every master. The parts' gradients go in
         on their optimizer threads; the glue's are taken now. Async: returns
         at once (the next iteration runs on the weights before this step);
-        sync: returns with every weight updated."""
+        sync: returns with every weight updated. (An optimizer given as
+        ``step_fn`` steps as ``optimizer.step(); optimizer.zero_grad()``.)"""
+        if isinstance(step_fn, torch.optim.Optimizer) and not (args or kwargs):
+            optimizer = step_fn
+            step_fn = lambda: (optimizer.step(), optimizer.zero_grad())  # noqa: E731
         if not callable(step_fn):
             raise TypeError("step() takes a function that steps the optimizer, e.g. "
                             "lambda: (opt.step(), opt.zero_grad())")

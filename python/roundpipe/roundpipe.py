@@ -76,13 +76,13 @@ _step_function = threading.local()
 def in_step_function(step_fn):
     """`step_fn`, marked while it runs as a step function (on whatever
     thread runs it): GradScaler.unscale_ is only meaningful there."""
-    def run():
+    def run(*args):
         from .grad_scaler import run_unscales_asked_outside
 
         _step_function.depth = getattr(_step_function, "depth", 0) + 1
         try:
             run_unscales_asked_outside()
-            return step_fn()
+            return step_fn(*args)
         finally:
             _step_function.depth -= 1
     return run
@@ -326,7 +326,24 @@ class RoundPipe(PassThroughToModel, nn.Module):
         since the last step are added into the masters' ``.grad``, then
         ``step_fn()`` runs (typically ``opt.step(); opt.zero_grad()``), then
         the weights are published layer by layer. Async: the next iteration
-        runs on weights one update old; sync: returns after publishing."""
+        runs on weights one update old; sync: returns after publishing.
+
+        ``step(optimizer)`` is ``step(lambda: (optimizer.step(),
+        optimizer.zero_grad()))``; with a ``roundpipe.optim.Adam`` (or
+        ``AdamW``) built on ``optim_parameters()``, the same numbers, fused: the low-
+        precision gradients are read and the new weights written in Adam's
+        own pass over memory, without a float32 ``.grad`` or a copy of the
+        masters into the weights (Note [A fused step from Python])."""
+        from .optim import Adam
+
+        if isinstance(step_fn, torch.optim.Optimizer):
+            if args or kwargs:
+                raise TypeError("step(optimizer) takes no further arguments")
+            if isinstance(step_fn, Adam):
+                self._engine.step_update(in_step_function(step_fn._fused_update), bool(is_async))
+                return
+            optimizer = step_fn  # another optimizer: what the lambda does
+            step_fn = lambda: (optimizer.step(), optimizer.zero_grad())  # noqa: E731
         if not callable(step_fn):
             raise TypeError("step() takes a function that steps the optimizer, e.g. lambda: (opt.step(), opt.zero_grad())")
         if args or kwargs:  # the original's step(step_fn, is_async, *args, **kwargs)

@@ -378,6 +378,19 @@ PYBIND11_MODULE(_C, m) {
             self.step([fn] { with_gil([&] { fn.get()(); }); }, is_async);
           },
           py::arg("step_fn"), py::arg("is_async"))
+      .def(
+          "step_update",
+          [](RoundPipe& self, py::object update, bool is_async) {
+            PyRef fn(std::move(update));
+            py::gil_scoped_release release;
+            self.step(optim::FusedUpdate([fn](const std::vector<at::Tensor>& masters,
+                                              const std::vector<at::Tensor>& grads,
+                                              const std::vector<at::Tensor>& outs) {
+                        with_gil([&] { fn.get()(masters, grads, outs); });
+                      }),
+                      is_async);
+          },
+          py::arg("update"), py::arg("is_async"))
       .def("optim_parameters", &RoundPipe::optim_parameters,
            py::call_guard<py::gil_scoped_release>())
       .def("optim_named_parameters",
@@ -440,32 +453,40 @@ PYBIND11_MODULE(_C, m) {
   m.def("count_loss_tokens", &models::count_loss_tokens, py::arg("labels"),
         "labels[:, 1:] != -100: the tokens the preset's loss counts");
 
-  m.def("adam_update",
-        [](std::vector<at::Tensor> params, std::vector<at::Tensor> grads,
-           std::vector<at::Tensor> exp_avgs, std::vector<at::Tensor> exp_avg_sqs,
-           std::vector<std::optional<at::Tensor>> max_exp_avg_sqs, std::vector<int64_t> steps,
-           double lr, double beta1, double beta2, double eps, double weight_decay, bool amsgrad,
-           bool maximize, bool decoupled_weight_decay) {
-          const size_t n = params.size();
-          TORCH_CHECK(grads.size() == n && exp_avgs.size() == n && exp_avg_sqs.size() == n &&
-                          max_exp_avg_sqs.size() == n && steps.size() == n,
-                      "adam_update: the lists differ in length");
-          std::vector<optim::AdamTensors> tensors;
-          for (size_t i = 0; i < n; ++i) {
-            tensors.push_back({params[i], grads[i], exp_avgs[i], exp_avg_sqs[i],
-                               max_exp_avg_sqs[i].value_or(at::Tensor()), at::Tensor(), steps[i]});
-          }
-          optim::AdamConfig config;
-          config.set_lr(lr)
-              .set_betas(beta1, beta2)
-              .set_eps(eps)
-              .set_weight_decay(weight_decay)
-              .set_amsgrad(amsgrad)
-              .set_maximize(maximize)
-              .set_decoupled_weight_decay(decoupled_weight_decay);
-          py::gil_scoped_release release;
-          optim::adam_update(tensors, config);
-        });
+  m.def(
+      "adam_update",
+      [](std::vector<at::Tensor> params, std::vector<at::Tensor> grads,
+         std::vector<at::Tensor> exp_avgs, std::vector<at::Tensor> exp_avg_sqs,
+         std::vector<std::optional<at::Tensor>> max_exp_avg_sqs, std::vector<int64_t> steps,
+         double lr, double beta1, double beta2, double eps, double weight_decay, bool amsgrad,
+         bool maximize, bool decoupled_weight_decay,
+         std::optional<std::vector<std::optional<at::Tensor>>> outs) {
+        const size_t n = params.size();
+        TORCH_CHECK(grads.size() == n && exp_avgs.size() == n && exp_avg_sqs.size() == n &&
+                        max_exp_avg_sqs.size() == n && steps.size() == n &&
+                        (!outs || outs->size() == n),
+                    "adam_update: the lists differ in length");
+        std::vector<optim::AdamTensors> tensors;
+        for (size_t i = 0; i < n; ++i) {
+          const auto out = outs ? (*outs)[i].value_or(at::Tensor()) : at::Tensor();
+          tensors.push_back({params[i], grads[i], exp_avgs[i], exp_avg_sqs[i],
+                             max_exp_avg_sqs[i].value_or(at::Tensor()), out, steps[i]});
+        }
+        optim::AdamConfig config;
+        config.set_lr(lr)
+            .set_betas(beta1, beta2)
+            .set_eps(eps)
+            .set_weight_decay(weight_decay)
+            .set_amsgrad(amsgrad)
+            .set_maximize(maximize)
+            .set_decoupled_weight_decay(decoupled_weight_decay);
+        py::gil_scoped_release release;
+        optim::adam_update(tensors, config);
+      },
+      py::arg("params"), py::arg("grads"), py::arg("exp_avgs"), py::arg("exp_avg_sqs"),
+      py::arg("max_exp_avg_sqs"), py::arg("steps"), py::arg("lr"), py::arg("beta1"),
+      py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"), py::arg("amsgrad"),
+      py::arg("maximize"), py::arg("decoupled_weight_decay"), py::arg("outs") = py::none());
 
   py::class_<optim::GradScaler>(m, "GradScaler")
       .def(py::init([](double init_scale, double growth_factor, double backoff_factor,

@@ -106,6 +106,9 @@ void RoundPipe::step(optim::Adam& adam, bool is_async, optim::GradScaler* scaler
                      optim::GradClipper* clip) {
   engine_->step_fused(adam, is_async, scaler, clip);
 }
+void RoundPipe::step(optim::FusedUpdate update, bool is_async) {
+  engine_->step_fused(std::move(update), is_async);
+}
 std::vector<at::Tensor> RoundPipe::optim_parameters() {
   return engine_->optim_parameters();
 }

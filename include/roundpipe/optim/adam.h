@@ -6,6 +6,7 @@
 
 #include <torch/optim/adam.h>
 
+#include <functional>
 #include <optional>
 #include <vector>
 
@@ -70,6 +71,13 @@ struct AdamTensors {
 // one parallel pass: fp32 contiguous CPU parameters take the vectorised
 // kernel, anything else the plain ATen composition (as torch does it).
 void adam_update(const std::vector<AdamTensors>& tensors, const AdamConfig& config);
+
+// A fused optimizer pass (RoundPipe::step(FusedUpdate)): updates each fp32
+// master masters[i] from its low-precision gradient grads[i] and writes the
+// new value in low precision into outs[i], as Adam::fused_step does.
+using FusedUpdate =
+    std::function<void(const std::vector<at::Tensor>& masters, const std::vector<at::Tensor>& grads,
+                       const std::vector<at::Tensor>& outs)>;
 
 // Derives from torch::optim::Adam so that its state (AdamParamState) and
 // options serialize with torch::save / torch::load like LibTorch's own Adam.

@@ -455,6 +455,13 @@ void Engine::step_fused(optim::Adam& adam, bool is_async, optim::GradScaler* sca
   optimizer_.step_fused(take_unconsumed_calls(), adam, is_async, scaler, clip);
 }
 
+void Engine::step_fused(optim::FusedUpdate update, bool is_async) {
+  check_caller_thread("step()");
+  TORCH_CHECK(update, name_, ": step() needs an update function");
+  optimizer_.prepare_step();
+  optimizer_.step_fused(take_unconsumed_calls(), std::move(update), is_async);
+}
+
 void Engine::report_failed_call() {
   // A training call that failed in the background is reported once, here.
   std::erase_if(unconsumed_calls_, [](const auto& call) { return call->reported.load(); });

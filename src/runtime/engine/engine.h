@@ -56,6 +56,7 @@ class Engine {
   void step(std::function<void()> step_fn, bool is_async);
   void step_fused(optim::Adam& adam, bool is_async, optim::GradScaler* scaler,
                   optim::GradClipper* clip);
+  void step_fused(optim::FusedUpdate update, bool is_async);
   std::vector<at::Tensor> optim_parameters();
   std::vector<std::pair<std::string, at::Tensor>> optim_named_parameters();
 

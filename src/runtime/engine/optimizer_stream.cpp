@@ -168,31 +168,44 @@ void OptimizerStream::step_fused(std::vector<std::shared_ptr<CallState>> calls, 
   queue(
       std::move(calls),
       [this, &adam, is_async, scaler, clip, lr](std::map<int, at::Tensor>& grads) {
-        std::vector<at::Tensor> masters, lowp_grads, outs;
-        for (auto& [id, g] : grads) {
-          auto master = weights_.master(id);
-          if (!master.defined()) continue;
-          masters.push_back(master);
-          lowp_grads.push_back(g);
-          // Async: the next calls still read the current weights: write
-          // the new ones aside, publishing swaps them in. Sync: no call
-          // runs, write in place.
-          outs.push_back(is_async ? weights_.stage(id) : weights_.home(id));
-        }
+        auto t = fused_tensors(grads, is_async);
         // (Clipped after the scaler unscaled them.)
         auto update = [&] {
-          const double multiplier =
-              clip != nullptr ? clip->clip_norm(gradient_norm(lowp_grads)) : 1.0;
-          adam.fused_step(masters, lowp_grads, outs, lr, multiplier);
+          const double multiplier = clip != nullptr ? clip->clip_norm(gradient_norm(t.grads)) : 1.0;
+          adam.fused_step(t.masters, t.grads, t.outs, lr, multiplier);
         };
         if (scaler == nullptr) {
           update();
-        } else if (!scaler->step(lowp_grads, update)) {
+        } else if (!scaler->step(t.grads, update)) {
           for (auto& [id, g] : grads) weights_.unstage(id);  // skipped: nothing new to publish
           if (clip != nullptr) clip->skipped();
         }
       },
       kind);
+}
+
+void OptimizerStream::step_fused(std::vector<std::shared_ptr<CallState>> calls,
+                                 optim::FusedUpdate update, bool is_async) {
+  queue(
+      std::move(calls),
+      [this, update = std::move(update), is_async](std::map<int, at::Tensor>& grads) {
+        const auto t = fused_tensors(grads, is_async);
+        update(t.masters, t.grads, t.outs);
+      },
+      is_async ? StepKind::kAsyncFused : StepKind::kSyncFused);
+}
+
+OptimizerStream::FusedTensors OptimizerStream::fused_tensors(const std::map<int, at::Tensor>& grads,
+                                                             bool is_async) {
+  FusedTensors t;
+  for (const auto& [id, g] : grads) {
+    auto master = weights_.master(id);
+    if (!master.defined()) continue;
+    t.masters.push_back(master);
+    t.grads.push_back(g);
+    t.outs.push_back(is_async ? weights_.stage(id) : weights_.home(id));
+  }
+  return t;
 }
 
 void OptimizerStream::prepare_step() {

@@ -60,6 +60,9 @@ class OptimizerStream {
             bool is_async);
   void step_fused(std::vector<std::shared_ptr<CallState>> calls, optim::Adam& adam, bool is_async,
                   optim::GradScaler* scaler, optim::GradClipper* clip);
+  // The fused pass by `update`, once every gradient of the step is final.
+  void step_fused(std::vector<std::shared_ptr<CallState>> calls, optim::FusedUpdate update,
+                  bool is_async);
 
   // The masters (made on first use, from the homes once no step is queued).
   std::vector<std::pair<std::string, at::Tensor>> named_masters();
@@ -82,6 +85,14 @@ class OptimizerStream {
  private:
   using Update = std::function<void(std::map<int, at::Tensor>&)>;
   void ensure_masters();
+  // A fused pass's tensors: the masters with a gradient in `grads`, their
+  // low-precision gradients, and where the pass writes each new weight
+  // (async: the staging copy, since the next calls still read the current
+  // weights and publishing swaps it in; sync: the home, as no call runs).
+  struct FusedTensors {
+    std::vector<at::Tensor> masters, grads, outs;
+  };
+  FusedTensors fused_tensors(const std::map<int, at::Tensor>& grads, bool is_async);
   // A tensor shaped as master `id` for its gradient in a step function,
   // on the memory of its last one where nothing uses that any more (Note
   // [Gradient buffers kept across steps]). On the optimizer thread.
