@@ -17,6 +17,8 @@ set before anything touches CUDA.
   bnb_4bit_quant_type=..., bnb_4bit_use_double_quant=True,
   bnb_4bit_compute_dtype=bfloat16) or load_in_8bit, device_map="cpu"),
   bitsandbytes quantizing it; peft on top as above.
+  STEP=optimizer: model.step(optim), our opt-in fused step (Note [A fused
+  step from Python]), instead of the original's step function (ours only).
 
 What it does, as the original's benchmark/train.py does: caps the device
 with torch.cuda.set_per_process_memory_fraction (nothing touched CUDA
@@ -194,7 +196,10 @@ def train_iter():
     else:
         loss = model.forward_backward(input_kwargs=kwargs,
                                       loss_fn=lambda outputs, _: outputs.loss / num_microbatch)
-    model.step(lambda: (optim.step(), optim.zero_grad(), None)[-1])  # (the oracle steps in its next call)
+    if os.environ.get("STEP") == "optimizer":
+        model.step(optim)
+    else:
+        model.step(lambda: (optim.step(), optim.zero_grad(), None)[-1])  # (the oracle steps in its next call)
     losses.append(float(loss))
 
 
@@ -233,7 +238,8 @@ if impl == "ours":  # the plan's predicted peak: its largest stage with the next
     described = str(model._engine.auto_plan(True, num_microbatch, 0, None, batch // num_microbatch)[1])
     predicted = max([float(x) for x in re.findall(r"([0-9.]+) GiB", described)] or [0])
 pipeline = model.pipeline_stats() if impl == "ours" and hasattr(model, "pipeline_stats") else {}
-print(f"RESULT impl={impl} shape={shape} lora={lora_rank}{' ' + qlora if qlora else ''} cap={cap_gib:g} tokens={batch}x{seq} "
+fused_step = " step=optimizer" if os.environ.get("STEP") == "optimizer" else ""
+print(f"RESULT impl={impl}{fused_step} shape={shape} lora={lora_rank}{' ' + qlora if qlora else ''} cap={cap_gib:g} tokens={batch}x{seq} "
       f"tok_s={rate:.0f} peak_alloc={stats.get('allocated_bytes.all.peak', 0) / gib:.2f} "
       f"peak_reserved={stats.get('reserved_bytes.all.peak', 0) / gib:.2f} predicted={predicted:.2f} "
       f"device_used={peak_used / gib:.2f} alloc_retries={stats.get('num_alloc_retries', 0)} "
