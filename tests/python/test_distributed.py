@@ -65,11 +65,12 @@ def mse_over(elements):
 
 
 def train(model, rank=0, world=1, is_async=False, sharded=False, steps=range(STEPS), load=None, save=None,
-          report=None, forget_state=False):
+          report=None, forget_state=False, fused=False):
     """Trains `model` on this rank's shard of batches `steps`; `load` /
     `save`: a sharded checkpoint directory read before / written after;
     `report` (a dict) receives the optimizer state this process holds;
-    `forget_state` drops the loaded optimizer state."""
+    `forget_state` drops the loaded optimizer state; `fused`: model.step(opt)
+    instead of the step function."""
     pipe = RoundPipe(model, devices="sim:2", optim_dtype=torch.float32, shard_optimizer_state=sharded)
     opt = roundpipe.optim.Adam(pipe.optim_parameters(), lr=LR, eps=ADAM_EPS)
     if load:
@@ -81,7 +82,7 @@ def train(model, rank=0, world=1, is_async=False, sharded=False, steps=range(STE
         x, y = batch(step)
         rows = slice(rank * shard, (rank + 1) * shard)
         pipe.forward_backward(input_args=(x[rows],), label=y[rows], loss_fn=mse_over(y[rows].numel()))
-        pipe.step(lambda: (opt.step(), opt.zero_grad()), is_async=is_async)
+        pipe.step(opt if fused else lambda: (opt.step(), opt.zero_grad()), is_async=is_async)
     if save:
         roundpipe.distributed.save_sharded(pipe, opt, save)
     if report is not None:
@@ -193,17 +194,19 @@ def worker(rank, world, init, out, mode):
         elif mode.startswith("train_"):  # roundpipe.train under the group: train_{sync,async}[_sharded]
             result = train_tool(os.path.join(out, f"run{rank}"), is_async=mode.startswith("train_async"),
                                 sharded=mode.endswith("_sharded"))
-        elif mode.startswith("sharded"):  # sharded_{sync,async}[|save|DIR or |load|DIR]
+        elif mode.startswith("sharded"):  # sharded_{sync,async,async_fused}[|save|DIR or |load|DIR]
             kind, action, directory = (mode.split("|") + ["", ""])[:3]
             report = {}
-            kwargs = dict(is_async=kind == "sharded_async", sharded=True, report=report)
+            kwargs = dict(is_async=kind.startswith("sharded_async"), sharded=True, report=report,
+                          fused=kind.endswith("_fused"))
             if action == "save":
                 kwargs.update(steps=range(2), save=directory)
             elif action == "load":
                 kwargs.update(steps=range(2, STEPS + 1), load=directory)
             result = (train(make_model(), rank, world, **kwargs), report["state"])
-        else:
-            result = train(make_model(), rank, world, is_async=mode == "async")
+        else:  # sync, async, async_fused
+            result = train(make_model(), rank, world, is_async=mode.startswith("async"),
+                           fused=mode.endswith("_fused"))
         torch.save(result, os.path.join(out, f"rank{rank}.pt"))
     finally:
         if not mode.startswith("one_stops"):
@@ -221,10 +224,10 @@ def run_ranks(tmp_path, world, mode):
     return [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
 
 
-@pytest.mark.parametrize("world,mode", [(2, "sync"), (3, "sync"), (2, "async")])
+@pytest.mark.parametrize("world,mode", [(2, "sync"), (3, "sync"), (2, "async"), (2, "async_fused")])
 def test_data_parallel_training_equals_one_process_on_the_whole_batch(tmp_path, world, mode):
-    ranks = run_ranks(tmp_path, world, mode)
-    if mode == "async":
+    ranks = run_ranks(tmp_path, world, mode)  # async_fused: model.step(opt) in the ranks
+    if mode.startswith("async"):
         # The async step trains on weights one update old in every process
         # alike: the reference is one process's async run on the whole batch.
         reference = train(make_model(), is_async=True)
@@ -271,14 +274,16 @@ def test_automatic_wrapping_averages_the_parts_and_the_glue(tmp_path, mode):
             assert_adam_weights_close(weights[name], w, steps=STEPS, lr=LR)
 
 
-@pytest.mark.parametrize("world,mode", [(2, "sync"), (3, "sync"), (3, "async")])
+@pytest.mark.parametrize("world,mode", [(2, "sync"), (3, "sync"), (3, "async"), (2, "async_fused")])
 def test_sharded_optimizer_state_trains_as_one_process_and_holds_a_share(tmp_path, world, mode):
     """shard_optimizer_state: the same training as one process on the whole
     batch, every rank identical, and each master's Adam state on exactly one
     rank, about 1/N of it on each (contiguous runs of about equal bytes: at
-    most one parameter over the even share)."""
+    most one parameter over the even share). async_fused: the ranks step by
+    model.step(opt) (Note [A fused step from Python]), the reference by the
+    step function."""
     ranks = run_ranks(tmp_path, world, f"sharded_{mode}")
-    reference = train(make_model(), is_async=mode == "async")
+    reference = train(make_model(), is_async=mode.startswith("async"))
     for rank, (weights, _) in enumerate(ranks):
         for name, w in reference.items():
             assert torch.equal(weights[name], ranks[0][0][name]), f"rank {rank} diverged from rank 0 in {name}"
