@@ -1,11 +1,16 @@
 """roundpipe.optim.Adam: the C++ CPU Adam/AdamW kernel as a torch optimizer."""
 from __future__ import annotations
 
+import threading
 import warnings
 
 import torch
 
 from . import _C
+
+# model.step(optimizer)'s gradients while its update runs, per thread and
+# optimizer (each RoundPipe steps on a thread of its own).
+_fused_batches = threading.local()
 
 
 class Adam(torch.optim.Optimizer):
@@ -42,7 +47,6 @@ class Adam(torch.optim.Optimizer):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
                         maximize=maximize, decoupled_weight_decay=decoupled_weight_decay)
         super().__init__(params, defaults)
-        self._fused_batch = None
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -50,7 +54,7 @@ class Adam(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        fused = self._fused_batch  # model.step(optimizer)'s gradients (_fused_update)
+        fused = getattr(_fused_batches, "by_optimizer", {}).get(id(self))  # (_fused_update)
         for group in self.param_groups:
             params, grads, exp_avgs, exp_avg_sqs, max_sqs, steps, outs = [], [], [], [], [], [], []
             for p in group["params"]:
@@ -122,7 +126,9 @@ class Adam(torch.optim.Optimizer):
         optimizer's groups keeps its gradient in ``.grad`` and its weight,
         as a step function would leave them."""
         batch = {m._cdata: (g, o) for m, g, o in zip(masters, grads, outs)}
-        self._fused_batch = batch
+        if not hasattr(_fused_batches, "by_optimizer"):
+            _fused_batches.by_optimizer = {}
+        _fused_batches.by_optimizer[id(self)] = batch
         try:
             self.step()
         except BaseException:
@@ -131,7 +137,7 @@ class Adam(torch.optim.Optimizer):
                     o.copy_(m)
             raise
         finally:
-            self._fused_batch = None
+            del _fused_batches.by_optimizer[id(self)]
         with torch.no_grad():
             for m, g, o in zip(masters, grads, outs):
                 if m._cdata in batch:  # not stepped here
