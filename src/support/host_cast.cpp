@@ -28,14 +28,15 @@ namespace roundpipe {
 // (bench/step_function_bench.py), a step's update (cast and Adam) went from
 // 0.229-0.234 s to 0.202-0.204 and its publish from 0.059-0.061 s to
 // 0.048-0.052 (bench/README.md, "Casts that bypass the cache"). Where the
-// host's memory bandwidth bounds the optimizer (one H100 host updated
-// Llama-3.2-3B in 2.2-3.8 s, another in 1.1-1.7), those bytes are the
-// step's. The values are copy_'s: float16 <-> float32 by the F16C instructions torch's own
-// vectorised copy uses (round to nearest even), bfloat16 -> float32 exact,
-// float32 -> bfloat16 rounded to nearest even as c10::BFloat16 does (a NaN
-// becomes 0x7FC0, as c10's does; torch's vectorised copy writes 0xFFFF, also
-// a NaN). The few values before the first aligned store and after the last
-// go through c10's scalar conversions.
+// host's memory bandwidth bounds the optimizer (on one H100 host the
+// Llama-3.2-3B shape's update took 2.2-3.8 s and bounded the step), those
+// bytes are the step's. The values are copy_'s: float16 <-> float32 by the
+// F16C instructions torch's own vectorised copy uses (round to nearest
+// even), bfloat16 -> float32 exact, float32 -> bfloat16 rounded to nearest
+// even as c10::BFloat16 does (a NaN becomes 0x7FC0, as c10's does; torch's
+// vectorised copy writes 0xFFFF, also a NaN). The few values before the
+// first aligned store and after the last go through c10's scalar
+// conversions.
 
 namespace {
 
