@@ -130,6 +130,7 @@ void OptimizerStream::step(std::vector<std::shared_ptr<CallState>> calls,
   queue(
       std::move(calls),
       [this, step_fn = std::move(step_fn)](std::map<int, at::Tensor>& grads) {
+        const auto start = std::chrono::steady_clock::now();
         for (auto& [id, g] : grads) {
           auto master = weights_.master(id);
           if (!master.defined()) continue;
@@ -144,7 +145,10 @@ void OptimizerStream::step(std::vector<std::shared_ptr<CallState>> calls,
             grad.add_(g.to(grad.scalar_type()));
           }
         }
+        const double cast_ms = ms_since(start);
         step_fn();
+        ROUNDPIPE_TRACE("step function: gradients into .grad in %.1f ms, the function %.1f ms",
+                        cast_ms, ms_since(start) - cast_ms);
       },
       is_async ? StepKind::kAsync : StepKind::kSync);
 }
