@@ -63,9 +63,12 @@ class Adam(torch.optim.Optimizer):
                     low, out = fused.pop(p._cdata, (None, None))
                     if low is not None:
                         if grad is None:
-                            grad = low  # read as it is: its float32 value, exactly
+                            # Read as it is (its float32 value, exactly), where the
+                            # kernel can write `out` in its pass; else as float32.
+                            dense = out.is_contiguous() and low.is_contiguous() and low.dtype == out.dtype
+                            grad = low if dense else low.float()
                         else:
-                            grad.add_(low)  # a .grad left from before takes it, as in a step function
+                            _add_into(grad, low)  # a .grad left from before, as in a step function
                 if grad is None:
                     continue
                 if grad.is_sparse:
@@ -125,17 +128,13 @@ class Adam(torch.optim.Optimizer):
         (optimizer.step(), optimizer.zero_grad()))``. A master not in this
         optimizer's groups keeps its gradient in ``.grad`` and its weight,
         as a step function would leave them."""
+        # (If this raises, the engine publishes each master as it is.)
         batch = {m._cdata: (g, o) for m, g, o in zip(masters, grads, outs)}
         if not hasattr(_fused_batches, "by_optimizer"):
             _fused_batches.by_optimizer = {}
         _fused_batches.by_optimizer[id(self)] = batch
         try:
             self.step()
-        except BaseException:
-            with torch.no_grad():  # whatever the masters hold goes out, never stale staging memory
-                for m, o in zip(masters, outs):
-                    o.copy_(m)
-            raise
         finally:
             del _fused_batches.by_optimizer[id(self)]
         with torch.no_grad():
@@ -144,9 +143,43 @@ class Adam(torch.optim.Optimizer):
                     if m.grad is None:
                         m.grad = g.to(m.dtype)
                     else:
-                        m.grad.add_(g)
+                        _add_into(m.grad, g)
                     o.copy_(m)
         self.zero_grad()
+
+    def _can_fuse(self) -> bool:
+        """Whether model.step(self) may take the fused pass: nothing but
+        this class's own step() reads the gradients, so none needs them in
+        .grad (no step hooks, no subclass step, no GradScaler.unscale_ asked
+        for outside a step function). Otherwise it runs as the lambda."""
+        from .grad_scaler import _unscales_asked_outside
+
+        import torch.optim.optimizer as hooks
+
+        return (_unwrapped(type(self).step) is _ADAM_STEP and not self._optimizer_step_pre_hooks
+                and not self._optimizer_step_post_hooks
+                and not getattr(hooks, "_global_optimizer_pre_hooks", None)
+                and not getattr(hooks, "_global_optimizer_post_hooks", None)
+                and all(optimizer is not self for _, optimizer in _unscales_asked_outside))
+
+
+def _add_into(grad, g):
+    """grad += g as a step function's gradients are added to a .grad left
+    from before: in place where that is exact, else through g's cast."""
+    if torch.promote_types(grad.dtype, g.dtype) == grad.dtype:
+        grad.add_(g)
+    else:
+        grad.add_(g.to(grad.dtype))
+
+
+def _unwrapped(function):
+    """`function` without its decorators (no_grad, torch's profiling hook)."""
+    while hasattr(function, "__wrapped__"):
+        function = function.__wrapped__
+    return function
+
+
+_ADAM_STEP = _unwrapped(Adam.step)
 
 
 class AdamW(Adam):

@@ -339,7 +339,7 @@ class RoundPipe(PassThroughToModel, nn.Module):
         if isinstance(step_fn, torch.optim.Optimizer):
             if args or kwargs:
                 raise TypeError("step(optimizer) takes no further arguments")
-            if isinstance(step_fn, Adam):
+            if isinstance(step_fn, Adam) and step_fn._can_fuse():
                 self._engine.step_update(in_step_function(step_fn._fused_update), bool(is_async))
                 return
             optimizer = step_fn  # another optimizer: what the lambda does

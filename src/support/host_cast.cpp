@@ -135,9 +135,18 @@ void cast_in_pieces(const In* in, Out* out, int64_t n, void (*kernel)(const In*,
 bool cast_copy_streams(const at::Tensor& dst, const at::Tensor& src) {
   const auto to = dst.scalar_type(), from = src.scalar_type();
   const bool pair = (to == c10::kFloat && is_low(from)) || (is_low(to) && from == c10::kFloat);
-  return pair && cpu_has_avx2_f16c() && dst.device().is_cpu() && src.device().is_cpu() &&
-         dst.sizes() == src.sizes() && dst.is_contiguous() && src.is_contiguous() &&
-         dst.numel() * dst.element_size() >= kMinStreamBytes;
+  if (!(pair && cpu_has_avx2_f16c() && dst.device().is_cpu() && src.device().is_cpu() &&
+        dst.sizes() == src.sizes() && dst.is_contiguous() && src.is_contiguous() && !dst.is_neg() &&
+        !src.is_neg() && dst.numel() * dst.element_size() >= kMinStreamBytes)) {
+    return false;
+  }
+  // Whole elements apart from each other: an element-aligned dst (the
+  // head's arithmetic), and no overlap (copy_ handles that).
+  const auto dst_at = reinterpret_cast<uintptr_t>(dst.const_data_ptr());
+  const auto src_at = reinterpret_cast<uintptr_t>(src.const_data_ptr());
+  const auto dst_end = dst_at + dst.numel() * dst.element_size();
+  const auto src_end = src_at + src.numel() * src.element_size();
+  return dst_at % dst.element_size() == 0 && (dst_end <= src_at || src_end <= dst_at);
 }
 
 void cast_copy(const at::Tensor& dst, const at::Tensor& src) {

@@ -18,10 +18,17 @@
 
 namespace roundpipe {
 
+namespace {
+// Set on a pool's worker threads: a run() from inside a task runs inline
+// (waiting for the pool from one of its own threads would never end).
+thread_local bool on_a_pool_thread = false;
+}  // namespace
+
 struct ThreadPool::State {
   explicit State(int threads, bool low_priority) {
     for (int t = 0; t < threads; ++t) {
       workers_.emplace_back([this, low_priority] {
+        on_a_pool_thread = true;
         if (low_priority) lower_priority();
         loop();
       });
@@ -113,8 +120,8 @@ ThreadPool::ThreadPool(int threads, bool low_priority)
 ThreadPool::~ThreadPool() = default;
 void ThreadPool::run(int64_t count, const std::function<void(int64_t)>& fn) {
   if (count <= 0) return;
-  if (count == 1) {
-    fn(0);
+  if (count == 1 || on_a_pool_thread) {
+    for (int64_t i = 0; i < count; ++i) fn(i);
     return;
   }
   state_->run(count, fn);

@@ -14,8 +14,8 @@ namespace roundpipe {
 // Persistent threads that run fn(i) for i in [0, count) (dynamic
 // scheduling: each thread takes the next index). run() returns when all are
 // done and rethrows the first exception; calls from several threads are
-// serialised. `low_priority`: the threads run at nice +10 (the optimizer's,
-// so that a worker waking to launch kernels gets its core at once).
+// serialised, and a call from a task of any pool runs inline. `low_priority`: the threads run at
+// nice +10 (the optimizer's, so that a worker waking to launch kernels gets its core at once).
 class ThreadPool {
  public:
   ThreadPool(int threads, bool low_priority);

@@ -91,22 +91,59 @@ def test_groups_adamw_amsgrad_a_schedule_and_a_master_it_does_not_hold():
     assert fused["state"]["param_groups"][0]["lr"] == pytest.approx(1e-2 * 0.5 ** 2)
 
 
-def test_a_failing_step_reaches_the_caller_and_publishes_what_the_masters_hold():
+@pytest.mark.parametrize("is_async", [True, False])
+def test_a_failing_update_reaches_the_caller_and_the_weights_are_the_masters(monkeypatch, is_async):
+    """An update that fails inside the pass: the error reaches the caller,
+    and each weight is its master as the failure left it, never a staging
+    copy the pass did not write (async: there the one before the last)."""
     torch.manual_seed(0)
     model = make_model(dtype=torch.float16)
     pipe = RoundPipe(model, devices="sim:1", optim_dtype=torch.float32)
     masters = list(pipe.optim_parameters())
     optimizer = roundpipe.optim.Adam(masters, lr=1e-2)
-    optimizer.register_step_pre_hook(lambda *_: (_ for _ in ()).throw(ValueError("hook failed")))
-    before = [p.detach().clone() for p in model.parameters()]
-    pipe.forward_backward(input_args=(torch.randn(6, 4).half(),), label=torch.randn(6, 3).half(),
-                          loss_fn=lambda o, t: ((o - t) ** 2).float().mean())
-    with pytest.raises(Exception, match="hook failed"):
-        pipe.step(optimizer, is_async=False)
-    for p, b in zip(model.parameters(), before):
-        assert torch.equal(p, b)
+    x, y = torch.randn(6, 4).half(), torch.randn(6, 3).half()
+
+    def call():
+        pipe.forward_backward(input_args=(x,), label=y, loss_fn=lambda o, t: ((o - t) ** 2).float().mean())
+
+    call()
+    pipe.step(optimizer, is_async=is_async)
+
+    class Failing:
+        def __getattr__(self, name):
+            return getattr(roundpipe._C, name)
+
+        def adam_update(self, *args, **kwargs):
+            raise ValueError("update failed")
+
+    monkeypatch.setattr(roundpipe.optim, "_C", Failing())
+    call()
+    with pytest.raises(Exception, match="update failed"):
+        pipe.step(optimizer, is_async=is_async)
+        pipe.synchronize()
+    monkeypatch.undo()
+    pipe.synchronize()
+    for weight, master in zip(model.parameters(), masters):
+        assert torch.equal(weight, master.half())
     with pytest.raises(TypeError, match="no further arguments"):
         pipe.step(optimizer, True, 1)
+
+
+def test_an_optimizer_whose_hooks_read_gradients_steps_as_the_lambda():
+    """A step hook (or a subclass's step, or GradScaler.unscale_ asked for
+    outside) may read .grad: such an optimizer takes the step function's
+    path, and its hook sees the gradients."""
+    seen = []
+
+    def adam(masters):
+        optimizer = roundpipe.optim.Adam(masters, lr=1e-2)
+        optimizer.register_step_pre_hook(
+            lambda opt, *_: seen.append(all(p.grad is not None for p in opt.param_groups[0]["params"])))
+        return optimizer
+
+    given = train("sim:1", True, True, adam)
+    assert seen and all(seen)
+    assert_same(given, train("sim:1", False, True, adam))
 
 
 def test_another_optimizer_given_to_step_steps_as_the_lambda():

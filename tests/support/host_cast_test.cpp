@@ -3,7 +3,8 @@
 // (random bit patterns over the whole float32 range, exact ties of both
 // narrow types, subnormals, overflow, infinities, signed zeros; a NaN stays
 // a NaN), from any alignment; the streaming path is taken where the CPU has
-// AVX2 and F16C, and copy_ is used elsewhere.
+// AVX2 and F16C, and copy_ is used elsewhere (other dtypes, strides, small,
+// negated views, misaligned or overlapping memory).
 #include "support/host_cast.h"
 
 #include <ATen/ATen.h>
@@ -123,6 +124,16 @@ TEST(HostCast, OtherCasesAreCopyAndEveryWriteCountsAsInPlace) {
       {at::empty({int64_t{3} << 19}, at::kHalf), big.view({-1, 2}).select(1, 0), "strided"},
       {at::empty({int64_t{3} << 20}, at::kFloat), big, "same dtype"},
   };
+  // Not whole elements apart: a float32 destination 2 bytes off its
+  // alignment, and one overlapping its source (copy_'s to refuse).
+  auto bytes = at::empty({(int64_t{3} << 22) + 16}, at::kByte);
+  const auto misaligned =
+      at::from_blob(bytes.data_ptr<uint8_t>() + 2, {int64_t{3} << 20}, at::kFloat);
+  EXPECT_FALSE(cast_copy_streams(misaligned, big.to(at::kHalf)));
+  const auto overlapping =
+      at::from_blob(bytes.data_ptr<uint8_t>() + 16, {int64_t{3} << 20}, at::kHalf);
+  EXPECT_FALSE(cast_copy_streams(misaligned, overlapping));
+  EXPECT_FALSE(cast_copy_streams(at::empty({int64_t{3} << 20}, at::kHalf), big._neg_view()));
   for (const auto& c : cases) {
     if (std::string(c.what) != "streams") EXPECT_FALSE(cast_copy_streams(c.dst, c.src)) << c.what;
     const auto version = c.dst._version();

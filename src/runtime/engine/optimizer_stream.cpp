@@ -194,7 +194,28 @@ void OptimizerStream::step_fused(std::vector<std::shared_ptr<CallState>> calls,
       std::move(calls),
       [this, update = std::move(update), is_async](std::map<int, at::Tensor>& grads) {
         const auto t = fused_tensors(grads, is_async);
-        update(t.masters, t.grads, t.outs);
+        try {
+          update(t.masters, t.grads, t.outs);
+        } catch (...) {
+          // What the update wrote is not trusted: each master goes out as
+          // it is (async: the publish copies it, its staging copy unused).
+          for (const auto& [id, g] : grads) {
+            if (!weights_.master(id).defined()) continue;
+            if (is_async) {
+              weights_.unstage(id);
+            } else {
+              cast_copy(weights_.home(id), weights_.master(id));
+            }
+          }
+          throw;
+        }
+        if (is_async) return;  // (the publish copies the masters it has no staging copy of)
+        // A sync step publishes by version only: a master the caller's
+        // update changed without a gradient here (a .grad left from before)
+        // goes to its home now.
+        for (int id : weights_.ids_with_master()) {
+          if (grads.count(id) == 0) cast_copy(weights_.home(id), weights_.master(id));
+        }
       },
       is_async ? StepKind::kAsyncFused : StepKind::kSyncFused);
 }
