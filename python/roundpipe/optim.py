@@ -120,11 +120,11 @@ class Adam(torch.optim.Optimizer):
     # 0.18 s (bench/README.md, "A fused step from Python").
     def _fused_update(self, masters, grads, outs):
         """``model.step(optimizer)``'s update, on the optimizer thread:
-        ``step()`` then ``zero_grad()`` (hooks and LR schedulers see a step
-        as usual), where each master's gradient is the low-precision one of
-        the calls, read in the same pass over memory that writes the new
-        weight into its ``outs`` entry, never cast into ``.grad`` (hooks see
-        no ``.grad``). The numbers are those of ``model.step(lambda:
+        ``step()`` then ``zero_grad()`` (LR schedulers see a step as usual),
+        where each master's gradient is the low-precision one of the calls,
+        read in the same pass over memory that writes the new weight into
+        its ``outs`` entry, never cast into ``.grad`` (only taken where
+        nothing else reads it: _can_fuse). The numbers are those of ``model.step(lambda:
         (optimizer.step(), optimizer.zero_grad()))``. A master not in this
         optimizer's groups keeps its gradient in ``.grad`` and its weight,
         as a step function would leave them."""
