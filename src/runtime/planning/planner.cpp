@@ -249,7 +249,16 @@ double iteration_of(const PlanEstimate& e, const PlanRequest& request) {
 // activations, else as many as there are rows. On a 24 GiB card a 1.7B
 // model's 29-layer tail over 16K-token microbatches keeps about a dozen
 // layers' activations in one chunk, all of them in two or four. The extra
-// forward of the layers recomputed is added to the tail's predicted time.
+// forward of the layers recomputed is added to the tail's predicted time,
+// in every candidate plan_stages weighs, not only in the one it picks:
+// priced as if its tail kept every layer, a long tail looked one forward
+// per layer cheaper than the stages it replaced, while each layer it
+// cannot keep costs that forward all the same. A layer outside the tail
+// costs a forward, a recompute and a backward; so does one the tail cannot
+// keep; one it keeps saves the forward. And every layer in the tail holds
+// its parameters and gradients there, so the fastest tail is about as long
+// as it can keep. (The Llama-3.2-3B shape at 24 GiB: its tail was layers
+// 5..29 keeping the last 10, 20 of its 28 layers recomputed in all.)
 PlanEstimate with_tail_grown(const std::vector<LayerCost>& layers, PlanEstimate e,
                              const PlanRequest& request) {
   const int64_t limit = effective_limit(request);
@@ -386,6 +395,9 @@ PlanEstimate plan_stages(const std::vector<LayerCost>& layers, const PlanRequest
     any_staged = true;
     auto candidate = estimate_plan(layers, plan, request);
     if (!plan_fits(candidate)) continue;
+    // Priced with the forwards its tail still recomputes (Note [Tail
+    // grain]): a long tail that keeps few layers is slower than it looks.
+    candidate = with_tail_grown(layers, std::move(candidate), request);
     const bool faster =
         candidate.iteration < best.iteration * (1 - 1e-9) ||
         (candidate.iteration <= best.iteration * (1 + 1e-9) && stages < best_stages);
@@ -404,8 +416,9 @@ PlanEstimate plan_stages(const std::vector<LayerCost>& layers, const PlanRequest
     plan.backward = {{0, L}};
     plan.tail_replicas = replicas;
     auto candidate = estimate_plan(layers, plan, request);
-    if (plan_fits(candidate) &&
-        comparable_time(candidate, request) < comparable_time(best, request)) {
+    const bool fits = plan_fits(candidate);
+    candidate = with_tail_grown(layers, std::move(candidate), request);
+    if (fits && comparable_time(candidate, request) < comparable_time(best, request)) {
       best = std::move(candidate);
       any_fits = true;
     }
@@ -433,6 +446,7 @@ PlanEstimate plan_stages(const std::vector<LayerCost>& layers, const PlanRequest
       (request.incumbent->tail_replicas == 1 || request.allow_tail_replicas)) {
     auto kept = estimate_plan(layers, *request.incumbent, request);
     const bool kept_fits = plan_fits(kept);
+    kept = with_tail_grown(layers, std::move(kept), request);
     const bool valid = static_cast<int>(kept.stages.size()) >= request.min_stages;
     // (In layer-from-stage grain, not where the new plan keeps fewer
     // checkpoints than the host has room for.)
@@ -440,9 +454,9 @@ PlanEstimate plan_stages(const std::vector<LayerCost>& layers, const PlanRequest
     if (kept_fits && valid && host_ok &&
         comparable_time(kept, request) <=
             comparable_time(best, request) * (1 + request.keep_within))
-      return with_tail_grown(layers, std::move(kept), request);
+      return kept;
   }
-  return with_tail_grown(layers, std::move(best), request);
+  return best;
 }
 
 PlanEstimate estimate_plan(const std::vector<LayerCost>& layers, const ExecutePlan& plan,

@@ -20,6 +20,15 @@ std::vector<LayerCost> equal_layers(int n, int64_t bytes, int64_t activation = 0
   return costs;
 }
 
+// `plan` as the plan in use, priced (its tail grown) by plan_stages: kept
+// within any margin where it fits the limit, else the planner's own.
+PlanEstimate priced_in_use(const std::vector<LayerCost>& layers, PlanRequest request,
+                           const ExecutePlan& plan) {
+  request.incumbent = &plan;
+  request.keep_within = 1e9;
+  return plan_stages(layers, request);
+}
+
 // A stage's peak: while it runs (parameters, gradients, activations), the
 // next stage's parameters arrive (as many bytes as its own, the planner
 // assumes).
@@ -98,9 +107,13 @@ TEST(Planner, TheTailRunsAsManyLastLayersWithGradAsTheLimitHolds) {
   const auto& plain_tail = plain.stages.at(plain.plan.forward.size());
   EXPECT_EQ(plain_tail.layers_with_grad, 0) << "not asked for";
   request.grow_tail_with_grad = true;
+  // (A long tail, held as the plan in use: the planner's own would be short
+  // enough to keep every layer.)
+  const ExecutePlan long_tail({{0, 2}}, {{2, 8}, {0, 2}});
   for (int64_t limit_mib : {1000, 400, 250}) {
     request.memory_limit_bytes = limit_mib * kMiB;
-    const auto e = plan_stages(layers, request);
+    const auto e = priced_in_use(layers, request, long_tail);
+    ASSERT_EQ(e.plan.to_string(), long_tail.to_string()) << e.describe();
     const auto& tail = e.stages.at(e.plan.forward.size());
     const int n = tail.range.size();
     // The tail holds parameters and gradients (20 MiB a layer) and the next
@@ -136,13 +149,17 @@ TEST(Planner, TheTailRunsInTheFewestRowChunksThatKeepEveryLayer) {
   request.grow_tail_with_grad = true;
   request.min_stages = 2;
   request.memory_limit_bytes = 300 * kMiB;
-  const auto whole = plan_stages(layers, request);
+  // (A long tail, held as the plan in use: the planner's own would be short
+  // enough to keep every layer in one chunk.)
+  const ExecutePlan long_tail({{0, 2}}, {{2, 8}, {0, 2}});
+  const auto whole = priced_in_use(layers, request, long_tail);
+  ASSERT_EQ(whole.plan.to_string(), long_tail.to_string()) << whole.describe();
   const auto& whole_tail = whole.stages.at(whole.plan.forward.size());
   ASSERT_LT(whole_tail.layers_with_grad, whole_tail.range.size()) << whole.describe();
   EXPECT_EQ(whole_tail.row_chunks, 1);
   request.tail_rows = 8;
   request.first_row_split_layer = 0;
-  const auto chunked = plan_stages(layers, request);
+  const auto chunked = priced_in_use(layers, request, long_tail);
   const auto& tail = chunked.stages.at(chunked.plan.forward.size());
   const int n = tail.range.size();
   EXPECT_EQ(tail.layers_with_grad, n) << chunked.describe();
@@ -150,16 +167,54 @@ TEST(Planner, TheTailRunsInTheFewestRowChunksThatKeepEveryLayer) {
   EXPECT_LE(tail.peak_bytes, request.memory_limit_bytes) << chunked.describe();
   EXPECT_LT(chunked.iteration, whole.iteration) << "the recomputed forwards are priced";
   // The tail holds its parameters, gradients and a second copy of them, the
-  // next stage's parameters, and every layer's activations of one chunk
-  // (of ceil(8 / chunks) rows).
+  // next stage's parameters (forward [0, 2): 20 MiB), and every layer's
+  // activations of one chunk (of ceil(8 / chunks) rows).
   const auto acts = [&](int chunks) { return 40 * kMiB * n * ((8 + chunks - 1) / chunks) / 8; };
   const int64_t fixed = tail.peak_bytes - acts(tail.row_chunks);
-  EXPECT_EQ(fixed, 10 * kMiB * (3 * n + 1)) << chunked.describe();
+  EXPECT_EQ(fixed, 10 * kMiB * (3 * n + 2)) << chunked.describe();
   EXPECT_GT(fixed + acts(tail.row_chunks - 1), request.memory_limit_bytes)
       << "fewer chunks would have kept every layer: " << chunked.describe();
   request.first_row_split_layer = tail.range.begin + 1;
-  const auto unsplit = plan_stages(layers, request);
+  const auto unsplit = priced_in_use(layers, request, long_tail);
   EXPECT_EQ(unsplit.stages.at(unsplit.plan.forward.size()).row_chunks, 1) << unsplit.describe();
+}
+
+// Note [Tail grain]: every candidate is priced with the forwards its tail
+// recomputes, not only the plan chosen. Priced as if the tail kept every
+// layer, a long tail that keeps few looked a forward per layer cheaper than
+// the stages it replaces, and won. The oracle: every split of the model
+// into a forward stage, a tail and a backward stage, each priced alone (as
+// the plan in use, within any margin).
+TEST(Planner, EveryCandidateIsPricedWithTheForwardsItsTailRecomputes) {
+  const int L = 12;
+  const auto layers = equal_layers(L, 10 * kMiB, 40 * kMiB);
+  PlanRequest request;
+  request.num_devices = 1;
+  request.num_microbatches = 4;
+  request.fused = true;
+  request.layer_grain = true;
+  request.grow_tail_with_grad = true;
+  request.memory_limit_bytes = 400 * kMiB;
+  const auto chosen = plan_stages(layers, request);
+  const auto& tail = chosen.stages.at(chosen.plan.forward.size());
+  EXPECT_EQ(tail.layers_with_grad, tail.range.size())
+      << "a tail that recomputes is no faster than a shorter one: " << chosen.describe();
+  int splits_priced = 0;
+  double longest_tail_time = 0;
+  for (int begin = 0; begin < L; ++begin) {
+    const auto split = begin == 0 ? ExecutePlan({}, {{0, L}})
+                                  : ExecutePlan({{0, begin}}, {{begin, L}, {0, begin}});
+    const auto priced = priced_in_use(layers, request, split);
+    if (priced.plan.backward.front().begin != begin) continue;  // does not fit
+    ++splits_priced;
+    if (longest_tail_time == 0) longest_tail_time = priced.iteration;
+    EXPECT_LE(chosen.iteration, priced.iteration * (1 + 1e-9))
+        << "tail from layer " << begin << ":\n"
+        << priced.describe() << "\nchosen:\n"
+        << chosen.describe();
+  }
+  EXPECT_GE(splits_priced, 3);
+  EXPECT_LT(chosen.iteration, longest_tail_time) << chosen.describe();
 }
 
 // peak_bytes (what the limit is checked against) adds the parameters of the
