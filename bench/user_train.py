@@ -229,7 +229,7 @@ stats = torch.cuda.memory_stats() if cuda else {}
 gib = 2**30
 segments = torch.cuda.memory._snapshot()["segments"] if cuda else []
 expandable = sum(1 for s in segments if s.get("is_expandable"))
-predicted, described = 0.0, ""
+predicted, described, plan_shape = 0.0, "", ""
 # (The plan a call makes where its tail may split rows: the default loss, or
 # a loss_fn the first call learned to be linear, Note [A caller's loss over
 # row chunks]; before 3af3470 a loss_fn's calls could not, and ran another.)
@@ -237,10 +237,20 @@ if impl == "ours":  # the plan's predicted peak: its largest stage with the next
     import re
     described = str(model._engine.auto_plan(True, num_microbatch, 0, None, batch // num_microbatch)[1])
     predicted = max([float(x) for x in re.findall(r"([0-9.]+) GiB", described)] or [0])
+    # The plan's shape in one word: stages (forward + backward), the fused
+    # tail's layers, how many of them it keeps with grad, its row chunks.
+    ranges = re.findall(r"(forward|backward)\s+layers \[(\d+), (\d+)\)", described)
+    tail = next(((int(a), int(b)) for kind, a, b in ranges if kind == "backward"), None)
+    kept = re.search(r"its last (\d+) layer", described)
+    chunks = re.search(r"in (\d+) chunks of rows", described)
+    if tail:
+        plan_shape = (f" plan={sum(k == 'forward' for k, _, _ in ranges)}+{sum(k == 'backward' for k, _, _ in ranges)}"
+                      f",tail={tail[0]}..{tail[1] - 1},kept={kept.group(1) if kept else '-'}"
+                      f",chunks={chunks.group(1) if chunks else 1}")
 pipeline = model.pipeline_stats() if impl == "ours" and hasattr(model, "pipeline_stats") else {}
 fused_step = " step=optimizer" if os.environ.get("STEP") == "optimizer" else ""
 print(f"RESULT impl={impl}{fused_step} shape={shape} lora={lora_rank}{' ' + qlora if qlora else ''} cap={cap_gib:g} tokens={batch}x{seq} "
-      f"tok_s={rate:.0f} peak_alloc={stats.get('allocated_bytes.all.peak', 0) / gib:.2f} "
+      f"tok_s={rate:.0f}{plan_shape} peak_alloc={stats.get('allocated_bytes.all.peak', 0) / gib:.2f} "
       f"peak_reserved={stats.get('reserved_bytes.all.peak', 0) / gib:.2f} predicted={predicted:.2f} "
       f"device_used={peak_used / gib:.2f} alloc_retries={stats.get('num_alloc_retries', 0)} "
       f"ooms={stats.get('num_ooms', 0)} expandable_segments={expandable}/{len(segments)} "
