@@ -228,6 +228,8 @@ rate = timed * batch * seq / (end - start)
 stats = torch.cuda.memory_stats() if cuda else {}
 gib = 2**30
 segments = torch.cuda.memory._snapshot()["segments"] if cuda else []
+# (Read, never set: the package turns expandable segments on itself where
+# the process did not configure them; this script exports nothing.)
 expandable = sum(1 for s in segments if s.get("is_expandable"))
 predicted, described, plan_shape = 0.0, "", ""
 # (The plan a call makes where its tail may split rows: the default loss, or
