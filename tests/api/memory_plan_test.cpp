@@ -1,33 +1,18 @@
 // The automatic plan under memory pressure, against plain LibTorch: a call
 // that runs out of memory is redone or its microbatch retried with the
 // results of one that never failed (Note [Out-of-memory redo]); the grain
-// (Note [Automatic grain]), the tail's layers with grad (Note [Tail grain])
-// and its row chunks (Note [Tail row chunks]) follow the budget.
+// (Note [Automatic grain]) and the tail's layers with grad (Note [Tail
+// grain]) follow the budget. The tail's row chunks: tail_row_chunks_test.cpp.
 #include <ATen/CPUGeneratorImpl.h>
 #include <torch/nn/functional/loss.h>
 
+#include "api/oom_injection.h"
 #include "api/oracle.h"
 
 namespace roundpipe::testing {
 namespace {
 
-// Throws an out-of-memory error (as a card would) the next `injected_ooms`
-// times it runs where `inject_when` says, then computes as a Linear.
-enum class InjectWhen {
-  kForward,   // any forward (a forward stage's, first)
-  kWithGrad,  // a forward with grad: the fused tail's or a backward stage's
-  kBackward,  // its backward (after the loss has gone back)
-};
-std::atomic<int> injected_ooms{0};
-std::atomic<InjectWhen> inject_when{InjectWhen::kForward};
-bool take_injected_oom() {
-  if (injected_ooms.fetch_sub(1) > 0) return true;
-  injected_ooms = 0;
-  return false;
-}
-void throw_injected_oom() {
-  TORCH_CHECK_WITH(OutOfMemoryError, false, "injected: the device ran out of memory");
-}
+// (OomInjector: an out-of-memory error where tests/api/oom_injection.h says.)
 struct OomInjectorImpl : torch::nn::Cloneable<OomInjectorImpl> {
   torch::nn::Linear inner{nullptr};
   OomInjectorImpl() { reset(); }
@@ -441,136 +426,6 @@ TEST(AutomaticGrain, ACallersStageGrainRunsOnStagesSizedFromMeasuredActivations)
   }
   EXPECT_TRUE(std::any_of(seen.begin(), seen.end(), [](int k) { return k > 1; }))
       << "stage grain never ran: " << ::testing::PrintToString(seen);
-}
-
-// WideProbe that splits its input by rows (Note [Tail row chunks]), and
-// counts its recomputes and the rows it ran with grad.
-std::atomic<int> recomputes{0};
-struct RowSplitProbeImpl : torch::nn::Cloneable<RowSplitProbeImpl>, SplitsInputRows {
-  torch::nn::Linear up{nullptr}, down{nullptr};
-  RowSplitProbeImpl() { reset(); }
-  void reset() override {
-    up = register_module("up", torch::nn::Linear(4, 32));
-    down = register_module("down", torch::nn::Linear(32, 4));
-  }
-  at::Tensor forward(const at::Tensor& x) {
-    if (c10::GradMode::is_enabled()) ++(doing_recompute() ? recomputes : grad_forwards);
-    // An out-of-memory error at the inject_at-th forward with grad (or
-    // backward) since `probe_count` was reset.
-    const auto when = inject_when.load();
-    if (when == InjectWhen::kWithGrad && c10::GradMode::is_enabled() &&
-        ++probe_count == inject_at && take_injected_oom())
-      throw_injected_oom();
-    auto y = down(torch::tanh(up(x)));
-    if (when == InjectWhen::kBackward && y.requires_grad()) {
-      y.register_hook([](const at::Tensor& g) {
-        if (++probe_count == inject_at && take_injected_oom()) throw_injected_oom();
-        return g;
-      });
-    }
-    return y;
-  }
-  static inline std::atomic<int> probe_count{0};
-  static inline int inject_at = 0;
-  std::vector<c10::IValue> split_input_rows(const c10::IValue& input,
-                                            const std::vector<int64_t>& rows) const override {
-    return split_tensor_rows(input, rows);
-  }
-};
-TORCH_MODULE(RowSplitProbe);
-
-// What both TailRowChunks tests train: 8 RowSplitProbes on 1024 rows, in 2
-// microbatches, with a loss that adds up over rows (a sum divided by a
-// fixed count); and the plain LibTorch loss of the same call.
-struct RowChunksCase {
-  static constexpr int kLayers = 8, kMicrobatches = 2, kRows = 1024;
-  const at::Tensor x = at::randn({kRows, 4}, at::detail::createCPUGenerator(1));
-  const at::Tensor y = at::randn({kRows, 4}, at::detail::createCPUGenerator(2));
-  const LossFn loss_fn = [](const c10::IValue& out, const c10::IValue& label) {
-    return (out.toTensor() - label.toTensor()).pow(2).sum() / (kRows * 4.0);
-  };
-  static torch::nn::Sequential model() {
-    torch::manual_seed(4);
-    torch::nn::Sequential m;
-    for (int l = 0; l < kLayers; ++l) m->push_back(RowSplitProbe());
-    return m;
-  }
-  at::Tensor plain_loss(torch::nn::Sequential& oracle) const {
-    at::Tensor loss = at::zeros({});
-    const auto xs = microbatches_of(x, kMicrobatches), ys = microbatches_of(y, kMicrobatches);
-    for (int m = 0; m < kMicrobatches; ++m) loss = loss + loss_fn(oracle->forward(xs[m]), ys[m]);
-    return loss;
-  }
-};
-
-// Note [Tail row chunks]: where the loss adds up over rows and the layers
-// split their rows, a budget that holds only some of the tail's layers'
-// activations runs the tail in chunks of rows instead: no layer is
-// recomputed, the results are plain LibTorch's, the device stays within
-// its budget; without loss_sums_over_rows, the same budget recomputes.
-TEST(TailRowChunks, ChunksOfRowsReplaceRecomputeWhereTheLossAddsUp) {
-  const RowChunksCase c;
-  for (bool sums : {true, false}) {
-    SCOPED_TRACE(sums ? "loss_sums_over_rows" : "a loss of unknown form");
-    auto model = RowChunksCase::model(), oracle = RowChunksCase::model();
-    RoundPipe pipe(model, RoundPipeOptions().set_verbose(true).set_devices("sim:1,mem=448KiB"));
-    const auto config =
-        RunConfig().set_num_microbatch(RowChunksCase::kMicrobatches).set_loss_sums_over_rows(sums);
-    int last_recomputes = 0;
-    for (int call = 0; call < 4; ++call) {
-      recomputes = 0;
-      const auto loss = pipe.forward_backward(c.x, c.y, c.loss_fn, false, config).loss;
-      pipe.synchronize();
-      last_recomputes = recomputes.load();
-      const auto expected = c.plain_loss(oracle);
-      EXPECT_TENSOR_NEAR(loss, expected, kTol, "loss of call " << call);
-      expected.backward();
-    }
-    expect_same_state(model, oracle, /*grads=*/true);
-    EXPECT_LE(pipe.devices().at(0)->memory_stats().peak_bytes, 448 * 1024);
-    const auto chunked = pipe.pipeline_stats().tail_microbatches_in_row_chunks;
-    if (sums) {
-      EXPECT_GT(chunked, 0) << "the tail never ran in chunks of rows";
-      EXPECT_EQ(last_recomputes, 0) << "the last call still recomputed layers";
-    } else {
-      EXPECT_EQ(chunked, 0);
-      EXPECT_GT(last_recomputes, 0) << "the budget is too large to show the difference";
-    }
-  }
-}
-
-// An out-of-memory error in a later chunk of rows (its forward, or its
-// backward after earlier chunks left gradients) is retried, and the
-// results are still plain LibTorch's (Note [Out-of-memory retry of a
-// microbatch]).
-TEST(TailRowChunks, RunningOutOfMemoryInAChunkIsRetried) {
-  const RowChunksCase c;
-  for (auto when : {InjectWhen::kWithGrad, InjectWhen::kBackward}) {
-    SCOPED_TRACE(when == InjectWhen::kWithGrad ? "forward" : "backward");
-    auto model = RowChunksCase::model(), oracle = RowChunksCase::model();
-    RoundPipe pipe(model, RoundPipeOptions().set_devices("sim:1,mem=448KiB"));
-    const auto config =
-        RunConfig().set_num_microbatch(RowChunksCase::kMicrobatches).set_loss_sums_over_rows(true);
-    for (int call = 0; call < 3; ++call) {
-      const bool inject = call == 2;  // once the tail runs in chunks
-      if (inject) {
-        ASSERT_GT(pipe.pipeline_stats().tail_microbatches_in_row_chunks, 0);
-        inject_when = when;
-        RowSplitProbeImpl::probe_count = 0;
-        RowSplitProbeImpl::inject_at = 2 * RowChunksCase::kLayers + 3;  // the third chunk's
-        injected_ooms = 1;
-      }
-      const auto loss = pipe.forward_backward(c.x, c.y, c.loss_fn, false, config).loss;
-      pipe.synchronize();
-      if (inject) EXPECT_EQ(injected_ooms.load(), 0) << "the injected error was not raised";
-      injected_ooms = 0;
-      inject_when = InjectWhen::kForward;
-      const auto expected = c.plain_loss(oracle);
-      EXPECT_TENSOR_NEAR(loss, expected, kTol, "loss of call " << call);
-      expected.backward();
-    }
-    expect_same_state(model, oracle, /*grads=*/true);
-  }
 }
 
 INSTANTIATE_TEST_SUITE_P(AllBackends, OutOfMemoryRedoTest, ::testing::ValuesIn(backends()),

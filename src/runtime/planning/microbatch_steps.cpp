@@ -33,9 +33,6 @@ std::string MicrobatchSteps::describe() const {
     case BackwardKind::kLastLayer:
       text += ", backward of layer " + std::to_string(layers.end - 1);
       break;
-    case BackwardKind::kApart:
-      text += ", backward apart then added";
-      break;
   }
   if (first_with_grad > layers.begin)
     text += ", then " + layer_span(first_with_grad - 1, layers.begin) + " recomputed one at a time";
@@ -64,7 +61,7 @@ int tail_layers_with_grad(LayerRange layers, RecomputeGrain grain, int planned) 
   return grain == RecomputeGrain::kStage ? layers.size() : std::clamp(planned, 1, layers.size());
 }
 
-MicrobatchSteps tail_steps(LayerRange layers, int with_grad, bool apart) {
+MicrobatchSteps tail_steps(LayerRange layers, int with_grad, bool row_chunk) {
   TORCH_CHECK(with_grad >= 1 && with_grad <= layers.size(), "the fused tail runs 1 to ",
               layers.size(), " of its layers with grad, not ", with_grad);
   MicrobatchSteps steps;
@@ -72,14 +69,8 @@ MicrobatchSteps tail_steps(LayerRange layers, int with_grad, bool apart) {
   steps.first_with_grad = layers.end - with_grad;
   steps.recompute = false;
   steps.loss = true;
-  steps.metered = !apart;
-  if (with_grad == 1) {
-    steps.backward = BackwardKind::kLastLayer;
-  } else if (steps.first_with_grad > layers.begin || apart) {
-    steps.backward = BackwardKind::kApart;  // Note [Tail grain]
-  } else {
-    steps.backward = BackwardKind::kShared;
-  }
+  steps.metered = !row_chunk;
+  steps.backward = with_grad == 1 ? BackwardKind::kLastLayer : BackwardKind::kShared;
   return steps;
 }
 

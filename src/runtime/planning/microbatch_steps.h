@@ -18,10 +18,6 @@ namespace roundpipe::detail {
 enum class BackwardKind {
   kShared,     // one backward through them all, its time shared by them
   kLastLayer,  // they are one layer: a backward of that layer, timed and metered
-  // Their parameter gradients computed apart and added to the accumulated
-  // ones once the backward succeeded (Note [Tail grain]): a retry by layer
-  // then starts from the earlier microbatches' gradients exactly.
-  kApart,
 };
 
 struct MicrobatchSteps {
@@ -64,9 +60,10 @@ MicrobatchSteps backward_stage_steps(LayerRange layers, RecomputeGrain grain,
                                      bool inputs_on_device = false);
 
 // A fused tail's microbatch, its last `with_grad` layers with grad (stage
-// grain: all of them). `apart`: a chunk of a microbatch's rows, whose
-// gradients are computed apart and added (Note [Tail row chunks]).
-MicrobatchSteps tail_steps(LayerRange layers, int with_grad, bool apart);
+// grain: all of them), backpropagated at once, their gradients added in
+// place (Note [Tail grain]). `row_chunk`: a chunk of a microbatch's rows
+// (Note [Tail row chunks]), not metered.
+MicrobatchSteps tail_steps(LayerRange layers, int with_grad, bool row_chunk);
 
 // The tail's layers with grad: all of them in stage grain; otherwise the
 // plan's count (Note [Tail grain]), at least one, at most all.

@@ -41,7 +41,11 @@ struct CallState;
 // error, and a try that failed after its backward began adding to
 // gradients that earlier microbatches left (its partial sum can't be told
 // apart from theirs without holding a second copy of the stage's
-// gradients); those fail the call (Note [Out-of-memory redo], below). The rest of the job runs by
+// gradients); those fail the call (Note [Out-of-memory redo], below). The
+// fused tail's call has not returned then: each tail job holds its last
+// microbatch's loss until that microbatch's backward is done
+// (StageBinding::hold_results), so the call is redone, and the device never
+// holds that second copy (Note [Tail grain]). The rest of the job runs by
 // layer (after_out_of_memory()), and later calls plan smaller.
 class OutOfMemoryRetry {
  public:

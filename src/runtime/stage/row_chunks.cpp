@@ -64,8 +64,9 @@ std::vector<at::Tensor> merge_chunk_input_grads(
 
 // Note [Tail row chunks] (layer.h): the microbatch's rows in chunks, one
 // chunk's activations at a time. Each chunk runs as a microbatch of its
-// own (its gradients computed apart and added once its backward is done,
-// so that one running out of memory is retried alone); the caller gets
+// own (one that runs out of memory before its backward is retried alone;
+// in its backward, after earlier chunks or microbatches left gradients,
+// it fails the call, which is redone); the caller gets
 // the chunks' losses added and their outputs concatenated once the last
 // chunk's forward is done, and the stage before gets the chunks' input
 // gradients concatenated (summed where the chunks share a tensor).
@@ -88,7 +89,7 @@ bool StageRun::run_tail_in_chunks(Slot& in, int with_grad) {
               " row counts");
   binding.bind();
   const int m = where.microbatch;
-  const auto steps = tail_steps(r, with_grad, /*apart=*/true);
+  const auto steps = tail_steps(r, with_grad, /*row_chunk=*/true);
   std::vector<std::vector<at::Tensor>> grads;  // per chunk: the input gradients
   at::Tensor loss_sum;
   std::vector<c10::IValue> outputs;

@@ -3,7 +3,6 @@
 #include <ATen/ops/ones_like.h>
 #include <c10/core/GradMode.h>
 #include <c10/util/Exception.h>
-#include <torch/csrc/autograd/autograd.h>
 
 #include <algorithm>
 #include <map>
@@ -140,8 +139,7 @@ void StageRun::run_each_layer_from_its_input(const MicrobatchSteps& steps,
 void StageRun::run_steps(const MicrobatchSteps& s, const c10::IValue& input,
                          const RngState& rng_start, const std::vector<at::Tensor>& output_grads,
                          TailResults* tail, std::vector<at::Tensor>& leaves) {
-  TORCH_CHECK(!s.each_layer_from_its_input && s.loss == (tail != nullptr) &&
-                  (s.backward != BackwardKind::kApart || s.loss),
+  TORCH_CHECK(!s.each_layer_from_its_input && s.loss == (tail != nullptr),
               "stage runner: steps it cannot run: ", s.describe());
   const auto& r = s.layers;
   leaves.clear();
@@ -159,21 +157,16 @@ void StageRun::run_steps(const MicrobatchSteps& s, const c10::IValue& input,
     x = root;
     grads = {at::ones_like(root)};  // d loss / d loss
   }
-  switch (s.backward) {
-    case BackwardKind::kApart:
-      // Adds to the accumulated gradients only once it has succeeded.
-      apart_backward(s.first_with_grad, root, grads, leaves);
-      break;
-    case BackwardKind::kLastLayer:
-      retry.backward_began();
-      layer_backward(r.end - 1, x, grads, s.metered);
-      break;
-    case BackwardKind::kShared:
-      retry.backward_began();
-      shared_backward(s.first_with_grad, x, grads);
-      break;
+  // From here gradients add up in place: a try that runs out of memory
+  // after an earlier microbatch left gradients fails the call, which is
+  // redone (the tail holds its last microbatch's loss until this is done:
+  // Note [Out-of-memory retry of a microbatch]).
+  retry.backward_began();
+  if (s.backward == BackwardKind::kLastLayer) {
+    layer_backward(r.end - 1, x, grads, s.metered);
+  } else {
+    shared_backward(s.first_with_grad, x, grads);
   }
-  retry.backward_began();  // from here gradients add up in place
   backward_layer_by_layer(r.begin, saved, leaves, s.metered);
 }
 
@@ -267,54 +260,6 @@ void StageRun::shared_backward(int first, const c10::IValue& y,
   where.phase = "backward";
   auto start = timer.mark();
   backward_through(y, grads);
-  timer.add_shared_backward(first, start, timer.mark());
-}
-
-// The backward of the tail's layers with grad where they are some of its
-// layers (Note [Tail grain]) or a chunk of its rows: the planner filled the
-// memory with them, so a microbatch past the first may run out of memory
-// inside this backward. Their parameter gradients are computed apart and
-// added to the accumulated ones only once it has succeeded (as autograd
-// would add them), so that a retry by layer starts from exactly the
-// gradients of the earlier microbatches (Note [Out-of-memory retry of a
-// microbatch]). It costs the layers' gradient bytes once more, which the
-// plan counts.
-void StageRun::apart_backward(int first, const at::Tensor& root,
-                              const std::vector<at::Tensor>& grads,
-                              std::vector<at::Tensor>& leaves) {
-  where.layer = -1;
-  where.phase = "backward";
-  std::vector<at::Tensor> params, inputs;
-  for (int l = first; l < job.range.end; ++l) {
-    for (const auto& p : binding.instance(l).parameter_leaves()) {
-      if (p.requires_grad()) params.push_back(p);
-    }
-  }
-  std::vector<size_t> leaf_index;
-  for (size_t i = 0; i < leaves.size(); ++i) {
-    if (leaves[i].defined() && leaves[i].requires_grad()) {
-      leaf_index.push_back(i);
-      inputs.push_back(leaves[i]);
-    }
-  }
-  inputs.insert(inputs.end(), params.begin(), params.end());
-  auto start = timer.mark();
-  if (root.requires_grad() && !inputs.empty()) {
-    auto result = torch::autograd::grad({root}, inputs, grads, /*retain_graph=*/false,
-                                        /*create_graph=*/false, /*allow_unused=*/true);
-    for (size_t i = 0; i < leaf_index.size(); ++i) leaves[leaf_index[i]].mutable_grad() = result[i];
-    c10::NoGradGuard no_grad;
-    for (size_t i = 0; i < params.size(); ++i) {
-      const auto& g = result[leaf_index.size() + i];
-      if (!g.defined()) continue;
-      auto& sum = params[i].mutable_grad();
-      if (sum.defined()) {
-        sum.add_(g);
-      } else {
-        sum = g;
-      }
-    }
-  }
   timer.add_shared_backward(first, start, timer.mark());
 }
 

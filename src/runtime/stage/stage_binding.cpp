@@ -140,9 +140,23 @@ void StageBinding::send_results(int microbatch, const at::Tensor& loss, const c1
   progress_.phase = "download";
   auto [host_loss, loss_event] =
       download_flat(device_, {loss.detach().reshape({})}, ctx_.weights.host_allocator());
-  CallState::put(*call_.losses[microbatch], {}, host_loss, loss_event, {});
-  if (call_.return_outputs)
-    CallState::put(*call_.outputs[microbatch], output, {}, output_event_, {});
+  auto hand_over = [this, microbatch, host_loss = host_loss, loss_event = loss_event, output,
+                    output_event = output_event_] {
+    CallState::put(*call_.losses[microbatch], {}, host_loss, loss_event, {});
+    if (call_.return_outputs)
+      CallState::put(*call_.outputs[microbatch], output, {}, output_event, {});
+  };
+  if (hold_results_) {
+    held_results_.push_back(std::move(hand_over));
+  } else {
+    hand_over();
+  }
+}
+
+void StageBinding::release_results() {
+  hold_results_ = false;
+  for (auto& hand_over : held_results_) hand_over();
+  held_results_.clear();
 }
 
 std::vector<at::Tensor> StageBinding::clone_buffers(int layer) {

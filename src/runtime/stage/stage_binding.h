@@ -7,6 +7,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/core/ivalue.h>
 
+#include <functional>
 #include <map>
 #include <memory>
 #include <vector>
@@ -53,6 +54,14 @@ class StageBinding {
   // for; on the host, made by download_output) to the caller.
   c10::IValue download_output(const c10::IValue& output);
   void send_results(int microbatch, const at::Tensor& loss, const c10::IValue& output);
+  // While held, send_results downloads but does not hand over: the caller's
+  // forward_backward returns once every loss is handed over, and the fused
+  // tail holds its last microbatch's until that microbatch's backward is
+  // done, so that running out of memory there redoes the call (Note
+  // [Out-of-memory retry of a microbatch]). release_results hands them
+  // over; a job that fails never does.
+  void hold_results(bool hold) { hold_results_ = hold; }
+  void release_results();
   // Host memory event of the last download_output.
   const EventPtr& output_event() const { return output_event_; }
 
@@ -77,6 +86,8 @@ class StageBinding {
   std::map<int, std::unique_ptr<LayerInstance>> instances_;
   bool bound_ = false;
   EventPtr output_event_;
+  bool hold_results_ = false;
+  std::vector<std::function<void()>> held_results_;
 };
 
 }  // namespace roundpipe::detail

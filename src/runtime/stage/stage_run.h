@@ -114,8 +114,6 @@ struct StageRun {
   void layer_backward(int layer, const c10::IValue& y, const std::vector<at::Tensor>& grads,
                       bool metered);
   void shared_backward(int first, const c10::IValue& y, const std::vector<at::Tensor>& grads);
-  void apart_backward(int first, const at::Tensor& root, const std::vector<at::Tensor>& grads,
-                      std::vector<at::Tensor>& leaves);
   c10::IValue input_leaves(const c10::IValue& x, int layer, std::vector<at::Tensor>& leaves);
 };
 

@@ -16,11 +16,16 @@ namespace roundpipe::detail {
 void StageRun::run_tail() {
   const auto& r = job.range;
   const int with_grad = tail_layers_with_grad(r, call.grain, call.tail_layers_with_grad);
-  const auto steps = tail_steps(r, with_grad, /*apart=*/false);
+  const auto steps = tail_steps(r, with_grad, /*row_chunk=*/false);
   for (int m = job.replica; m < call.n; m += job.replicas) {
     where.microbatch = m;
+    // The job's last microbatch hands its loss over once its backward is
+    // done (StageBinding::hold_results): until every tail job's has, the
+    // call has returned nothing and can be redone.
+    binding.hold_results(m + job.replicas >= call.n);
     Slot& in = call.wait(call.act.at(r.begin)[m]);
     if (call.tail_row_chunks > 1 && run_tail_in_chunks(in, with_grad)) {
+      binding.release_results();
       release_read_hand_offs();
       continue;
     }
@@ -37,12 +42,14 @@ void StageRun::run_tail() {
                  [&](const MicrobatchSteps& s) { run_steps(s, x, in.rng, {}, &results, leaves); });
     timer.flush(r);
     binding.send_input_gradients(r.begin, m, leaf_grads(leaves));
+    binding.release_results();
     release_read_hand_offs();
   }
 }
 
 // The loss of the microbatch's output, handed to the caller with the
-// output before its backward is enqueued (once, also across a retry).
+// output before its backward is enqueued (once, also across a retry; the
+// tail's last microbatch's once its backward is done).
 at::Tensor StageRun::run_loss(const c10::IValue& output, TailResults& tail) {
   where.layer = -1;
   where.phase = "loss";

@@ -78,7 +78,7 @@ TEST(MicrobatchSteps, AStageGrainRetryHoldsOneLayersActivationsAtATime) {
 TEST(MicrobatchSteps, TheTailInStageGrainRunsAllLayersWithGradAndTheLoss) {
   const int with_grad = detail::tail_layers_with_grad({4, 8}, RecomputeGrain::kStage, 2);
   EXPECT_EQ(with_grad, 4);  // stage grain ignores the plan's count
-  const auto steps = detail::tail_steps({4, 8}, with_grad, /*apart=*/false);
+  const auto steps = detail::tail_steps({4, 8}, with_grad, /*row_chunk=*/false);
   EXPECT_EQ(steps.first_with_grad, 4);
   EXPECT_FALSE(steps.recompute);
   EXPECT_TRUE(steps.loss);
@@ -86,17 +86,20 @@ TEST(MicrobatchSteps, TheTailInStageGrainRunsAllLayersWithGradAndTheLoss) {
   EXPECT_EQ(steps.describe(), "layers 4..7: with grad 4..7, loss, one backward");
 }
 
-TEST(MicrobatchSteps, TheTailInLayerGrainComputesTheGradientsOfSomeLayersApart) {
-  // Note [Tail grain]: the plan's layers with grad, between one and all.
+TEST(MicrobatchSteps, TheTailInLayerGrainRunsSomeLayersWithGradInOneBackward) {
+  // Note [Tail grain]: the plan's layers with grad, between one and all,
+  // backpropagated at once (their gradients added in place), the rest
+  // recomputed one at a time.
   EXPECT_EQ(detail::tail_layers_with_grad({4, 8}, RecomputeGrain::kLayer, 0), 1);
   EXPECT_EQ(detail::tail_layers_with_grad({4, 8}, RecomputeGrain::kLayer, 9), 4);
   const int with_grad = detail::tail_layers_with_grad({4, 8}, RecomputeGrain::kLayer, 2);
-  const auto steps = detail::tail_steps({4, 8}, with_grad, /*apart=*/false);
+  const auto steps = detail::tail_steps({4, 8}, with_grad, /*row_chunk=*/false);
   EXPECT_EQ(steps.first_with_grad, 6);
-  EXPECT_EQ(steps.backward, BackwardKind::kApart);
+  EXPECT_EQ(steps.backward, BackwardKind::kShared);
+  EXPECT_TRUE(steps.metered);
   EXPECT_EQ(steps.describe(),
-            "layers 4..7: without grad 4..5 (inputs kept), with grad 6..7, loss, backward apart "
-            "then added, then 5..4 recomputed one at a time");
+            "layers 4..7: without grad 4..5 (inputs kept), with grad 6..7, loss, one backward, "
+            "then 5..4 recomputed one at a time");
   // One layer with grad: its own backward.
   EXPECT_EQ(detail::tail_steps({4, 8}, 1, false).backward, BackwardKind::kLastLayer);
   // The retry keeps the loss and runs its layers as a forward, not a recompute.
@@ -107,11 +110,10 @@ TEST(MicrobatchSteps, TheTailInLayerGrainComputesTheGradientsOfSomeLayersApart) 
   EXPECT_EQ(retry.backward, BackwardKind::kLastLayer);
 }
 
-TEST(MicrobatchSteps, ARowChunkIsNotMeteredAndAddsItsGradientsApart) {
-  // Note [Tail row chunks]: all layers with grad, gradients apart (a chunk
-  // that runs out of memory is retried alone).
-  const auto steps = detail::tail_steps({4, 8}, 4, /*apart=*/true);
-  EXPECT_EQ(steps.backward, BackwardKind::kApart);
+TEST(MicrobatchSteps, ARowChunkIsNotMetered) {
+  // Note [Tail row chunks]: the plan's figures are per microbatch.
+  const auto steps = detail::tail_steps({4, 8}, 4, /*row_chunk=*/true);
+  EXPECT_EQ(steps.backward, BackwardKind::kShared);
   EXPECT_FALSE(steps.metered);
   EXPECT_FALSE(detail::by_layer(steps).metered);
   EXPECT_EQ(detail::tail_steps({4, 8}, 1, true).backward, BackwardKind::kLastLayer);
