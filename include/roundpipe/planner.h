@@ -24,6 +24,9 @@ struct LayerCost {
   int64_t activation_bytes = 0;  // one microbatch's activations kept for its backward (0: unknown)
   int64_t working_bytes = 0;     // the most its forward or backward holds beyond that, at once
   int64_t output_bytes = 0;      // one microbatch's output (the next layer's input; 0: unknown)
+  // Of activation_bytes, what does not shrink with a microbatch's rows
+  // (note_kept_bytes_independent_of_rows): a chunk of rows keeps it whole.
+  int64_t activation_bytes_independent_of_rows = 0;
 };
 
 struct PlanRequest {

@@ -1,8 +1,11 @@
-// Helpers for layers whose forward does random or host-syncing work that a
-// recompute must not redo (MoE routing counts, nonzero(), .item()).
+// Helpers a layer's forward calls to tell the engine what it cannot see:
+// random or host-syncing work that a recompute must not redo (MoE routing
+// counts, nonzero(), .item()), and kept memory that does not follow its rows.
 #pragma once
 
 #include <ATen/core/ivalue.h>
+
+#include <cstdint>
 
 namespace roundpipe {
 
@@ -15,5 +18,13 @@ void save_for_recompute(const c10::IValue& data);
 bool doing_recompute();
 // In a recompute: what the forward saved, with tensors on this device.
 c10::IValue get_recompute_data();
+
+// Called from a layer's forward with grad: of what it keeps for its
+// backward, `bytes` do not depend on how many rows its input has (the CUDA
+// fused loss makes its output weight's float32 gradient in the forward and
+// keeps it). The plan counts them whole in each chunk of rows of the fused
+// tail (Note [Tail row chunks], layer.h), not by the chunk's share of the
+// rows. Adds up over calls in one forward; a no-op outside RoundPipe.
+void note_kept_bytes_independent_of_rows(int64_t bytes);
 
 }  // namespace roundpipe

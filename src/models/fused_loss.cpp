@@ -12,6 +12,7 @@
 
 #include "roundpipe/models/causal_lm.h"
 #include "roundpipe/models/fused_ops.h"
+#include "roundpipe/recompute.h"
 
 #ifdef ROUNDPIPE_WITH_CUDA
 #include "models/fused_launch.h"
@@ -114,6 +115,10 @@ struct FusedLinearCrossEntropy : torch::autograd::Function<FusedLinearCrossEntro
           at::addmm_outf(grad_weight, logits.t(), h, at::kFloat, 1, 1, grad_weight);
       }
     }
+    // The weight's gradient is the vocabulary by the hidden size whatever
+    // the rows: a chunk of the tail's rows keeps all of it (Note [Tail
+    // grain], planner.cpp).
+    if (want_weight) note_kept_bytes_independent_of_rows(grad_weight.nbytes());
     ctx->save_for_backward({grad_hidden, grad_weight});
     ctx->saved_data["weight_dtype"] = static_cast<int64_t>(weight.scalar_type());
     return loss_sum * scale;

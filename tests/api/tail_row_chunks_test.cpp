@@ -108,6 +108,80 @@ TEST(TailRowChunks, ChunksOfRowsReplaceRecomputeWhereTheLossAddsUp) {
   }
 }
 
+// A RowSplitProbe that also keeps, for its backward, a table that is the
+// same whatever its rows (as the CUDA fused loss keeps its weight's float32
+// gradient), and says so (note_kept_bytes_independent_of_rows).
+struct FixedTableProbeImpl : torch::nn::Cloneable<FixedTableProbeImpl>, SplitsInputRows {
+  static constexpr int64_t kTableFloats = 48 * 1024;  // 192 KiB
+  static inline std::atomic<bool> tells{true};
+  torch::nn::Linear up{nullptr}, down{nullptr};
+  FixedTableProbeImpl() { reset(); }
+  void reset() override {
+    up = register_module("up", torch::nn::Linear(4, 32));
+    down = register_module("down", torch::nn::Linear(32, 4));
+  }
+  at::Tensor forward(const at::Tensor& x) {
+    auto y = down(torch::tanh(up(x)));
+    if (!c10::GradMode::is_enabled()) return y;
+    // dot(table, table) keeps the table for its backward; it adds 0.
+    const auto table = up->weight.sum().expand({kTableFloats}).contiguous();
+    if (tells) note_kept_bytes_independent_of_rows(table.nbytes());
+    return y + at::dot(table, table) * 0;
+  }
+  std::vector<c10::IValue> split_input_rows(const c10::IValue& input,
+                                            const std::vector<int64_t>& rows) const override {
+    return split_tensor_rows(input, rows);
+  }
+};
+TORCH_MODULE(FixedTableProbe);
+
+// Note [Tail grain]: what the tail's last layer keeps whatever its rows is
+// counted whole in each chunk of rows, so the plan's predicted peak bounds
+// what the device holds, and the results are plain LibTorch's. Counted by
+// a chunk's share of the rows (the layer does not say), the prediction
+// falls short of the peak.
+TEST(TailRowChunks, WhatALayerKeepsWhateverItsRowsIsCountedWholeInEachChunk) {
+  const RowChunksCase c;
+  auto make = [] {
+    torch::manual_seed(4);
+    torch::nn::Sequential m;
+    for (int l = 0; l + 1 < RowChunksCase::kLayers; ++l) m->push_back(RowSplitProbe());
+    m->push_back(FixedTableProbe());
+    return m;
+  };
+  for (bool tells : {true, false}) {
+    SCOPED_TRACE(tells ? "the layer says" : "the layer does not say");
+    FixedTableProbeImpl::tells = tells;
+    auto model = make(), oracle = make();
+    RoundPipe pipe(model, RoundPipeOptions().set_devices("sim:1,mem=1MiB"));
+    const auto config =
+        RunConfig().set_num_microbatch(RowChunksCase::kMicrobatches).set_loss_sums_over_rows(true);
+    for (int call = 0; call < 4; ++call) {
+      if (call == 2) pipe.devices().at(0)->reset_peak_memory();  // the plans measured
+      const auto loss = pipe.forward_backward(c.x, c.y, c.loss_fn, false, config).loss;
+      pipe.synchronize();
+      const auto expected = c.plain_loss(oracle);
+      EXPECT_TENSOR_NEAR(loss, expected, kTol, "loss of call " << call);
+      expected.backward();
+    }
+    expect_same_state(model, oracle, /*grads=*/true);
+    EXPECT_GT(pipe.pipeline_stats().tail_microbatches_in_row_chunks, 0);
+    const auto plan = pipe.auto_plan(true, RowChunksCase::kMicrobatches, 0, std::nullopt,
+                                     RowChunksCase::kRows / RowChunksCase::kMicrobatches);
+    int64_t predicted = 0;
+    for (const auto& stage : plan.stages) predicted = std::max(predicted, stage.peak_bytes);
+    const int64_t peak = pipe.devices().at(0)->memory_stats().peak_bytes;
+    if (tells) {
+      EXPECT_EQ(pipe.pipeline_stats().out_of_memory_recoveries, 0);
+      EXPECT_LE(peak, predicted) << plan.describe();
+    } else {
+      // (Two or more chunks: a quarter of the table or more is missed, kTableFloats bytes.)
+      EXPECT_GT(peak, predicted + FixedTableProbeImpl::kTableFloats) << plan.describe();
+    }
+  }
+  FixedTableProbeImpl::tells = true;
+}
+
 // An out-of-memory error in a later chunk of rows is recovered, and the
 // results are still plain LibTorch's: in its forward the chunk is retried
 // alone; in its backward, after earlier chunks left gradients, the call is

@@ -23,6 +23,7 @@ LayerTimings::LayerTimings(int num_layers, bool verbose)
       output_bytes_(num_layers),
       kept_per_output_byte_(num_layers),
       kept_samples_(num_layers),
+      kept_independent_of_rows_(num_layers),
       working_per_output_byte_(num_layers),
       backward_samples_(num_layers),
       kept_recorded_(num_layers),
@@ -50,12 +51,17 @@ bool LayerTimings::wants_kept_bytes(int layer) const {
   return kept_samples_.at(layer) < kKeptSamples;
 }
 
-void LayerTimings::add_kept_bytes(int layer, int64_t kept, int64_t peak, int64_t output) {
+void LayerTimings::add_kept_bytes(int layer, int64_t kept, int64_t peak, int64_t output,
+                                  int64_t independent_of_rows) {
   std::lock_guard<std::mutex> lock(mu_);
   if (kept_samples_.at(layer)++ == 0 || output <= 0) return;
   ++kept_recorded_.at(layer);
+  independent_of_rows = std::clamp<int64_t>(independent_of_rows, 0, std::max<int64_t>(kept, 0));
+  auto& fixed = kept_independent_of_rows_.at(layer);
+  fixed = std::max(fixed, independent_of_rows);
   auto& ratio = kept_per_output_byte_.at(layer);
-  ratio = std::max(ratio, static_cast<double>(kept) / static_cast<double>(output));
+  ratio = std::max(ratio,
+                   static_cast<double>(kept - independent_of_rows) / static_cast<double>(output));
   auto& working = working_per_output_byte_.at(layer);
   working = std::max(working, static_cast<double>(peak - kept) / static_cast<double>(output));
 }
@@ -94,7 +100,8 @@ void LayerTimings::add_backward_bytes(int layer, int64_t peak, bool after_a_firs
 
 int64_t LayerTimings::kept_bytes(size_t layer) const {
   return std::max(output_bytes_[layer],
-                  static_cast<int64_t>(kept_per_output_byte_[layer] * output_bytes_[layer]));
+                  static_cast<int64_t>(kept_per_output_byte_[layer] * output_bytes_[layer]) +
+                      kept_independent_of_rows_[layer]);
 }
 
 int64_t LayerTimings::working_bytes(size_t layer) const {
@@ -139,6 +146,8 @@ std::vector<LayerCost> LayerTimings::costs(const std::vector<int64_t>& param_byt
     // What a backward stage keeps per layer and microbatch: what the
     // layer's forward with grad was measured to keep, at least its output.
     costs[l].activation_bytes = kept_bytes(l);
+    costs[l].activation_bytes_independent_of_rows =
+        std::min(kept_independent_of_rows_[l], costs[l].activation_bytes);
     costs[l].working_bytes = working_bytes(l);
   }
   return costs;

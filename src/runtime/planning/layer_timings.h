@@ -31,8 +31,11 @@ class LayerTimings {
   // largest output seen (longer sequences keep more).
   static constexpr int kKeptSamples = 3;
   bool wants_kept_bytes(int layer) const;
-  // `peak`: the most the forward held on the way.
-  void add_kept_bytes(int layer, int64_t kept, int64_t peak, int64_t output);
+  // `peak`: the most the forward held on the way; `independent_of_rows`:
+  // the part of `kept` the layer said does not follow its rows
+  // (note_kept_bytes_independent_of_rows), kept whole, not as a multiple.
+  void add_kept_bytes(int layer, int64_t kept, int64_t peak, int64_t output,
+                      int64_t independent_of_rows = 0);
   // Working bytes: the most a layer's forward with grad held beyond what it
   // keeps, or its backward beyond what it started with (temporaries, the
   // loss's logit chunks, gradients on their way to the parameters),
@@ -69,6 +72,7 @@ class LayerTimings {
   std::vector<int64_t> output_bytes_;
   std::vector<double> kept_per_output_byte_;
   std::vector<int> kept_samples_;
+  std::vector<int64_t> kept_independent_of_rows_;
   std::vector<double> working_per_output_byte_;
   std::vector<int> backward_samples_;
   std::vector<int> kept_recorded_, backward_recorded_;  // samples that counted

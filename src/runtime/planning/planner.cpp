@@ -240,27 +240,22 @@ double iteration_of(const PlanEstimate& e, const PlanRequest& request) {
 // (their activations kept, no recompute) and recomputes the rest by layer:
 // k is the most the limit holds with everything else the stage holds (its
 // parameters, gradients, the largest working memory, the next stage's
-// parameters) and the k layers' gradient bytes once more. Their backward
-// adds to the gradients in place (running out of memory there, after an
-// earlier microbatch left gradients, redoes the call: Note [Out-of-memory
-// retry of a microbatch]), so that copy is not on the device; it stays in
-// the count as a margin, measured: without it (a584039, one H100, the
-// consumer harness) the tail kept 4-6 more layers, every workload's peak
-// allocated memory came 0.95-1.19 GiB above the plan's prediction (with
-// it: below), the allocator released its cache 2-4 times as often, and
-// Qwen3-4B at 12 GiB ran out of memory once; the speed gained was 0.3-1.6%.
-// What the estimate misses there, read from the code: the fused loss makes
-// the output weight's float32 gradient in its forward and keeps it (1.16-
-// 1.47 GiB at these vocabularies), while a chunk of rows is counted its
-// rows' share of every layer's activations: 3/4 of it missed in four
-// chunks, 0.87-1.10 GiB against the 0.95-1.19 measured. Counting it whole
-// instead of this margin is on branch tail-fixed-kept-bytes, until a GPU
-// shows it. Where its layers
-// split their input by rows and the
+// parameters). Their backward adds to the gradients in place (running out
+// of memory there, after an earlier microbatch left gradients, redoes the
+// call: Note [Out-of-memory retry of a microbatch]). Where its layers split
+// their input by rows and the
 // loss adds up over rows (Note [Tail row chunks], layer.h), the tail may
 // also run each microbatch in c chunks of rows, holding one chunk's
 // activations at a time: the fewest chunks that keep every layer's
-// activations, else as many as there are rows. On a 24 GiB card a 1.7B
+// activations, else as many as there are rows. A chunk keeps its rows'
+// share of a layer's activations, but whole what the layer keeps whatever
+// its rows (LayerCost::activation_bytes_independent_of_rows): the CUDA
+// fused loss makes the output weight's float32 gradient in its forward and
+// keeps it, 1.16-1.47 GiB at the presets' vocabularies. Counted by the
+// chunk's share, 3/4 of it was missed in four chunks (0.87-1.10 GiB): on
+// one H100 (a584039, the consumer harness) every workload's peak allocated
+// memory came 0.95-1.19 GiB above the plan's prediction, and Qwen3-4B at
+// 12 GiB ran out of memory once. On a 24 GiB card a 1.7B
 // model's 29-layer tail over 16K-token microbatches keeps about a dozen
 // layers' activations in one chunk, all of them in two or four. The extra
 // forward of the layers recomputed is added to the tail's predicted time,
@@ -291,19 +286,18 @@ PlanEstimate with_tail_grown(const std::vector<LayerCost>& layers, PlanEstimate 
     // A chunk's share of a microbatch's activations: its rows (the first
     // chunks take the extra rows).
     const double share = static_cast<double>((rows + chunks - 1) / chunks) / rows;
-    auto part = [&](int64_t bytes) { return static_cast<int64_t>(std::ceil(bytes * share)); };
-    const int64_t one_layer = part(load.max_act);
-    int64_t kept = 0, acts = 0, grads = 0;
+    auto part = [&](const LayerCost& layer) {
+      const int64_t fixed = layer.activation_bytes_independent_of_rows;
+      return static_cast<int64_t>(std::ceil((layer.activation_bytes - fixed) * share)) + fixed;
+    };
+    int64_t one_layer = 0;
+    for (int l = tail.range.begin; l < tail.range.end; ++l)
+      one_layer = std::max(one_layer, part(layers[l]));
+    int64_t kept = 0;
     int k = 0;
     for (int l = tail.range.end - 1; l >= tail.range.begin; --l) {
-      // (With one chunk and every layer with grad, no margin: a backward
-      // stage's arithmetic.)
-      const bool margin = l > tail.range.begin || chunks > 1;
-      const int64_t grown =
-          acts + part(layers[l].activation_bytes) + (margin ? grads + layers[l].grad_bytes : 0);
+      const int64_t grown = kept + part(layers[l]);
       if (k > 0 && rest + std::max(grown, one_layer) > limit) break;
-      acts += part(layers[l].activation_bytes);
-      grads += layers[l].grad_bytes;
       kept = grown;
       ++k;
     }

@@ -52,7 +52,8 @@ c10::IValue StageRun::run_layer(int l, const c10::IValue& x, bool recompute, boo
   int64_t bytes = 0;
   for (const auto& t : flatten_tensors(y)) bytes += t.defined() ? t.nbytes() : 0;
   if (metered) ctx.timings.add_output_bytes(l, bytes);
-  if (kept >= 0) ctx.timings.add_kept_bytes(l, kept, peak, bytes);
+  if (kept >= 0)
+    ctx.timings.add_kept_bytes(l, kept, peak, bytes, scope.kept_bytes_independent_of_rows);
   return y;
 }
 

@@ -68,4 +68,9 @@ c10::IValue get_recompute_data() {
   return detail::to_device(data, lc->device);
 }
 
+void note_kept_bytes_independent_of_rows(int64_t bytes) {
+  TORCH_CHECK(bytes >= 0, "note_kept_bytes_independent_of_rows(): bytes must be >= 0, got ", bytes);
+  if (auto* lc = detail::current_layer_call) lc->kept_bytes_independent_of_rows += bytes;
+}
+
 }  // namespace roundpipe

@@ -6,6 +6,7 @@
 
 #include <ATen/core/ivalue.h>
 
+#include <cstdint>
 #include <map>
 #include <mutex>
 #include <utility>
@@ -42,6 +43,9 @@ class LayerCallScope {
   const bool recompute;
   const c10::Device device;
   const bool training;
+  // What the layer's forward said it keeps whatever its rows
+  // (note_kept_bytes_independent_of_rows).
+  int64_t kept_bytes_independent_of_rows = 0;
 
  private:
   LayerCallScope* previous_;
