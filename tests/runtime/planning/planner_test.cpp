@@ -20,6 +20,19 @@ std::vector<LayerCost> equal_layers(int n, int64_t bytes, int64_t activation = 0
   return costs;
 }
 
+// One device, the fused tail in layer grain growing its layers with grad,
+// at least two stages, a 300 MiB limit: the row-chunk tests' request.
+PlanRequest growing_tail_request() {
+  PlanRequest request;
+  request.num_devices = 1;
+  request.fused = true;
+  request.layer_grain = true;
+  request.grow_tail_with_grad = true;
+  request.min_stages = 2;
+  request.memory_limit_bytes = 300 * kMiB;
+  return request;
+}
+
 // `plan` as the plan in use, priced (its tail grown) by plan_stages: kept
 // within any margin where it fits the limit, else the planner's own.
 PlanEstimate priced_in_use(const std::vector<LayerCost>& layers, PlanRequest request,
@@ -142,13 +155,7 @@ TEST(Planner, TheTailRunsAsManyLastLayersWithGradAsTheLimitHolds) {
 // split their rows.
 TEST(Planner, TheTailRunsInTheFewestRowChunksThatKeepEveryLayer) {
   const auto layers = equal_layers(8, 10 * kMiB, 40 * kMiB);
-  PlanRequest request;
-  request.num_devices = 1;
-  request.fused = true;
-  request.layer_grain = true;
-  request.grow_tail_with_grad = true;
-  request.min_stages = 2;
-  request.memory_limit_bytes = 300 * kMiB;
+  auto request = growing_tail_request();
   // (A long tail, held as the plan in use: the planner's own would be short
   // enough to keep every layer in one chunk.)
   const ExecutePlan long_tail({{0, 2}}, {{2, 8}, {0, 2}});
@@ -189,13 +196,7 @@ TEST(Planner, WhatALayerKeepsWhateverItsRowsIsCountedWholeInEachChunk) {
   const int64_t whole = 60 * kMiB;  // the last layer's, beside its 40 MiB by rows
   layers.back().activation_bytes += whole;
   layers.back().activation_bytes_independent_of_rows = whole;
-  PlanRequest request;
-  request.num_devices = 1;
-  request.fused = true;
-  request.layer_grain = true;
-  request.grow_tail_with_grad = true;
-  request.min_stages = 2;
-  request.memory_limit_bytes = 300 * kMiB;
+  auto request = growing_tail_request();
   request.tail_rows = 8;
   request.first_row_split_layer = 0;
   const ExecutePlan long_tail({{0, 2}}, {{2, 8}, {0, 2}});
