@@ -86,6 +86,22 @@ TEST(LayerTimings, KeptBytesFollowTheLargestOutputAndAreAtLeastTheOutput) {
   EXPECT_EQ(timings.costs({0, 0}, {0, 0})[0].activation_bytes, 1200);
 }
 
+// What a layer says it keeps whatever its rows (the fused loss's weight
+// gradient) stays whole: the rest scales with the output, it does not.
+TEST(LayerTimings, KeptBytesIndependentOfRowsDoNotScaleWithTheOutput) {
+  LayerTimings timings(1);
+  timings.add_kept_bytes(0, 5000, 5000, 100, 4000);  // dropped
+  timings.add_kept_bytes(0, 4300, 4300, 100, 4000);  // 300 by rows: 3 x its output
+  timings.add_output_bytes(0, 100);
+  auto cost = timings.costs({0}, {0})[0];
+  EXPECT_EQ(cost.activation_bytes, 4300);
+  EXPECT_EQ(cost.activation_bytes_independent_of_rows, 4000);
+  timings.add_output_bytes(0, 400);  // a longer sequence: 3 x 400, and the 4000
+  cost = timings.costs({0}, {0})[0];
+  EXPECT_EQ(cost.activation_bytes, 5200);
+  EXPECT_EQ(cost.activation_bytes_independent_of_rows, 4000);
+}
+
 // Working bytes: the most a forward held beyond what it kept, or a backward
 // held; the largest ratio to the output, as kept bytes.
 TEST(LayerTimings, WorkingBytesAreTheLargestPeakBeyondWhatIsKept) {
