@@ -64,7 +64,8 @@ one() {  # impl log args...
 }
 n=0
 if [ -n "${CONCURRENT:-}" ]; then  # each repeat's runs at once, on one GPU: memory and out-of-memory
-  # counts hold (each process has its own cap), throughputs do not
+  # counts hold (each process has its own cap), throughputs do not. The host holds every
+  # process's optimizer state at once: four 3-4B runs overfill 128 GiB and are killed (exit 137)
   for r in $(seq 1 "${REPEAT:-1}"); do
     pids=(); i=0
     for run in "${list[@]}"; do
