@@ -129,9 +129,11 @@ struct FusedLinearCrossEntropy : torch::autograd::Function<FusedLinearCrossEntro
     const auto saved = ctx->get_saved_variables();
     const auto g = grad_out[0].to(at::kFloat);
     const auto weight_dtype = static_cast<at::ScalarType>(ctx->saved_data["weight_dtype"].toInt());
+    // (The weight's float32 gradient scaled into its dtype by blocks of
+    // rows: whole, the float32 product would double it for the moment.)
     return {saved[0].defined() ? saved[0] * g.to(saved[0].scalar_type()) : at::Tensor(),
-            saved[1].defined() ? (saved[1] * g).to(weight_dtype) : at::Tensor(), at::Tensor(),
-            at::Tensor(), at::Tensor()};
+            saved[1].defined() ? ops::scaled_to(saved[1], g, weight_dtype) : at::Tensor(),
+            at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 

@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/custom_function.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 
@@ -42,6 +43,25 @@ at::Tensor swiglu(const at::Tensor& gate, const at::Tensor& up) {
 }
 
 }  // namespace plain
+
+at::Tensor scaled_to(const at::Tensor& x, const at::Tensor& scale, at::ScalarType dtype,
+                     int64_t block_bytes) {
+  TORCH_CHECK(x.dim() >= 1 && scale.dim() == 0,
+              "scaled_to: x needs one or more dimensions and scale none");
+  if (dtype == x.scalar_type() || x.size(0) == 0) return (x * scale).to(dtype);
+  auto out = at::empty(x.sizes(), x.options().dtype(dtype));
+  const int64_t rows = x.size(0);
+  const int64_t row_bytes = std::max<int64_t>(x.numel() / rows * x.element_size(), 1);
+  const int64_t block = std::max<int64_t>(block_bytes / row_bytes, 1);
+  for (int64_t r = 0; r < rows; r += block) {
+    const int64_t len = std::min(block, rows - r);
+    // (On CUDA the product is cast as it is stored; on CPU through a
+    // block-sized temporary.)
+    auto rows_out = out.narrow(0, r, len);
+    at::mul_out(rows_out, x.narrow(0, r, len), scale);
+  }
+  return out;
+}
 
 #ifdef ROUNDPIPE_WITH_CUDA
 namespace {

@@ -140,6 +140,23 @@ INSTANTIATE_TEST_SUITE_P(Dtypes, FusedOpsTest,
                          ::testing::Values(torch::kFloat, torch::kHalf, torch::kBFloat16),
                          [](const auto& info) { return std::string(c10::toString(info.param)); });
 
+// scaled_to gives (x * scale).to(dtype) bit for bit, whatever its blocks:
+// rows that fill blocks evenly, a last short block, one block, one a row.
+TEST(FusedOpsCpu, ScaledToIsTheWholeProductCastBitForBit) {
+  torch::manual_seed(0);
+  const auto x = torch::randn({37, 24}) * 1e3;
+  const auto scale = torch::full({}, 0.3f);
+  for (auto dtype : {torch::kHalf, torch::kBFloat16, torch::kFloat}) {
+    const auto expected = (x * scale).to(dtype);
+    for (int64_t block_rows : {int64_t{1}, int64_t{5}, int64_t{37}, int64_t{100}}) {
+      SCOPED_TRACE(std::string(c10::toString(dtype)) + ", " + std::to_string(block_rows));
+      const auto got = ops::scaled_to(x, scale, dtype, block_rows * 24 * 4);
+      EXPECT_EQ(got.scalar_type(), dtype);
+      EXPECT_TRUE(torch::equal(got, expected));
+    }
+  }
+}
+
 // On CPU tensors the dispatch is the plain composition, bit for bit.
 TEST(FusedOpsCpu, DispatchIsPlainOnCpu) {
   torch::manual_seed(0);
