@@ -189,13 +189,16 @@ TEST(Planner, TheTailRunsInTheFewestRowChunksThatKeepEveryLayer) {
 
 // Note [Tail grain]: what a layer keeps whatever its rows (the CUDA fused
 // loss's float32 weight gradient) is counted whole in each chunk of rows,
-// not by the chunk's share: the tail takes more chunks to keep every layer,
-// and its predicted peak holds all of it.
+// not by the chunk's share, and so are the input gradients of a
+// microbatch's chunks before the last, kept until it is done: the tail
+// takes more chunks to keep every layer, and its predicted peak holds it all.
 TEST(Planner, WhatALayerKeepsWhateverItsRowsIsCountedWholeInEachChunk) {
   auto layers = equal_layers(8, 10 * kMiB, 40 * kMiB);
   const int64_t whole = 60 * kMiB;  // the last layer's, beside its 40 MiB by rows
   layers.back().activation_bytes += whole;
   layers.back().activation_bytes_independent_of_rows = whole;
+  const int64_t input = 16 * kMiB;  // the tail's input: layer 1's output
+  layers[1].output_bytes = input;
   auto request = growing_tail_request();
   request.tail_rows = 8;
   request.first_row_split_layer = 0;
@@ -208,11 +211,17 @@ TEST(Planner, WhatALayerKeepsWhateverItsRowsIsCountedWholeInEachChunk) {
   ASSERT_GT(tail.row_chunks, 1) << chunked.describe();
   EXPECT_LE(tail.peak_bytes, request.memory_limit_bytes) << chunked.describe();
   // Parameters, gradients, the next stage's parameters; one chunk's share
-  // of every layer's activations by rows; and the last layer's whole.
+  // of every layer's activations by rows; the last layer's whole; and the
+  // earlier chunks' input gradients (all rows but the last chunk's).
   const auto acts = [&](int chunks) { return 40 * kMiB * n * ((8 + chunks - 1) / chunks) / 8; };
+  const auto earlier = [&](int chunks) {
+    return chunks > 1 ? input - input * (8 / chunks) / 8 : 0;
+  };
   const int64_t held = 10 * kMiB * (2 * n + 2);
-  EXPECT_EQ(tail.peak_bytes, held + acts(tail.row_chunks) + whole) << chunked.describe();
-  EXPECT_GT(held + acts(tail.row_chunks - 1) + whole, request.memory_limit_bytes)
+  EXPECT_EQ(tail.peak_bytes, held + acts(tail.row_chunks) + whole + earlier(tail.row_chunks))
+      << chunked.describe();
+  const int fewer = tail.row_chunks - 1;
+  EXPECT_GT(held + acts(fewer) + whole + earlier(fewer), request.memory_limit_bytes)
       << "fewer chunks would have kept every layer: " << chunked.describe();
 }
 
