@@ -146,8 +146,7 @@ std::vector<LayerCost> LayerTimings::costs(const std::vector<int64_t>& param_byt
     // What a backward stage keeps per layer and microbatch: what the
     // layer's forward with grad was measured to keep, at least its output.
     costs[l].activation_bytes = kept_bytes(l);
-    costs[l].activation_bytes_independent_of_rows =
-        std::min(kept_independent_of_rows_[l], costs[l].activation_bytes);
+    costs[l].activation_bytes_independent_of_rows = kept_independent_of_rows_[l];
     costs[l].working_bytes = working_bytes(l);
   }
   return costs;
