@@ -57,7 +57,7 @@ one() {  # impl log args...
   local rc=$?
   local retries; retries=$(grep -c "ran out of memory" "$log")
   local result; result=$(grep "^RESULT" "$log" | sed 's/^RESULT //')
-  [ -z "$result" ] && result="FAILED: $(grep -E "Error|error|terminate" "$log" | tail -2 | cut -c1-300 | tr '\n' ' ')"
+  [ -z "$result" ] && result="impl=$impl shape=$shape cap=$cap env=$(echo "${*:-none}" | tr ' ' ',') FAILED: $(grep -E "Error|error|terminate" "$log" | tail -2 | cut -c1-300 | tr '\n' ' ')"
   [ "$impl" = base ] && result="[base] $result"
   echo "$result oom_warnings=$retries unknown_size_warnings=$(grep -c 'unknown size' "$log") exit=$rc (${SECONDS}s)"
   grep -A40 "^  plan:" "$log" | head -40
@@ -136,4 +136,6 @@ if [ -n "${HOST_PROBE:-}" ]; then
     | tee -a "$out/user_runs.txt"
   lscpu | grep -E "Model name|Flags" | cut -c1-400 >> "$out/user_runs.txt"
 fi
+# Runs, warnings, failures and peaks by workload (bench/tally_runs.py), from every line above.
+[ -s "$out/user_runs.txt" ] && $py bench/tally_runs.py "$out/user_runs.txt"
 echo "total ${SECONDS}s"
