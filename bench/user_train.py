@@ -31,9 +31,12 @@ input_kwargs={input_ids, attention_mask (ones, as a tokenizer gives),
 labels, return_logits=False}, loss_fn=lambda o, _: o.loss / 4) and an
 asynchronous step. Prints one result line:
   RESULT impl=... shape=... cap=... tok_s=... peak_alloc=... peak_reserved=...
-         device_used=... alloc_retries=... ooms=... losses=...
+         device_used=... alloc_retries=... ooms=... update_s=... losses=...
 (device_used: the device-wide use at the peak, cudaMemGetInfo, which the
-CUDA context adds to on top of the cap). The engine's own out-of-memory
+CUDA context adds to on top of the cap; ours also prints, per timed call,
+the optimizer's update_s and publish_s, its grad_wait_s, the workers'
+weight_wait_s for published weights (above 0: the step bounds the calls),
+new calls' start_wait_s, and call_s, the call's wall time). The engine's own out-of-memory
 retries print warnings to stderr, which gpu_user.sh counts.
 """
 import math
@@ -218,12 +221,31 @@ for i in range(warmup):
     train_iter()
     device_used()
     print(f"  warm-up {i + 1}: {time.perf_counter() - t:.2f} s, loss {losses[-1]:.4f}", flush=True)
+def engine_stats():
+    return model.pipeline_stats() if impl == "ours" and hasattr(model, "pipeline_stats") else {}
+
+
+stats_before = engine_stats()
 start = time.perf_counter()
 for i in range(timed):
     train_iter()
     device_used()
 end = time.perf_counter()
 model.synchronize()
+# Where the timed calls' time went on the host, per call: the optimizer's
+# update and publish, and the workers' wait for published weights (> 0: the
+# step bounds the calls) and new calls' wait for earlier ones.
+stats_after = engine_stats()
+step_times = ""
+if stats_after:
+    def per_call(key):
+        return (stats_after.get(key, 0) - stats_before.get(key, 0)) / timed
+    step_times = (f" update_s={per_call('optimizer_update_seconds'):.3f}"
+                  f" publish_s={per_call('optimizer_publish_seconds'):.3f}"
+                  f" grad_wait_s={per_call('optimizer_grad_wait_seconds'):.3f}"
+                  f" weight_wait_s={per_call('weight_wait_seconds'):.3f}"
+                  f" start_wait_s={per_call('call_start_wait_seconds'):.3f}"
+                  f" call_s={(end - start) / timed:.3f}")
 rate = timed * batch * seq / (end - start)
 stats = torch.cuda.memory_stats() if cuda else {}
 gib = 2**30
@@ -249,13 +271,13 @@ if impl == "ours":  # the plan's predicted peak: its largest stage with the next
         plan_shape = (f" plan={sum(k == 'forward' for k, _, _ in ranges)}+{sum(k == 'backward' for k, _, _ in ranges)}"
                       f",tail={tail[0]}..{tail[1] - 1},kept={kept.group(1) if kept else '-'}"
                       f",chunks={chunks.group(1) if chunks else 1}")
-pipeline = model.pipeline_stats() if impl == "ours" and hasattr(model, "pipeline_stats") else {}
+pipeline = stats_after
 fused_step = " step=optimizer" if os.environ.get("STEP") == "optimizer" else ""
 print(f"RESULT impl={impl}{fused_step} shape={shape} lora={lora_rank}{' ' + qlora if qlora else ''} cap={cap_gib:g} tokens={batch}x{seq} "
       f"tok_s={rate:.0f}{plan_shape} peak_alloc={stats.get('allocated_bytes.all.peak', 0) / gib:.2f} "
       f"peak_reserved={stats.get('reserved_bytes.all.peak', 0) / gib:.2f} predicted={predicted:.2f} "
       f"device_used={peak_used / gib:.2f} alloc_retries={stats.get('num_alloc_retries', 0)} "
-      f"ooms={stats.get('num_ooms', 0)} expandable_segments={expandable}/{len(segments)} "
+      f"ooms={stats.get('num_ooms', 0)} expandable_segments={expandable}/{len(segments)}{step_times} "
       f"tails_in_row_chunks={pipeline.get('tail_microbatches_in_row_chunks', '-')} losses={','.join(f'{x:.4f}' for x in losses)}", flush=True)
 if os.environ.get("PLAN"):
     print("  plan: " + described.replace("\n", "\n  "))
