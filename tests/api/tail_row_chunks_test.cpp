@@ -76,11 +76,19 @@ struct RowChunksCase {
 // split their rows, a budget that holds only some of the tail's layers'
 // activations runs the tail in chunks of rows instead: no layer is
 // recomputed, the results are plain LibTorch's, the device stays within
-// its budget; without loss_sums_over_rows, the same budget recomputes.
+// its budget; without loss_sums_over_rows, or with ROUNDPIPE_TAIL_ROW_CHUNKS=0
+// (the diagnostic switch), the same budget recomputes.
 TEST(TailRowChunks, ChunksOfRowsReplaceRecomputeWhereTheLossAddsUp) {
   const RowChunksCase c;
-  for (bool sums : {true, false}) {
-    SCOPED_TRACE(sums ? "loss_sums_over_rows" : "a loss of unknown form");
+  for (int variant = 0; variant < 3; ++variant) {
+    const bool sums = variant != 1, switched_off = variant == 2;
+    SCOPED_TRACE(switched_off ? "ROUNDPIPE_TAIL_ROW_CHUNKS=0"
+                 : sums       ? "loss_sums_over_rows"
+                              : "a loss of unknown form");
+    if (switched_off) ::setenv("ROUNDPIPE_TAIL_ROW_CHUNKS", "0", 1);
+    struct Unset {
+      ~Unset() { ::unsetenv("ROUNDPIPE_TAIL_ROW_CHUNKS"); }
+    } unset;
     auto model = RowChunksCase::model(), oracle = RowChunksCase::model();
     RoundPipe pipe(model, RoundPipeOptions().set_verbose(true).set_devices("sim:1,mem=448KiB"));
     const auto config =
@@ -98,7 +106,7 @@ TEST(TailRowChunks, ChunksOfRowsReplaceRecomputeWhereTheLossAddsUp) {
     expect_same_state(model, oracle, /*grads=*/true);
     EXPECT_LE(pipe.devices().at(0)->memory_stats().peak_bytes, 448 * 1024);
     const auto chunked = pipe.pipeline_stats().tail_microbatches_in_row_chunks;
-    if (sums) {
+    if (sums && !switched_off) {
       EXPECT_GT(chunked, 0) << "the tail never ran in chunks of rows";
       EXPECT_EQ(last_recomputes, 0) << "the last call still recomputed layers";
     } else {

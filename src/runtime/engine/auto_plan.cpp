@@ -105,7 +105,11 @@ PlanEstimate AutoPlan::estimate(bool fused, int num_microbatches, int min_stages
   if (request.rerun_from_stage_input && (options_.host_checkpoint_limit_gib || thin_for_host_))
     request.host_checkpoint_limit_bytes = host_checkpoint_room();
   request.grow_tail_with_grad = grow_tail;
-  request.tail_rows = tail_rows;
+  // ROUNDPIPE_TAIL_ROW_CHUNKS=0 keeps the tail's microbatches whole: a
+  // diagnostic, to time the best plan without chunks of rows beside the one
+  // with them (read at each plan, so a test can set it).
+  const char* row_chunks = std::getenv("ROUNDPIPE_TAIL_ROW_CHUNKS");
+  request.tail_rows = row_chunks != nullptr && std::strcmp(row_chunks, "0") == 0 ? 0 : tail_rows;
   request.first_row_split_layer = first_row_split_layer_;
   // Measured times once every layer has them (with the measured upload
   // rate, in the same unit), else bytes stand in. Until what layers keep
