@@ -62,6 +62,11 @@ struct PlanRequest {
   // fused tail beginning at or after first_row_split_layer may run in
   // chunks of rows (Note [Tail row chunks], layer.h); <= 1: no chunks.
   int tail_rows = 0;
+  // ... and of the largest (0: tail_rows). A layer's measured activations
+  // are the largest microbatch's, and its chunks take the largest share of
+  // them: 10 rows in 4 microbatches are 3, 3, 2 and 2, and in 2 chunks a
+  // 3-row microbatch's first chunk keeps 2/3 of its activations, not 1/2.
+  int tail_rows_largest = 0;
   int first_row_split_layer = std::numeric_limits<int>::max();
   // The layers' activation_bytes are not measured (yet): the plan keeps
   // this share of the limit for them.

@@ -155,6 +155,13 @@ at::Tensor chunked_linear_cross_entropy(const at::Tensor& hidden, const at::Tens
   TORCH_CHECK(!divisor || *divisor > 0,
               "the loss divisor (num_items_in_batch) must be positive, got ", *divisor);
   const double d = divisor.value_or(0);  // 0: this call's own token count
+  // Without grad mode no gradient will be asked for, but the fused forward
+  // makes the gradients as it goes for inputs that require grad (a
+  // parameter always does): an evaluation call would build the weight's
+  // float32 gradient, vocab x hidden x 4 bytes no plan counts, and drop it.
+  if (!c10::GradMode::is_enabled() && (hidden.requires_grad() || weight.requires_grad()))
+    return chunked_linear_cross_entropy(hidden.detach(), weight.detach(), labels, chunk_tokens,
+                                        divisor);
 #ifdef ROUNDPIPE_WITH_CUDA
   if (fused_loss_takes(hidden, weight, labels))
     return FusedLinearCrossEntropy::apply(hidden.contiguous(), weight.contiguous(),

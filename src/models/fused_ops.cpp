@@ -48,7 +48,10 @@ at::Tensor scaled_to(const at::Tensor& x, const at::Tensor& scale, at::ScalarTyp
                      int64_t block_bytes) {
   TORCH_CHECK(x.dim() >= 1 && scale.dim() == 0,
               "scaled_to: x needs one or more dimensions and scale none");
-  if (dtype == x.scalar_type() || x.size(0) == 0) return (x * scale).to(dtype);
+  // (out= has no autograd: a product that must carry a graph, as in a
+  // backward with create_graph, is the plain expression.)
+  const bool graph = c10::GradMode::is_enabled() && (x.requires_grad() || scale.requires_grad());
+  if (dtype == x.scalar_type() || x.size(0) == 0 || graph) return (x * scale).to(dtype);
   auto out = at::empty(x.sizes(), x.options().dtype(dtype));
   const int64_t rows = x.size(0);
   const int64_t row_bytes = std::max<int64_t>(x.numel() / rows * x.element_size(), 1);

@@ -10,6 +10,10 @@
 #include <functional>
 #include <string>
 
+#ifdef ROUNDPIPE_WITH_CUDA
+#include <c10/cuda/CUDACachingAllocator.h>
+#endif
+
 namespace ops = roundpipe::models::ops;
 
 namespace {
@@ -136,6 +140,53 @@ TEST_P(FusedOpsTest, LinearCrossEntropyMatchesFloatFormula) {
   EXPECT_NEAR(plain_loss.item<double>(), loss.item<double>(), 1e-6 * loss.item<double>() + 1e-6);
 }
 
+// Without grad mode the fused loss makes no gradient, though its weight
+// (a parameter) requires grad: an evaluation call holds a chunk's logits and
+// a few scalars beyond its inputs, not the weight's float32 gradient (V x D
+// x 4 bytes, 16 MiB here); and its loss is the one with grad.
+TEST_P(FusedOpsTest, LinearCrossEntropyWithoutGradModeMakesNoGradient) {
+#ifdef ROUNDPIPE_WITH_CUDA
+  const int64_t N = 256, D = 1024, V = 4096, chunk = 128;
+  const auto hidden = torch::randn({N, D}, opts());
+  const auto weight = (torch::randn({V, D}, opts()) * 0.05).requires_grad_();
+  const auto labels =
+      torch::randint(0, V, {N}, at::TensorOptions().dtype(torch::kLong).device(at::kCUDA));
+  const double with_grad =
+      roundpipe::models::chunked_linear_cross_entropy(hidden, weight, labels, chunk).item<double>();
+  torch::NoGradGuard no_grad;
+  roundpipe::models::chunked_linear_cross_entropy(hidden, weight, labels, chunk);  // (workspaces)
+  torch::cuda::synchronize();
+  namespace alloc = c10::cuda::CUDACachingAllocator;
+  const auto before = alloc::getDeviceStats(0).allocated_bytes[0].current;
+  alloc::resetPeakStats(0);
+  const auto loss = roundpipe::models::chunked_linear_cross_entropy(hidden, weight, labels, chunk);
+  EXPECT_FALSE(loss.requires_grad());
+  torch::cuda::synchronize();
+  const auto held = alloc::getDeviceStats(0).allocated_bytes[0].peak - before;
+  const int64_t logits = chunk * V * 4;  // a chunk's logits, float32 at most
+  EXPECT_LT(held, 2 * logits) << "the weight's float32 gradient is " << V * D * 4 << " bytes";
+  // (The kernel adds the rows' losses in whatever order its blocks finish:
+  // 256 float32 additions, each off by at most one rounding.)
+  EXPECT_NEAR(loss.item<double>(), with_grad, N * 6e-8 * with_grad);
+#else
+  GTEST_SKIP() << "built without CUDA";
+#endif
+}
+
+// scaled_to on the GPU, where the product is cast as it is stored: bit for
+// bit the whole product cast, in blocks of one row, of a few with a short
+// last one, of all rows, and more; x not contiguous, the scale half.
+TEST_P(FusedOpsTest, ScaledToIsTheWholeProductCastBitForBit) {
+  const auto x = (torch::randn({24, 37}, opts().dtype(torch::kFloat)) * 1e3).t();
+  const auto scale = torch::full({}, 0.3, opts().dtype(torch::kHalf));
+  const auto expected = (x * scale).to(GetParam());
+  for (int64_t block_rows : {int64_t{1}, int64_t{5}, int64_t{37}, int64_t{100}}) {
+    const auto got = ops::scaled_to(x, scale, GetParam(), block_rows * 24 * 4);
+    EXPECT_EQ(got.scalar_type(), GetParam());
+    EXPECT_TRUE(torch::equal(got, expected)) << block_rows << " rows a block";
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Dtypes, FusedOpsTest,
                          ::testing::Values(torch::kFloat, torch::kHalf, torch::kBFloat16),
                          [](const auto& info) { return std::string(c10::toString(info.param)); });
@@ -155,6 +206,23 @@ TEST(FusedOpsCpu, ScaledToIsTheWholeProductCastBitForBit) {
       EXPECT_TRUE(torch::equal(got, expected));
     }
   }
+}
+
+// Where the product must carry a graph (a backward with create_graph),
+// scaled_to is the plain expression (out= has no autograd): the same values
+// and the scale's gradient through them.
+TEST(FusedOpsCpu, ScaledToCarriesAGraphWhereOneIsWanted) {
+  torch::manual_seed(0);
+  const auto x = torch::randn({37, 24});
+  const auto scale = torch::full({}, 0.3f).requires_grad_();
+  const auto got = ops::scaled_to(x, scale, torch::kHalf, 24 * 4);
+  ASSERT_TRUE(got.requires_grad());
+  EXPECT_TRUE(torch::equal(got.detach(), (x * scale.detach()).to(torch::kHalf)));
+  got.to(torch::kFloat).sum().backward();
+  // d/dscale sum(x * scale) = sum(x), the cast's gradient passing through
+  // (one float32 rounding per element of the sum).
+  EXPECT_NEAR(scale.grad().item<double>(), x.sum().item<double>(),
+              1e-6 * x.abs().sum().item<double>());
 }
 
 // On CPU tensors the dispatch is the plain composition, bit for bit.

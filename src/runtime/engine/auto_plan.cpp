@@ -51,7 +51,7 @@ AutoPlan::AutoPlan(const std::string& name, const RoundPipeOptions& options, con
 
 PlanEstimate AutoPlan::estimate(bool fused, int num_microbatches, int min_stages,
                                 std::optional<double> memory_limit_gib, RecomputeGrain grain,
-                                bool grow_tail, int tail_rows) const {
+                                bool grow_tail, TailRows tail_rows) const {
   const bool callers_question = min_stages != 0 || memory_limit_gib.has_value();
   PlanRequest request;
   // The default plan's question (no constraints of the caller's own): the
@@ -109,7 +109,10 @@ PlanEstimate AutoPlan::estimate(bool fused, int num_microbatches, int min_stages
   // diagnostic, to time the best plan without chunks of rows beside the one
   // with them (read at each plan, so a test can set it).
   const char* row_chunks = std::getenv("ROUNDPIPE_TAIL_ROW_CHUNKS");
-  request.tail_rows = row_chunks != nullptr && std::strcmp(row_chunks, "0") == 0 ? 0 : tail_rows;
+  if (row_chunks == nullptr || std::strcmp(row_chunks, "0") != 0) {
+    request.tail_rows = tail_rows.smallest;
+    request.tail_rows_largest = tail_rows.largest;
+  }
   request.first_row_split_layer = first_row_split_layer_;
   // Measured times once every layer has them (with the measured upload
   // rate, in the same unit), else bytes stand in. Until what layers keep
@@ -188,7 +191,7 @@ PlanEstimate AutoPlan::estimate(bool fused, int num_microbatches, int min_stages
 // first calls of every capped run.
 AutoPlan::Choice AutoPlan::choose(bool fused, int n, int min_stages,
                                   std::optional<double> memory_limit_gib,
-                                  std::optional<RecomputeGrain> grain, int tail_rows) const {
+                                  std::optional<RecomputeGrain> grain, TailRows tail_rows) const {
   const bool activations_measured = this->activations_measured();
   bool layer_grain_only = false;
   {
@@ -285,7 +288,7 @@ int64_t AutoPlan::host_checkpoint_room() const {
 }
 
 AutoPlan::CallPlan AutoPlan::for_call(bool fused, int n, std::optional<RecomputeGrain> grain,
-                                      int tail_rows) {
+                                      TailRows tail_rows) {
   // Read before planning: timings that complete in between make this log
   // say "bytes" once more, and the next call logs the measured plan.
   const bool measured = timings_.complete();

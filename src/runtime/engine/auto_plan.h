@@ -26,6 +26,16 @@
 
 namespace roundpipe::detail {
 
+// The rows of a call's smallest and largest microbatch, for a fused tail
+// that may run them in chunks of rows (PlanRequest::tail_rows,
+// tail_rows_largest); 0: none.
+struct TailRows {
+  int smallest = 0, largest = 0;
+  TailRows() = default;
+  TailRows(int rows) : smallest(rows), largest(rows) {}  // every microbatch's
+  TailRows(int smallest_rows, int largest_rows) : smallest(smallest_rows), largest(largest_rows) {}
+};
+
 class AutoPlan {
  public:
   // Probes the host-to-device rate and reads the devices' free memory now,
@@ -39,11 +49,11 @@ class AutoPlan {
   // device had left when the engine was made), for calls of
   // `num_microbatches` in `grain` (`grow_tail`: the plan chose layer grain,
   // and may run more of the fused tail with grad, Note [Tail grain]).
-  // `tail_rows`: the rows of the smallest microbatch where the call's loss
-  // adds up over rows (PlanRequest::tail_rows), else 0.
+  // `tail_rows`: where the call's loss adds up over rows, its microbatches'
+  // (TailRows), else none.
   PlanEstimate estimate(bool fused, int num_microbatches, int min_stages,
                         std::optional<double> memory_limit_gib, RecomputeGrain grain,
-                        bool grow_tail = false, int tail_rows = 0) const;
+                        bool grow_tail = false, TailRows tail_rows = {}) const;
   // The plan of a call that brings none, and the grain it runs in: `grain`
   // if the caller chose one, else the plan's choice (Note [Automatic
   // grain]). The plan in use for (fused, microbatches, grain) stays unless
@@ -56,7 +66,7 @@ class AutoPlan {
     bool rerun_inputs_on_device = false;  // PlanEstimate::rerun_inputs_on_device
   };
   CallPlan for_call(bool fused, int num_microbatches, std::optional<RecomputeGrain> grain,
-                    int tail_rows = 0);
+                    TailRows tail_rows = {});
   // The estimate for_call's choice rests on (without the plan cache's
   // bias to the plan in use unless unconstrained), and the grain chosen.
   struct Choice {
@@ -65,7 +75,7 @@ class AutoPlan {
   };
   Choice choose(bool fused, int num_microbatches, int min_stages,
                 std::optional<double> memory_limit_gib, std::optional<RecomputeGrain> grain,
-                int tail_rows = 0) const;
+                TailRows tail_rows = {}) const;
   // A call on `failed` in `grain` (chosen by this plan or not) ran out of
   // memory: later plans are smaller (Note [Out-of-memory redo]).
   void shrink_after_out_of_memory(const ExecutePlan& failed, RecomputeGrain grain,

@@ -208,7 +208,7 @@ std::shared_ptr<CallState> Engine::start_call(const c10::IValue& input, const Ru
     // A caller's loss function, once a whole microbatch showed it a
     // candidate, is checked chunk by chunk (Note [A caller's loss over row
     // chunks]); not with data parallel, whose ranks would redo apart.
-    int tail_rows = 0;
+    int tail_rows = 0, largest_rows = 0;
     call->check_chunk_loss = !*call->config.loss_sums_over_rows;
     const bool rows_add_up = *call->config.loss_sums_over_rows ||
                              (callers_loss_ == kCallersLossChunks && data_parallel() == nullptr);
@@ -219,10 +219,13 @@ std::shared_ptr<CallState> Engine::start_call(const c10::IValue& input, const Ru
         const bool any = std::any_of(tensors.begin(), tensors.end(), [](const at::Tensor& t) {
           return t.defined() && t.dim() > 0;
         });
-        tail_rows = any ? std::min<int>(tail_rows, static_cast<int>(batch_size_of(m))) : 0;
+        const int rows = any ? static_cast<int>(batch_size_of(m)) : 0;
+        tail_rows = std::min(tail_rows, rows);
+        largest_rows = std::max(largest_rows, rows);
       }
+      if (tail_rows == 0) largest_rows = 0;
     }
-    auto chosen = auto_plan_.for_call(call->fused, call->n, asked_grain, tail_rows);
+    auto chosen = auto_plan_.for_call(call->fused, call->n, asked_grain, {tail_rows, largest_rows});
     call->plan = std::move(chosen.plan);
     call->grain = chosen.grain;
     call->grain_chosen = !asked_grain;

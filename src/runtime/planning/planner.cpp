@@ -282,7 +282,10 @@ PlanEstimate with_tail_grown(const std::vector<LayerCost>& layers, PlanEstimate 
   const auto load = stage_load(layers, tail.range);
   // All the tail holds but the one layer's activations of layer grain.
   const int64_t rest = tail.peak_bytes - load.max_act;
+  // Chunks: at most the smallest microbatch's rows, so that every
+  // microbatch runs in as many; their bytes: the largest microbatch's.
   const int rows = std::max(request.tail_rows, 1);
+  const int largest = std::max(request.tail_rows_largest, rows);
   const int max_chunks = tail.range.begin >= request.first_row_split_layer ? rows : 1;
   // The tail's input (its gradient goes back to the stage before it).
   const int64_t input_bytes = tail.range.begin > 0 ? layers[tail.range.begin - 1].output_bytes : 0;
@@ -291,9 +294,11 @@ PlanEstimate with_tail_grown(const std::vector<LayerCost>& layers, PlanEstimate 
   for (int chunks = 1; chunks <= max_chunks; ++chunks) {
     // A chunk's share of a microbatch's activations: its rows (the first
     // chunks take the extra rows).
-    const double share = static_cast<double>((rows + chunks - 1) / chunks) / rows;
+    const double share = static_cast<double>((largest + chunks - 1) / chunks) / largest;
     auto part = [&](const LayerCost& layer) {
-      const int64_t fixed = layer.activation_bytes_independent_of_rows;
+      // (At most all it keeps: LayerCost is the caller's to fill.)
+      const int64_t fixed = std::clamp<int64_t>(layer.activation_bytes_independent_of_rows, 0,
+                                                layer.activation_bytes);
       return static_cast<int64_t>(std::ceil((layer.activation_bytes - fixed) * share)) + fixed;
     };
     int64_t one_layer = 0;
@@ -301,9 +306,10 @@ PlanEstimate with_tail_grown(const std::vector<LayerCost>& layers, PlanEstimate 
       one_layer = std::max(one_layer, part(layers[l]));
     // The input gradients of the chunks before the last stay on the device
     // until it is done (StageRun::run_tail_in_chunks merges them): all
-    // rows' but the last chunk's, the smallest.
+    // rows' but the last chunk's, the smallest (the most of them in the
+    // largest microbatch).
     const int64_t earlier_grads =
-        chunks > 1 ? input_bytes - input_bytes * (rows / chunks) / rows : 0;
+        chunks > 1 ? input_bytes - input_bytes * (largest / chunks) / largest : 0;
     int64_t kept = 0;
     int k = 0;
     for (int l = tail.range.end - 1; l >= tail.range.begin; --l) {

@@ -225,6 +225,40 @@ TEST(Planner, WhatALayerKeepsWhateverItsRowsIsCountedWholeInEachChunk) {
       << "fewer chunks would have kept every layer: " << chunked.describe();
 }
 
+// Note [Tail row chunks]: microbatches of unequal rows (10 rows in 4: 3, 3,
+// 2, 2) run in as many chunks as the smallest has rows, and each chunk of
+// the largest keeps the largest share of a layer's activations, which are
+// the largest microbatch's: in 2 chunks, 2 of its 3 rows, not half. Counted
+// by the smallest's share, the tail would keep every layer and its peak
+// would pass the limit.
+TEST(Planner, ChunksOfTheLargestMicrobatchAreCountedByItsRows) {
+  const auto layers = equal_layers(8, 10 * kMiB, 45 * kMiB);
+  auto request = growing_tail_request();
+  request.first_row_split_layer = 0;
+  request.tail_rows = 2;
+  const ExecutePlan long_tail({{0, 2}}, {{2, 8}, {0, 2}});
+  const int n = 6;                               // the tail's layers
+  const int64_t held = 10 * kMiB * (2 * n + 2);  // parameters, gradients, the next stage's
+  // Equal microbatches of 2 rows: 2 chunks of 1 row keep every layer.
+  const auto even = priced_in_use(layers, request, long_tail);
+  const auto& even_tail = even.stages.at(even.plan.forward.size());
+  ASSERT_EQ(even_tail.row_chunks, 2) << even.describe();
+  EXPECT_EQ(even_tail.layers_with_grad, n) << even.describe();
+  EXPECT_EQ(even_tail.peak_bytes, held + n * 45 * kMiB / 2) << even.describe();
+  // The largest has 3: a chunk keeps 2/3 of each layer's 45 MiB, 30 MiB,
+  // and the limit holds only some layers so.
+  request.tail_rows_largest = 3;
+  const auto uneven = priced_in_use(layers, request, long_tail);
+  const auto& tail = uneven.stages.at(uneven.plan.forward.size());
+  ASSERT_EQ(uneven.plan.to_string(), long_tail.to_string()) << uneven.describe();
+  EXPECT_EQ(tail.row_chunks, 2) << "no more chunks than the smallest microbatch has rows";
+  const int k = tail.layers_with_grad;
+  EXPECT_LT(k, n) << uneven.describe();
+  EXPECT_EQ(tail.peak_bytes, held + k * 30 * kMiB) << uneven.describe();
+  EXPECT_LE(tail.peak_bytes, request.memory_limit_bytes) << uneven.describe();
+  EXPECT_GT(held + (k + 1) * 30 * kMiB, request.memory_limit_bytes) << uneven.describe();
+}
+
 // Note [Tail grain]: every candidate is priced with the forwards its tail
 // recomputes, not only the plan chosen. Priced as if the tail kept every
 // layer, a long tail that keeps few looked a forward per layer cheaper than
