@@ -36,7 +36,8 @@ asynchronous step. Prints one result line:
 CUDA context adds to on top of the cap; ours also prints, per timed call,
 the optimizer's update_s and publish_s, its grad_wait_s, the workers'
 weight_wait_s for published weights (above 0: the step bounds the calls),
-new calls' start_wait_s, and call_s, the call's wall time). The engine's own out-of-memory
+new calls' start_wait_s, and call_s, the call's wall time, beside
+predicted_call_s, the plan's prediction of it). The engine's own out-of-memory
 retries print warnings to stderr, which gpu_user.sh counts.
 """
 import math
@@ -267,6 +268,10 @@ if impl == "ours":  # the plan's predicted peak: its largest stage with the next
     tail = next(((int(a), int(b)) for kind, a, b in ranges if kind == "backward"), None)
     kept = re.search(r"its last (\d+) layer", described)
     chunks = re.search(r"in (\d+) chunks of rows", described)
+    # The plan's predicted time of a call, beside the measured call_s.
+    predicted_call = re.search(r"predicted ([0-9.eE+-]+) per call", described)
+    if predicted_call and step_times:
+        step_times += f" predicted_call_s={float(predicted_call.group(1)):.3f}"
     if tail:
         plan_shape = (f" plan={sum(k == 'forward' for k, _, _ in ranges)}+{sum(k == 'backward' for k, _, _ in ranges)}"
                       f",tail={tail[0]}..{tail[1] - 1},kept={kept.group(1) if kept else '-'}"
