@@ -39,7 +39,9 @@ class LayerTimings {
   // Working bytes: the most a layer's forward with grad held beyond what it
   // keeps, or its backward beyond what it started with (temporaries, the
   // loss's logit chunks, gradients on their way to the parameters),
-  // measured and scaled as kept bytes are. The planner adds a stage's
+  // measured and scaled as kept bytes are, but for up to one gradient of
+  // the layer's parameters, which does not follow the rows (Note [Working
+  // memory that does not follow the rows]). The planner adds a stage's
   // largest to what the stage holds.
   // `after_a_first_backward`: the layer ran a backward before, unmetered
   // (its parameters' gradients were allocated there, with the one-off
@@ -59,8 +61,9 @@ class LayerTimings {
   std::string describe() const;
 
  private:
-  int64_t kept_bytes(size_t layer) const;     // (mu_ held)
-  int64_t working_bytes(size_t layer) const;  // (mu_ held)
+  int64_t kept_bytes(size_t layer) const;                         // (mu_ held)
+  int64_t working_bytes(size_t layer, int64_t grad_bytes) const;  // (mu_ held)
+  void add_working(int layer, int64_t bytes, int64_t output);     // (mu_ held)
   struct Smoothed {
     int samples = 0;  // including the dropped first one
     double average = 0;
@@ -74,6 +77,7 @@ class LayerTimings {
   std::vector<int> kept_samples_;
   std::vector<int64_t> kept_independent_of_rows_;
   std::vector<double> working_per_output_byte_;
+  std::vector<int64_t> working_measured_at_;  // the output bytes of its sample
   std::vector<int> backward_samples_;
   std::vector<int> kept_recorded_, backward_recorded_;  // samples that counted
 };

@@ -102,6 +102,28 @@ TEST(LayerTimings, KeptBytesIndependentOfRowsDoNotScaleWithTheOutput) {
   EXPECT_EQ(cost.activation_bytes_independent_of_rows, 4000);
 }
 
+// Note [Working memory that does not follow the rows]: of a backward's
+// working memory up to one gradient of the layer's parameters stays whole
+// when the output grows; the rest scales with it; at the measured size the
+// estimate is the measurement.
+TEST(LayerTimings, WorkingBytesScaleButForOneGradientOfTheParameters) {
+  LayerTimings timings(2);
+  for (int l = 0; l < 2; ++l) {
+    timings.add_output_bytes(l, 100);
+    timings.add_kept_bytes(l, 100, 100, 100);  // (dropped)
+    timings.add_kept_bytes(l, 100, 100, 100);
+    timings.add_backward_bytes(l, 1000, /*after_a_first_backward=*/true);
+  }
+  // Layer 0's gradients are 800 bytes, layer 1's 5000 (more than measured).
+  EXPECT_EQ(timings.costs({0, 0}, {800, 5000})[0].working_bytes, 1000);
+  EXPECT_EQ(timings.costs({0, 0}, {800, 5000})[1].working_bytes, 1000);
+  timings.add_output_bytes(0, 400);
+  timings.add_output_bytes(1, 400);
+  const auto costs = timings.costs({0, 0}, {800, 5000});
+  EXPECT_EQ(costs[0].working_bytes, 800 + 200 * 4);  // was 1000 * 4
+  EXPECT_EQ(costs[1].working_bytes, 1000);           // all of it a gradient's worth
+}
+
 // Working bytes: the most a forward held beyond what it kept, or a backward
 // held; the largest ratio to the output, as kept bytes.
 TEST(LayerTimings, WorkingBytesAreTheLargestPeakBeyondWhatIsKept) {
