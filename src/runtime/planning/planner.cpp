@@ -258,8 +258,9 @@ double iteration_of(const PlanEstimate& e, const PlanRequest& request) {
 // 12 GiB ran out of memory once. And the input gradients of a
 // microbatch's earlier chunks stay on the device until its last chunk is
 // done: 48-72 MiB for the presets' 4 x 4,096-token microbatches in four
-// chunks, about the 0.08 GiB d6e4d3b's runs still missed (one H100,
-// 2026-12-06; counted since, not yet measured). On a 24 GiB card a 1.7B
+// chunks, about the 0.08 GiB d6e4d3b's runs still missed; counted, the
+// prediction came within 0.03 GiB of the allocated peak (one H100, 6f45804,
+// bench/README.md). On a 24 GiB card a 1.7B
 // model's 29-layer tail over 16K-token microbatches keeps about a dozen
 // layers' activations in one chunk, all of them in two or four. The extra
 // forward of the layers recomputed is added to the tail's predicted time,
