@@ -24,8 +24,8 @@ LayerTimings::LayerTimings(int num_layers, bool verbose)
       kept_per_output_byte_(num_layers),
       kept_samples_(num_layers),
       kept_independent_of_rows_(num_layers),
-      working_per_output_byte_(num_layers),
-      working_measured_at_(num_layers),
+      working_sample_bytes_(num_layers),
+      working_sample_output_(num_layers),
       backward_samples_(num_layers),
       kept_recorded_(num_layers),
       backward_recorded_(num_layers) {}
@@ -67,10 +67,13 @@ void LayerTimings::add_kept_bytes(int layer, int64_t kept, int64_t peak, int64_t
 }
 
 void LayerTimings::add_working(int layer, int64_t bytes, int64_t output) {
-  const double ratio = static_cast<double>(bytes) / static_cast<double>(output);
-  if (ratio <= working_per_output_byte_.at(layer)) return;
-  working_per_output_byte_[layer] = ratio;
-  working_measured_at_[layer] = output;
+  const auto ratio = [](int64_t b, int64_t o) {
+    return o > 0 ? static_cast<double>(b) / static_cast<double>(o) : 0.0;
+  };
+  if (ratio(bytes, output) <= ratio(working_sample_bytes_.at(layer), working_sample_output_[layer]))
+    return;
+  working_sample_bytes_[layer] = bytes;
+  working_sample_output_[layer] = output;
 }
 
 bool LayerTimings::wants_backward_bytes(int layer) const {
@@ -123,9 +126,9 @@ int64_t LayerTimings::kept_bytes(size_t layer) const {
 // memory stays whole and only the rest scales. At the measured size the
 // estimate is the measurement, so calls of one size plan as before.
 int64_t LayerTimings::working_bytes(size_t layer, int64_t grad_bytes) const {
-  const int64_t at = working_measured_at_[layer];
+  const int64_t at = working_sample_output_[layer];
   if (at <= 0) return 0;
-  const double measured = working_per_output_byte_[layer] * static_cast<double>(at);
+  const double measured = static_cast<double>(working_sample_bytes_[layer]);
   const double fixed = std::min(measured, static_cast<double>(std::max<int64_t>(grad_bytes, 0)));
   return static_cast<int64_t>(fixed + (measured - fixed) *
                                           static_cast<double>(output_bytes_[layer]) /

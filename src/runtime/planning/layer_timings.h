@@ -76,8 +76,9 @@ class LayerTimings {
   std::vector<double> kept_per_output_byte_;
   std::vector<int> kept_samples_;
   std::vector<int64_t> kept_independent_of_rows_;
-  std::vector<double> working_per_output_byte_;
-  std::vector<int64_t> working_measured_at_;  // the output bytes of its sample
+  // The working-memory sample with the most bytes per output byte: its
+  // bytes and its output's.
+  std::vector<int64_t> working_sample_bytes_, working_sample_output_;
   std::vector<int> backward_samples_;
   std::vector<int> kept_recorded_, backward_recorded_;  // samples that counted
 };
