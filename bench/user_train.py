@@ -47,6 +47,8 @@ import os
 import sys
 import time
 
+process_start = time.perf_counter()
+
 import torch
 
 shape, cap_gib = sys.argv[1], float(sys.argv[2])
@@ -180,6 +182,7 @@ class ResidentOracle:
         torch.cuda.synchronize() if cuda else None
 
 
+wrapped = time.perf_counter()
 if impl == "oracle":
     model = ResidentOracle(hf_model)
 else:
@@ -187,6 +190,9 @@ else:
         hf_model, optim_dtype=torch.float32, use_sequential_preset=True,
         model_run_config=RoundPipeRunConfig(num_microbatch=num_microbatch))
     optim = Adam(model.optim_parameters(), lr=1e-5)
+# (Setup is not timed in tokens/s, but it is most of a short run's wall time.)
+print(f"  wrapped in {time.perf_counter() - wrapped:.1f} s ({time.perf_counter() - process_start:.1f} s"
+      " since the process started)", flush=True)
 
 input_ids = torch.randint(0, config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(1))
 mask = torch.ones_like(input_ids)
