@@ -16,7 +16,8 @@
 # memory probe (bench/host_memory_probe.py) beside them; BASE=REGEX runs the matching runs, each
 # repeat, on an earlier version of our package too (the source tree in .gpu-base: make it with
 # `git archive <commit> | tar -x -C .gpu-base` and carry it), alternating with the current one, for a
-# before/after in one call. Logs go to $OUT (or ./bench-out).
+# before/after in one call. Logs go to $OUT (or ./bench-out): the result lines and the tally in
+# user_runs.txt, every run's log in runs.log, the installs' in pip_install.log and install.log.
 set -uo pipefail
 out="${OUT:-$PWD/bench-out}"; mkdir -p "$out"
 py=python3
@@ -26,13 +27,14 @@ if [ -n "${BASE:-}" ] && { [ ! -d /tmp/base/roundpipe ] || [ -n "${REINSTALL:-}"
   ln -sfn ../.deps .gpu-base/.deps
   $py -m pip install -q --no-index --find-links .deps/wheels "scikit-build-core>=0.10" 2>&1 | tail -2
   ( CMAKE_BUILD_PARALLEL_LEVEL=8 $py -m pip install -q --no-build-isolation --no-deps --target /tmp/base ./.gpu-base \
-      > "$out/base_install.log" 2>&1 || echo "base: install failed" ) & base_pid=$!
+      > "$out/base_install.tmp" 2>&1 || echo "base: install failed" ) & base_pid=$!
 fi
 source bench/gpu_install.sh
-[ -n "$base_pid" ] && { wait "$base_pid"; echo "base installed after ${SECONDS}s"; }
+[ -n "$base_pid" ] && { wait "$base_pid"; echo "base installed after ${SECONDS}s";
+  cat "$out/base_install.tmp" >> "$out/install.log"; rm -f "$out/base_install.tmp"; }
 if [ -n "${ORIGINAL:-}" ]; then
   $py -m pip install -q --no-index --no-deps --target /tmp/original .deps/original/*.whl \
-    > "$out/original_install.log" 2>&1 || echo "original: install failed"
+    >> "$out/install.log" 2>&1 || echo "original: install failed"
 fi
 if [ -n "${HOST_PROBE:-}" ]; then  # "PART STEPS;...": bench/host_memory_probe.py under each cache setting,
   # in the background (CPU only, beside the GPU runs); the table is printed at the end
@@ -62,6 +64,13 @@ one() {  # impl log args...
   echo "$result oom_warnings=$retries unknown_size_warnings=$(grep -c 'unknown size' "$log") exit=$rc (${SECONDS}s)"
   grep -A40 "^  plan:" "$log" | head -40
 }
+# Each run's log goes into one runs.log (headed by its number) and is removed:
+# the device brings back only 8 files, and a call of many runs lost its
+# table when one file per run crowded it out (KEEP_RUN_LOGS=1 keeps them).
+keep_log() {
+  { echo "===== $(basename "$1" .log)"; cat "$1"; } >> "$out/runs.log"
+  [ -n "${KEEP_RUN_LOGS:-}" ] || rm -f "$1"
+}
 n=0
 if [ -n "${CONCURRENT:-}" ]; then  # each repeat's runs at once, on one GPU: memory and out-of-memory
   # counts hold (each process has its own cap), throughputs do not. The host holds every
@@ -73,7 +82,10 @@ if [ -n "${CONCURRENT:-}" ]; then  # each repeat's runs at once, on one GPU: mem
       one ours "$out/c${r}_$i.log" "${words[@]}" > "$out/c${r}_$i.res" & pids+=($!)
     done
     wait "${pids[@]}"
-    for j in $(seq 1 $i); do echo "repeat $r: $(head -1 "$out/c${r}_$j.res")"; done
+    for j in $(seq 1 $i); do
+      echo "repeat $r: $(head -1 "$out/c${r}_$j.res")"
+      keep_log "$out/c${r}_$j.log"; rm -f "$out/c${r}_$j.res"
+    done
   done | tee "$out/user_runs.txt"
   list=()
 fi
@@ -82,12 +94,16 @@ for run in "${list[@]}"; do
   for r in $(seq 1 "${REPEAT:-1}"); do
     both=""; [ -n "${BASE:-}" ] && [[ "$run" =~ $BASE ]] && both=1
     # (BASE_FIRST=1: the earlier version first, to see an order effect)
-    if [ -n "$both" ] && [ -n "${BASE_FIRST:-}" ]; then n=$((n + 1)); one base "$out/run$n.log" "${words[@]}"; fi
-    n=$((n + 1)); one ours "$out/run$n.log" "${words[@]}"
-    if [ -n "$both" ] && [ -z "${BASE_FIRST:-}" ]; then n=$((n + 1)); one base "$out/run$n.log" "${words[@]}"; fi
+    if [ -n "$both" ] && [ -n "${BASE_FIRST:-}" ]; then
+      n=$((n + 1)); one base "$out/run$n.log" "${words[@]}"; keep_log "$out/run$n.log"
+    fi
+    n=$((n + 1)); one ours "$out/run$n.log" "${words[@]}"; keep_log "$out/run$n.log"
+    if [ -n "$both" ] && [ -z "${BASE_FIRST:-}" ]; then
+      n=$((n + 1)); one base "$out/run$n.log" "${words[@]}"; keep_log "$out/run$n.log"
+    fi
   done
   if [ -n "${ORIGINAL:-}" ] && [[ "$run" =~ $ORIGINAL ]]; then
-    n=$((n + 1)); one original "$out/run$n.log" "${words[@]}"
+    n=$((n + 1)); one original "$out/run$n.log" "${words[@]}"; keep_log "$out/run$n.log"
   fi
 done | tee -a "$out/user_runs.txt"
 if [ -n "${SCRIPTS:-}" ]; then  # "SCRIPT SHAPE CAP ARGS...;...": the original's benchmark scripts
@@ -106,6 +122,7 @@ if [ -n "${SCRIPTS:-}" ]; then  # "SCRIPT SHAPE CAP ARGS...;...": the original's
       echo "$impl ${w[0]} ${w[1]} cap=${w[2]} args=${w[*]:3}: $(grep -h '^Thoughput' "$log") $(grep -h '^MEMORY' "$log")" \
         "oom_warnings=$(grep -c 'ran out of memory' "$log") exit=$rc (${SECONDS}s)"
       [ $rc -ne 0 ] && grep -E "Error|error" "$log" | tail -2 | cut -c1-300
+      keep_log "$log"
     done
   done | tee -a "$out/user_runs.txt"
 fi

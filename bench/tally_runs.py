@@ -39,13 +39,15 @@ def main(paths):
     print("| tree | workload | runs | with out-of-memory warnings | failed | peak reserved (min-max) | bound | within | allocated above predicted (max) |")
     print("| --- | --- | ---: | ---: | ---: | --- | ---: | --- | ---: |")
     for (tree, shape, lora, cap), g in groups.items():
+        capped = float(cap) > 0  # (cap 0: no cap, so no bound)
         bound = float(cap) - 1.5
         res = g["reserved"]
         span = f"{min(res):.2f}-{max(res):.2f} GiB" if res else "-"
         within = "yes" if res and max(res) <= bound + 1e-9 else ("-" if not res else "**no**")
         over = f"{max(g['over']):+.2f} GiB" if g["over"] else "-"
-        name = f"{shape}{' LoRA' if lora != '0' else ''}, {cap} GiB"
-        print(f"| {tree} | {name} | {g['runs']} | {g['warned']} | {g['failed']} | {span} | {bound:.1f} | {within} | {over} |")
+        name = f"{shape}{' LoRA' if lora != '0' else ''}, {cap + ' GiB' if capped else 'no cap'}"
+        print(f"| {tree} | {name} | {g['runs']} | {g['warned']} | {g['failed']} | {span} "
+              f"| {f'{bound:.1f}' if capped else '-'} | {within if capped else '-'} | {over} |")
 
 
 if __name__ == "__main__":

@@ -32,12 +32,15 @@ def test_runs_are_tallied_by_tree_and_workload(tmp_path, capsys):
         "impl=ours shape=4B cap=12 env=none FAILED: StageError cap=99 shape=8B CUDA out of memory"
         " oom_warnings=1 unknown_size_warnings=0 exit=1 (40s)",
         "some other line of the log",
+        run_line(0, 41.40, 40.10, 19.00),  # no cap: no bound to be within
     ]) + "\n")
     load_tally().main([str(log)])
     rows = {tuple(c.strip() for c in row.split("|")[1:3]): [c.strip() for c in row.split("|")[3:-1]]
             for row in capsys.readouterr().out.splitlines()[2:]}
-    assert set(rows) == {("ours", "1.7B, 24 GiB"), ("base", "1.7B, 24 GiB"), ("ours", "4B, 12 GiB")}
+    assert set(rows) == {("ours", "1.7B, 24 GiB"), ("base", "1.7B, 24 GiB"), ("ours", "4B, 12 GiB"),
+                         ("ours", "1.7B, no cap")}
     # runs, with warnings, failed, reserved span, bound, within, allocated above predicted
     assert rows[("ours", "1.7B, 24 GiB")] == ["2", "1", "0", "22.40-22.48 GiB", "22.5", "yes", "+0.07 GiB"]
     assert rows[("base", "1.7B, 24 GiB")] == ["1", "0", "0", "21.00-21.00 GiB", "22.5", "yes", "-1.00 GiB"]
     assert rows[("ours", "4B, 12 GiB")] == ["2", "1", "1", "10.51-10.51 GiB", "10.5", "**no**", "-0.10 GiB"]
+    assert rows[("ours", "1.7B, no cap")] == ["1", "0", "0", "41.40-41.40 GiB", "-", "-", "+21.10 GiB"]
