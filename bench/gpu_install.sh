@@ -8,6 +8,11 @@ $py -m pip install -q --no-index --find-links .deps/wheels "scikit-build-core>=0
 $py -m pip install -q --no-index --no-deps --find-links .deps/wheels bitsandbytes==0.50.2 2>&1 | tail -1
 $py -c 'import peft, transformers, torch; print("peft", peft.__version__, "transformers", transformers.__version__, "torch", torch.__version__)' | tee "$out/machine.txt"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee -a "$out/machine.txt"
+# The host's CPU and transparent huge pages (first touches of the step's host memory: bench/README.md
+# "The current tree on an H200").
+{ lscpu | grep -E "^Model name|^CPU\(s\)" | tr -s ' '
+  echo "THP enabled: $(cat /sys/kernel/mm/transparent_hugepage/enabled 2>/dev/null)," \
+    "defrag: $(cat /sys/kernel/mm/transparent_hugepage/defrag 2>/dev/null)"; } >> "$out/machine.txt"
 if ! $py -c 'import roundpipe' 2>/dev/null || [ -n "${REINSTALL:-}" ]; then
   JOBS=16 PYTHON=$py scripts/install_python.sh > "$out/pip_install.log" 2>&1 || { tail -20 "$out/pip_install.log"; exit 1; }
 fi
