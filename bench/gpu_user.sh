@@ -16,7 +16,7 @@
 # memory probe (bench/host_memory_probe.py) beside them; BASE=REGEX runs the matching runs, each
 # repeat, on an earlier version of our package too (the source tree in .gpu-base: make it with
 # `git archive <commit> | tar -x -C .gpu-base` and carry it), alternating with the current one, for a
-# before/after in one call. Logs go to $OUT (or ./bench-out): the result lines and the tally in
+# before/after in one call. STOP_AFTER=S starts no run after S seconds (the device's limit is 600 s a call). Logs go to $OUT (or ./bench-out): the result lines and the tally in
 # user_runs.txt, every run's log in runs.log, the installs' in pip_install.log and install.log.
 set -uo pipefail
 out="${OUT:-$PWD/bench-out}"; mkdir -p "$out"
@@ -71,11 +71,18 @@ keep_log() {
   { echo "===== $(basename "$1" .log)"; cat "$1"; } >> "$out/runs.log"
   [ -n "${KEEP_RUN_LOGS:-}" ] || rm -f "$1"
 }
+# STOP_AFTER=S: start no run (or repeat) after S seconds of this script, so a call ends with its
+# table before the device's limit kills it (a repeat's runs are all or none).
+time_left() {
+  [ -z "${STOP_AFTER:-}" ] || [ "$SECONDS" -lt "$STOP_AFTER" ] && return 0
+  echo "skipped: $* (STOP_AFTER=$STOP_AFTER s reached at ${SECONDS}s)"; return 1
+}
 n=0
 if [ -n "${CONCURRENT:-}" ]; then  # each repeat's runs at once, on one GPU: memory and out-of-memory
   # counts hold (each process has its own cap), throughputs do not. The host holds every
   # process's optimizer state at once: four 3-4B runs overfill 128 GiB and are killed (exit 137)
   for r in $(seq 1 "${REPEAT:-1}"); do
+    time_left "repeat $r" || continue
     pids=(); i=0
     for run in "${list[@]}"; do
       read -ra words <<< "$run"; i=$((i + 1))
@@ -92,6 +99,7 @@ fi
 for run in "${list[@]}"; do
   read -ra words <<< "$run"
   for r in $(seq 1 "${REPEAT:-1}"); do
+    time_left "$run, repeat $r" || continue
     both=""; [ -n "${BASE:-}" ] && [[ "$run" =~ $BASE ]] && both=1
     # (BASE_FIRST=1: the earlier version first, to see an order effect)
     if [ -n "$both" ] && [ -n "${BASE_FIRST:-}" ]; then
@@ -102,7 +110,7 @@ for run in "${list[@]}"; do
       n=$((n + 1)); one base "$out/run$n.log" "${words[@]}"; keep_log "$out/run$n.log"
     fi
   done
-  if [ -n "${ORIGINAL:-}" ] && [[ "$run" =~ $ORIGINAL ]]; then
+  if [ -n "${ORIGINAL:-}" ] && [[ "$run" =~ $ORIGINAL ]] && time_left "$run, original"; then
     n=$((n + 1)); one original "$out/run$n.log" "${words[@]}"; keep_log "$out/run$n.log"
   fi
 done | tee -a "$out/user_runs.txt"
