@@ -16,7 +16,7 @@
 # memory probe (bench/host_memory_probe.py) beside them; BASE=REGEX runs the matching runs, each
 # repeat, on an earlier version of our package too (the source tree in .gpu-base: make it with
 # `git archive <commit> | tar -x -C .gpu-base` and carry it), alternating with the current one, for a
-# before/after in one call. STOP_AFTER=S starts no run after S seconds (the device's limit is 600 s a call). Logs go to $OUT (or ./bench-out): the result lines and the tally in
+# before/after in one call. CONCURRENT=1 runs a repeat's runs at once on the one GPU (GROUP=N: N at a time). STOP_AFTER=S starts no run after S seconds (the device's limit is 600 s a call). Logs go to $OUT (or ./bench-out): the result lines and the tally in
 # user_runs.txt, every run's log in runs.log, the installs' in pip_install.log and install.log.
 set -uo pipefail
 out="${OUT:-$PWD/bench-out}"; mkdir -p "$out"
@@ -81,17 +81,22 @@ n=0
 if [ -n "${CONCURRENT:-}" ]; then  # each repeat's runs at once, on one GPU: memory and out-of-memory
   # counts hold (each process has its own cap), throughputs do not. The host holds every
   # process's optimizer state at once: four 3-4B runs overfill 128 GiB and are killed (exit 137)
+  # GROUP=N: a repeat's runs go N at a time (default: all at once), e.g. GROUP=2 over four
+  # workloads runs two pairs one after the other, each repeat.
+  group=${GROUP:-${#list[@]}}
   for r in $(seq 1 "${REPEAT:-1}"); do
-    time_left "repeat $r" || continue
-    pids=(); i=0
-    for run in "${list[@]}"; do
-      read -ra words <<< "$run"; i=$((i + 1))
-      one ours "$out/c${r}_$i.log" "${words[@]}" > "$out/c${r}_$i.res" & pids+=($!)
-    done
-    wait "${pids[@]}"
-    for j in $(seq 1 $i); do
-      echo "repeat $r: $(head -1 "$out/c${r}_$j.res")"
-      keep_log "$out/c${r}_$j.log"; rm -f "$out/c${r}_$j.res"
+    for ((g = 0; g < ${#list[@]}; g += group)); do
+      time_left "repeat $r, runs $((g + 1))-$((g + group))" || continue
+      pids=(); i=$g
+      for run in "${list[@]:g:group}"; do
+        read -ra words <<< "$run"; i=$((i + 1))
+        one ours "$out/c${r}_$i.log" "${words[@]}" > "$out/c${r}_$i.res" & pids+=($!)
+      done
+      wait "${pids[@]}"
+      for j in $(seq $((g + 1)) $i); do
+        echo "repeat $r: $(head -1 "$out/c${r}_$j.res")"
+        keep_log "$out/c${r}_$j.log"; rm -f "$out/c${r}_$j.res"
+      done
     done
   done | tee "$out/user_runs.txt"
   list=()
