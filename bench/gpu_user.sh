@@ -16,8 +16,10 @@
 # memory probe (bench/host_memory_probe.py) beside them; BASE=REGEX runs the matching runs, each
 # repeat, on an earlier version of our package too (the source tree in .gpu-base: make it with
 # `git archive <commit> | tar -x -C .gpu-base` and carry it), alternating with the current one, for a
-# before/after in one call. CONCURRENT=1 runs a repeat's runs at once on the one GPU (GROUP=N: N at a time). STOP_AFTER=S starts no run after S seconds (the device's limit is 600 s a call). Logs go to $OUT (or ./bench-out): the result lines and the tally in
-# user_runs.txt, every run's log in runs.log, the installs' in pip_install.log and install.log.
+# before/after in one call. CONCURRENT=1 runs a repeat's runs at once on the one GPU (GROUP=N: N
+# at a time). STOP_AFTER=S starts no run after S seconds (the device's limit is 600 s a call).
+# Logs go to $OUT (or ./bench-out): the result lines and the tally in user_runs.txt, every run's
+# log in runs.log, the installs' in pip_install.log and install.log.
 set -uo pipefail
 out="${OUT:-$PWD/bench-out}"; mkdir -p "$out"
 py=python3
@@ -72,7 +74,7 @@ keep_log() {
   [ -n "${KEEP_RUN_LOGS:-}" ] || rm -f "$1"
 }
 # STOP_AFTER=S: start no run (or repeat) after S seconds of this script, so a call ends with its
-# table before the device's limit kills it (a repeat's runs are all or none).
+# table before the device's limit kills it (runs started together are all or none).
 time_left() {
   [ -z "${STOP_AFTER:-}" ] || [ "$SECONDS" -lt "$STOP_AFTER" ] && return 0
   echo "skipped: $* (STOP_AFTER=$STOP_AFTER s reached at ${SECONDS}s)"; return 1
@@ -84,6 +86,7 @@ if [ -n "${CONCURRENT:-}" ]; then  # each repeat's runs at once, on one GPU: mem
   # GROUP=N: a repeat's runs go N at a time (default: all at once), e.g. GROUP=2 over four
   # workloads runs two pairs one after the other, each repeat.
   group=${GROUP:-${#list[@]}}
+  [ "$group" -ge 1 ] 2>/dev/null || { echo "GROUP=$GROUP: give a number of runs >= 1" >&2; exit 2; }
   for r in $(seq 1 "${REPEAT:-1}"); do
     for ((g = 0; g < ${#list[@]}; g += group)); do
       time_left "repeat $r, runs $((g + 1))-$((g + group))" || continue
