@@ -276,10 +276,7 @@ predicted, described, plan_shape = 0.0, "", ""
 # row chunks]; before 3af3470 a loss_fn's calls could not, and ran another.)
 if impl == "ours":  # the plan's predicted peak: its largest stage with the next one's parameters
     import re
-    # (A batch of fewer rows than num_microbatch runs in that many microbatches
-    # of one row: ask for the plan of the call that ran, not of four.)
-    microbatches = min(num_microbatch, batch)
-    described = str(model._engine.auto_plan(True, microbatches, 0, None, batch // microbatches)[1])
+    described = str(model._engine.auto_plan(True, num_microbatch, 0, None, batch // num_microbatch)[1])
     predicted = max([float(x) for x in re.findall(r"([0-9.]+) GiB", described)] or [0])
     # The plan's shape in one word: stages (forward + backward), the fused
     # tail's layers, how many of them it keeps with grad, its row chunks.
