@@ -224,6 +224,10 @@ def train_iter():
 
 
 peak_used = 0
+# The allocator's peak so far after each call (GiB, allocated/reserved):
+# which call set the run's peak, the first (planned before its working
+# memory is measured) or a later one (the plan the prediction describes).
+peaks_by_call = []
 
 
 def device_used():
@@ -231,6 +235,9 @@ def device_used():
     if cuda:
         free, total_bytes = torch.cuda.mem_get_info()
         peak_used = max(peak_used, total_bytes - free)
+        s = torch.cuda.memory_stats()
+        peaks_by_call.append(f"{s.get('allocated_bytes.all.peak', 0) / 2**30:.2f}/"
+                             f"{s.get('reserved_bytes.all.peak', 0) / 2**30:.2f}")
 
 
 for i in range(warmup):
@@ -299,6 +306,7 @@ print(f"RESULT impl={impl}{fused_step} shape={shape} lora={lora_rank}{' ' + qlor
       f"peak_reserved={stats.get('reserved_bytes.all.peak', 0) / gib:.2f} predicted={predicted:.2f} "
       f"device_used={peak_used / gib:.2f} alloc_retries={stats.get('num_alloc_retries', 0)} "
       f"ooms={stats.get('num_ooms', 0)} expandable_segments={expandable}/{len(segments)}{step_times} "
-      f"tails_in_row_chunks={pipeline.get('tail_microbatches_in_row_chunks', '-')} losses={','.join(f'{x:.4f}' for x in losses)}", flush=True)
+      f"tails_in_row_chunks={pipeline.get('tail_microbatches_in_row_chunks', '-')} "
+      f"peaks_by_call={','.join(peaks_by_call) or '-'} losses={','.join(f'{x:.4f}' for x in losses)}", flush=True)
 if os.environ.get("PLAN"):
     print("  plan: " + described.replace("\n", "\n  "))
