@@ -149,7 +149,19 @@ PlanEstimate AutoPlan::estimate(bool fused, int num_microbatches, int min_stages
       request.unmeasured_activation_share = 0.5;  // no such plan: as any unmeasured call
     }
   }
-  return plan_stages(costs, request);
+  try {
+    return plan_stages(costs, request);
+  } catch (const c10::Error&) {
+    // Note [One microbatch a call]: no plan holds half the limit back, and
+    // only ever-first backwards were measured: plan on them, within the
+    // whole limit.
+    const bool stand_in = measured && request.activations_unmeasured && all_layers_meterable_ &&
+                          tail_rows.largest <= 1 && timings_.memory_measured(true);
+    if (!stand_in) throw;
+  }
+  request.activations_unmeasured = false;
+  request.rerun_inputs_on_device = request.rerun_from_stage_input;
+  return plan_stages(timings_.costs(bytes, grad_bytes, /*first_backwards_stand_in=*/true), request);
 }
 
 // Note [First training call]

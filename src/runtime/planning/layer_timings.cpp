@@ -28,7 +28,11 @@ LayerTimings::LayerTimings(int num_layers, bool verbose)
       working_sample_output_(num_layers),
       backward_samples_(num_layers),
       kept_recorded_(num_layers),
-      backward_recorded_(num_layers) {}
+      backward_recorded_(num_layers),
+      first_backward_bytes_(num_layers),
+      first_backward_output_(num_layers),
+      first_backward_samples_(num_layers),
+      first_backward_recorded_(num_layers) {}
 
 void LayerTimings::add(int layer, Kind kind, double seconds) {
   std::lock_guard<std::mutex> lock(mu_);
@@ -107,6 +111,48 @@ void LayerTimings::add_backward_bytes(int layer, int64_t peak, bool after_a_firs
   add_working(layer, peak, output);
 }
 
+// Note [One microbatch a call]
+// A call of one microbatch (one long row: 1 x 65,536 tokens) runs every
+// layer's backward on parameters without gradients, so none is metered
+// (Note [Backward working memory]): such calls never count the activations
+// as measured, and their plans pack the stages into a quarter or half of
+// the limit (Note [First training call]) for good. That holds room for
+// what the stage memory leaves out there (the backward's working memory,
+// and the incoming gradient and input of a whole long row: Qwen3-1.7B over
+// 1 x 65,536 tokens allocated 9.82 GiB on an H200 against the 7.61 GiB its
+// stages were estimated at). But where no plan holds half back, the call
+// failed as "too small" although it fit: a 6-layer Qwen3-shaped model over
+// 1 x 4,096 tokens on a simulated device of 80 MiB, which trains in 52 MB.
+// So those backwards are metered too (after the first, a warm-up): one
+// that allocates the gradients holds about what a later one does (which
+// adds a new gradient into the old), and its peak with the gradient it
+// received and its input stands for the working memory. Plans use it only
+// where no plan holds half the limit back (AutoPlan::estimate) and the
+// fused tail cannot split rows (a chunk of fewer tokens can keep more per
+// token than the whole microbatch: a token-chunked MLP keeps its
+// intermediates below mlp_chunk_tokens). Every other plan is as before,
+// and so are the costs of calls of two or more microbatches, which measure
+// a later backward in their first call.
+bool LayerTimings::wants_first_backward_bytes(int layer) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return backward_recorded_.at(layer) == 0 && first_backward_samples_.at(layer) < kKeptSamples;
+}
+
+void LayerTimings::add_first_backward_bytes(int layer, int64_t peak, int64_t incoming_grad) {
+  std::lock_guard<std::mutex> lock(mu_);
+  const int64_t output = output_bytes_.at(layer);
+  if (first_backward_samples_.at(layer)++ == 0 || output <= 0) return;
+  ++first_backward_recorded_.at(layer);
+  peak += incoming_grad + (layer > 0 ? output_bytes_[layer - 1] : 0);
+  auto& bytes = first_backward_bytes_[layer];
+  auto& at = first_backward_output_[layer];
+  if (at > 0 && static_cast<double>(peak) / static_cast<double>(output) <=
+                    static_cast<double>(bytes) / static_cast<double>(at))
+    return;
+  bytes = peak;
+  at = output;
+}
+
 int64_t LayerTimings::kept_bytes(size_t layer) const {
   return std::max(output_bytes_[layer],
                   static_cast<int64_t>(kept_per_output_byte_[layer] * output_bytes_[layer]) +
@@ -125,14 +171,23 @@ int64_t LayerTimings::kept_bytes(size_t layer) const {
 // So up to one gradient of the layer's parameters of the measured working
 // memory stays whole and only the rest scales. At the measured size the
 // estimate is the measurement, so calls of one size plan as before.
-int64_t LayerTimings::working_bytes(size_t layer, int64_t grad_bytes) const {
-  const int64_t at = working_sample_output_[layer];
-  if (at <= 0) return 0;
-  const double measured = static_cast<double>(working_sample_bytes_[layer]);
+int64_t LayerTimings::working_bytes(size_t layer, int64_t grad_bytes,
+                                    bool first_backwards_stand_in) const {
+  const int64_t measured = scaled_working(layer, working_sample_bytes_[layer],
+                                          working_sample_output_[layer], grad_bytes);
+  if (!first_backwards_stand_in || backward_recorded_[layer] > 0) return measured;
+  return std::max(measured, scaled_working(layer, first_backward_bytes_[layer],
+                                           first_backward_output_[layer], grad_bytes));
+}
+
+int64_t LayerTimings::scaled_working(size_t layer, int64_t bytes, int64_t output,
+                                     int64_t grad_bytes) const {
+  if (output <= 0) return 0;
+  const double measured = static_cast<double>(bytes);
   const double fixed = std::min(measured, static_cast<double>(std::max<int64_t>(grad_bytes, 0)));
   return static_cast<int64_t>(fixed + (measured - fixed) *
                                           static_cast<double>(output_bytes_[layer]) /
-                                          static_cast<double>(at));
+                                          static_cast<double>(output));
 }
 
 bool LayerTimings::complete() const {
@@ -147,15 +202,18 @@ bool LayerTimings::complete() const {
   return true;
 }
 
-bool LayerTimings::memory_measured() const {
+bool LayerTimings::memory_measured(bool first_backwards_stand_in) const {
   std::lock_guard<std::mutex> lock(mu_);
   for (size_t l = 0; l < output_bytes_.size(); ++l)
-    if (kept_recorded_[l] == 0 || backward_recorded_[l] == 0) return false;
+    if (kept_recorded_[l] == 0 || (backward_recorded_[l] == 0 &&
+                                   (!first_backwards_stand_in || first_backward_recorded_[l] == 0)))
+      return false;
   return true;
 }
 
 std::vector<LayerCost> LayerTimings::costs(const std::vector<int64_t>& param_bytes,
-                                           const std::vector<int64_t>& grad_bytes) const {
+                                           const std::vector<int64_t>& grad_bytes,
+                                           bool first_backwards_stand_in) const {
   std::lock_guard<std::mutex> lock(mu_);
   const size_t L = output_bytes_.size();
   TORCH_CHECK(param_bytes.size() == L && grad_bytes.size() == L,
@@ -174,7 +232,7 @@ std::vector<LayerCost> LayerTimings::costs(const std::vector<int64_t>& param_byt
     // layer's forward with grad was measured to keep, at least its output.
     costs[l].activation_bytes = kept_bytes(l);
     costs[l].activation_bytes_independent_of_rows = kept_independent_of_rows_[l];
-    costs[l].working_bytes = working_bytes(l, grad_bytes[l]);
+    costs[l].working_bytes = working_bytes(l, grad_bytes[l], first_backwards_stand_in);
   }
   return costs;
 }

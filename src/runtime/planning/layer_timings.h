@@ -48,22 +48,37 @@ class LayerTimings {
   // workspaces), so this sample counts; else the first is dropped.
   bool wants_backward_bytes(int layer) const;
   void add_backward_bytes(int layer, int64_t peak, bool after_a_first_backward);
+  // A backward that allocated the layer's parameters' gradients (the first
+  // of a stage's microbatches): the only kind a call of one microbatch
+  // runs. Its peak, with the gradient it received (`incoming_grad`) and its
+  // input, stands for the backward's working memory until a backward after
+  // one is measured (Note [One microbatch a call]); the first is dropped as
+  // a warm-up.
+  bool wants_first_backward_bytes(int layer) const;
+  void add_first_backward_bytes(int layer, int64_t peak, int64_t incoming_grad);
   // Whether every layer has a smoothed time of every kind.
   bool complete() const;
   // Whether every layer has what it keeps and its backward's working memory
   // measured (Note [Backward working memory]): until then the plan holds
   // back part of the limit for them.
-  bool memory_measured() const;
+  // `first_backwards_stand_in`: a backward that allocated the gradients
+  // stands for one after it (Note [One microbatch a call]).
+  bool memory_measured(bool first_backwards_stand_in = false) const;
   // Measured costs (call when complete()).
   std::vector<LayerCost> costs(const std::vector<int64_t>& param_bytes,
-                               const std::vector<int64_t>& grad_bytes) const;
+                               const std::vector<int64_t>& grad_bytes,
+                               bool first_backwards_stand_in = false) const;
   // One line per layer: forward / recompute / backward milliseconds.
   std::string describe() const;
 
  private:
-  int64_t kept_bytes(size_t layer) const;                         // (mu_ held)
-  int64_t working_bytes(size_t layer, int64_t grad_bytes) const;  // (mu_ held)
-  void add_working(int layer, int64_t bytes, int64_t output);     // (mu_ held)
+  int64_t kept_bytes(size_t layer) const;  // (mu_ held)
+  int64_t working_bytes(size_t layer, int64_t grad_bytes,
+                        bool first_backwards_stand_in) const;  // (mu_ held)
+  // A working-memory sample scaled to the layer's largest output.
+  int64_t scaled_working(size_t layer, int64_t bytes, int64_t output,
+                         int64_t grad_bytes) const;            // (mu_ held)
+  void add_working(int layer, int64_t bytes, int64_t output);  // (mu_ held)
   struct Smoothed {
     int samples = 0;  // including the dropped first one
     double average = 0;
@@ -81,6 +96,10 @@ class LayerTimings {
   std::vector<int64_t> working_sample_bytes_, working_sample_output_;
   std::vector<int> backward_samples_;
   std::vector<int> kept_recorded_, backward_recorded_;  // samples that counted
+  // The first backwards' sample with the most bytes per output byte, and
+  // how many of them ran (the first dropped) and counted.
+  std::vector<int64_t> first_backward_bytes_, first_backward_output_;
+  std::vector<int> first_backward_samples_, first_backward_recorded_;
 };
 
 }  // namespace roundpipe::detail

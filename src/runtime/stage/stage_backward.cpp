@@ -234,22 +234,32 @@ void StageRun::layer_backward(int l, const c10::IValue& y, const std::vector<at:
   where.layer = l;
   where.phase = "backward";
   std::optional<MeterScope> metering;
-  bool trainable = false;
-  if (metered && ctx.layers[l]->meterable() && ctx.timings.wants_backward_bytes(l)) {
+  bool trainable = false, allocates_gradients = false;
+  if (metered && ctx.layers[l]->meterable()) {
     const auto params = binding.instance(l).parameter_leaves();
     trainable = std::any_of(params.begin(), params.end(),
                             [](const at::Tensor& p) { return p.requires_grad(); });
-    if (std::all_of(params.begin(), params.end(),
-                    [](const at::Tensor& p) { return !p.requires_grad() || p.grad().defined(); }))
+    allocates_gradients = !std::all_of(params.begin(), params.end(), [](const at::Tensor& p) {
+      return !p.requires_grad() || p.grad().defined();
+    });
+    if (allocates_gradients ? ctx.timings.wants_first_backward_bytes(l)
+                            : ctx.timings.wants_backward_bytes(l))
       metering.emplace();
   }
   auto start = timer.mark();
   backward_through(y, grads);
   timer.add(l, LayerTimings::kBackward, start, timer.mark());
   const auto* meter = metering ? metering->meter() : nullptr;
-  // (A trainable layer's first backward ran unmetered: Note [Backward
-  // working memory].)
-  if (meter) ctx.timings.add_backward_bytes(l, meter->peak_bytes(), trainable);
+  // (A backward that allocated the gradients stands in until one after it
+  // is measured: Note [Backward working memory], Note [One microbatch a
+  // call].)
+  if (meter && allocates_gradients) {
+    int64_t incoming = 0;
+    for (const auto& g : grads) incoming += g.defined() ? g.nbytes() : 0;
+    ctx.timings.add_first_backward_bytes(l, meter->peak_bytes(), incoming);
+  }
+  if (meter && !allocates_gradients)
+    ctx.timings.add_backward_bytes(l, meter->peak_bytes(), trainable);
 }
 
 // One backward through the layers from `first` on: one time, shared by

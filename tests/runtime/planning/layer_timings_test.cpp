@@ -168,6 +168,40 @@ TEST(LayerTimings, ATrainableLayersFirstMeteredBackwardCountsAndCompletesTheMemo
   EXPECT_EQ(timings.costs({0, 0}, {0, 0})[1].working_bytes, 500);
 }
 
+// Note [One microbatch a call]: a backward that allocated the gradients
+// (after the first, a warm-up), with the gradient it received and its
+// input (the layer before's output), stands for the working memory only
+// where asked, and only until a backward after one is measured.
+TEST(LayerTimings, FirstBackwardsStandInOnlyWhereAskedAndUntilALaterOneIsMeasured) {
+  LayerTimings timings(2);
+  timings.add_output_bytes(0, 50);
+  timings.add_output_bytes(1, 100);
+  for (int l = 0; l < 2; ++l) {
+    timings.add_kept_bytes(l, 900, 900, l == 0 ? 50 : 100);  // dropped
+    timings.add_kept_bytes(l, 300, 400, l == 0 ? 50 : 100);  // forward working: 100
+  }
+  for (int l = 0; l < 2; ++l) {
+    EXPECT_TRUE(timings.wants_first_backward_bytes(l));
+    timings.add_first_backward_bytes(l, 9000, 0);  // dropped (workspaces)
+  }
+  EXPECT_FALSE(timings.memory_measured(/*first_backwards_stand_in=*/true));
+  timings.add_first_backward_bytes(0, 200, 20);  // 200 + 20, no input before layer 0
+  timings.add_first_backward_bytes(1, 400, 30);  // 400 + 30 + layer 0's 50
+  EXPECT_FALSE(timings.memory_measured()) << "no backward after one measured";
+  EXPECT_TRUE(timings.memory_measured(true));
+  EXPECT_EQ(timings.costs({0, 0}, {0, 0})[1].working_bytes, 100);
+  EXPECT_EQ(timings.costs({0, 0}, {0, 0}, true)[0].working_bytes, 220);
+  EXPECT_EQ(timings.costs({0, 0}, {0, 0}, true)[1].working_bytes, 480);
+  timings.add_output_bytes(1, 200);  // scales with the output, as any sample
+  EXPECT_EQ(timings.costs({0, 0}, {0, 0}, true)[1].working_bytes, 960);
+  // A backward after one (300 at the output of 200): the measurement,
+  // whatever was asked.
+  timings.add_backward_bytes(1, 300, /*after_a_first_backward=*/true);
+  EXPECT_FALSE(timings.wants_first_backward_bytes(1));
+  EXPECT_EQ(timings.costs({0, 0}, {0, 0}, true)[1].working_bytes, 300);
+  EXPECT_EQ(timings.costs({0, 0}, {0, 0})[1].working_bytes, 300);
+}
+
 TEST(LayerTimings, CostsNeedOneSizePerLayer) {
   LayerTimings timings(2);
   EXPECT_THROW(timings.costs({1}, {1}), c10::Error);
