@@ -27,4 +27,13 @@ c10::IValue get_recompute_data();
 // rows. Adds up over calls in one forward; a no-op outside RoundPipe.
 void note_kept_bytes_independent_of_rows(int64_t bytes);
 
+// Called from a layer's forward: the rows of the microbatch whose chunk of
+// rows its input is, over the input's own rows (1 outside a chunk of the
+// fused tail's rows, Note [Tail row chunks], and outside RoundPipe). A
+// layer that keeps more per row below some size of its input (the presets'
+// MLP, token-chunked above mlp_chunk_tokens) decides by the whole
+// microbatch's size, so that a chunk keeps its rows' share of what the
+// plan measured on the whole.
+double row_chunk_scale();
+
 }  // namespace roundpipe

@@ -10,6 +10,8 @@
 
 #include <vector>
 
+#include "roundpipe/recompute.h"
+
 namespace roundpipe::models::detail {
 
 // Note [Expert routing]
@@ -301,7 +303,9 @@ at::Tensor SparseMoeImpl::forward(const at::Tensor& x, const std::optional<Seque
   const auto tensors = experts->tensors(x.scalar_type());
   // With or without grad: without, the chunks alone bound the
   // intermediates (Note [Expert token chunks]).
-  if (chunk_tokens > 0 && flat.size(0) > chunk_tokens)
+  // (A chunk of a microbatch's rows as the whole microbatch: row_chunk_scale().)
+  if (chunk_tokens > 0 &&
+      static_cast<double>(flat.size(0)) * row_chunk_scale() > static_cast<double>(chunk_tokens))
     return TokenChunkedExperts::apply(flat, top_e, weights, at::TensorList(tensors), chunk_tokens,
                                       math())
         .view(x.sizes());

@@ -14,6 +14,7 @@
 #include "models/modules.h"
 #include "roundpipe/models/config.h"
 #include "roundpipe/models/fused_ops.h"
+#include "roundpipe/recompute.h"
 
 namespace roundpipe::models::detail {
 
@@ -111,7 +112,9 @@ struct MLPImpl : torch::nn::Cloneable<MLPImpl> {
   at::Tensor forward(const at::Tensor& x) {
     // With or without grad: without, the function keeps nothing and its
     // chunks alone bound the intermediates.
-    if (chunk_tokens > 0 && x.numel() / x.size(-1) > chunk_tokens)
+    // (A chunk of a microbatch's rows as the whole microbatch: row_chunk_scale().)
+    const auto tokens = static_cast<double>(x.numel() / x.size(-1)) * row_chunk_scale();
+    if (chunk_tokens > 0 && tokens > static_cast<double>(chunk_tokens))
       return TokenChunkedMLP::apply(
           x, gate_proj->base_weight(x.scalar_type()),
           TokenChunkedMLP::no_bias_if_absent(gate_proj->bias),

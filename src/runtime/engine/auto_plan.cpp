@@ -153,10 +153,10 @@ PlanEstimate AutoPlan::estimate(bool fused, int num_microbatches, int min_stages
     return plan_stages(costs, request);
   } catch (const c10::Error&) {
     // Note [One microbatch a call]: no plan holds half the limit back, and
-    // only ever-first backwards were measured: plan on them, within the
-    // whole limit.
+    // only backwards that allocated the gradients were measured: plan on
+    // them, within the whole limit.
     const bool stand_in = measured && request.activations_unmeasured && all_layers_meterable_ &&
-                          tail_rows.largest <= 1 && timings_.memory_measured(true);
+                          timings_.memory_measured(true);
     if (!stand_in) throw;
   }
   request.activations_unmeasured = false;

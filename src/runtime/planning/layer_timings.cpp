@@ -127,12 +127,11 @@ void LayerTimings::add_backward_bytes(int layer, int64_t peak, bool after_a_firs
 // that allocates the gradients holds about what a later one does (which
 // adds a new gradient into the old), and its peak with the gradient it
 // received and its input stands for the working memory. Plans use it only
-// where no plan holds half the limit back (AutoPlan::estimate) and the
-// fused tail cannot split rows (a chunk of fewer tokens can keep more per
-// token than the whole microbatch: a token-chunked MLP keeps its
-// intermediates below mlp_chunk_tokens). Every other plan is as before,
-// and so are the costs of calls of two or more microbatches, which measure
-// a later backward in their first call.
+// where no plan holds half the limit back (AutoPlan::estimate); every
+// other plan is as before, and so are the costs of calls of two or more
+// microbatches, which measure a later backward in their first call. (Its
+// chunks of rows keep their share of what the whole microbatch measured:
+// Note [Tail row chunks of a token-chunked layer].)
 bool LayerTimings::wants_first_backward_bytes(int layer) const {
   std::lock_guard<std::mutex> lock(mu_);
   return backward_recorded_.at(layer) == 0 && first_backward_samples_.at(layer) < kKeptSamples;

@@ -10,6 +10,7 @@
 #include "roundpipe/microbatch.h"
 #include "runtime/stage/stage_run.h"
 #include "runtime/values/ivalue_tree.h"
+#include "runtime/values/recompute_state.h"
 #include "runtime/values/transfer.h"
 
 namespace roundpipe::detail {
@@ -103,6 +104,7 @@ bool StageRun::run_tail_in_chunks(Slot& in, int with_grad) {
   }
   int64_t first_row = 0;
   for (size_t k = 0; k < chunks.size(); ++k) {
+    const RowChunkScope rows_of_chunk(rows, sizes[k]);  // (row_chunk_scale())
     where.phase = "activation upload";
     auto [x, event] = upload_value(device, chunks[k], in.event);
     auto [label, label_event] =

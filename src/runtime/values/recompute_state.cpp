@@ -12,6 +12,7 @@ namespace detail {
 
 namespace {
 thread_local LayerCallScope* current_layer_call = nullptr;
+thread_local double current_row_chunk_scale = 1;
 }  // namespace
 
 LayerCallScope::LayerCallScope(RecomputeStore& store, int layer, int microbatch, bool recompute,
@@ -28,6 +29,17 @@ LayerCallScope::LayerCallScope(RecomputeStore& store, int layer, int microbatch,
 
 LayerCallScope::~LayerCallScope() {
   current_layer_call = previous_;
+}
+
+RowChunkScope::RowChunkScope(int64_t whole_rows, int64_t chunk_rows)
+    : previous_(current_row_chunk_scale) {
+  TORCH_CHECK(chunk_rows > 0 && whole_rows >= chunk_rows, "a chunk of ", chunk_rows,
+              " rows of a microbatch of ", whole_rows);
+  current_row_chunk_scale = static_cast<double>(whole_rows) / static_cast<double>(chunk_rows);
+}
+
+RowChunkScope::~RowChunkScope() {
+  current_row_chunk_scale = previous_;
 }
 
 }  // namespace detail
@@ -66,6 +78,24 @@ c10::IValue get_recompute_data() {
     data = it->second;
   }
   return detail::to_device(data, lc->device);
+}
+
+// Note [Tail row chunks of a token-chunked layer]
+// The fused tail may run a microbatch in chunks of its rows, each counted
+// at its rows' share of what the layers were measured to keep on whole
+// microbatches (Note [Tail row chunks]). The presets' MLP runs token chunk
+// by token chunk, keeping only its input, above mlp_chunk_tokens, and keeps
+// its [tokens, intermediate] activations below: a chunk of rows of a
+// token-chunked microbatch kept more per token than measured. On a
+// simulated device (a 6-layer Qwen3-shaped model, the MLP chunked above
+// 1,024 tokens, 8 x 512 tokens in 2 microbatches, a budget of 96 MiB) the
+// tail's chunks peaked at 94.7 MB against a plan of 54.3 MB and ran out of
+// memory; one row of a 4 x 1,024-token microbatch kept 13.5 MiB a layer
+// against its share's 7.5. So a chunk tells its layers the whole
+// microbatch's size (row_chunk_scale()), and they decide by it: the same
+// calls then peaked within their plans (69.2 against 77.7 MB).
+double row_chunk_scale() {
+  return detail::current_row_chunk_scale;
 }
 
 void note_kept_bytes_independent_of_rows(int64_t bytes) {

@@ -51,4 +51,17 @@ class LayerCallScope {
   LayerCallScope* previous_;
 };
 
+// Marks the calling thread as running a chunk of `chunk_rows` of a
+// microbatch's `whole_rows` (row_chunk_scale()), until the scope ends.
+class RowChunkScope {
+ public:
+  RowChunkScope(int64_t whole_rows, int64_t chunk_rows);
+  ~RowChunkScope();
+  RowChunkScope(const RowChunkScope&) = delete;
+  RowChunkScope& operator=(const RowChunkScope&) = delete;
+
+ private:
+  double previous_;
+};
+
 }  // namespace roundpipe::detail

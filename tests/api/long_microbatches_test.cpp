@@ -1,0 +1,113 @@
+// Long microbatches on a small device: calls of one microbatch (Note [One
+// microbatch a call]) and chunks of the tail's rows of microbatches whose
+// MLP runs token chunk by token chunk (Note [Tail row chunks of a
+// token-chunked layer]), against plain LibTorch.
+#include <roundpipe/models/causal_lm.h>
+
+#include "api/oracle.h"
+
+namespace roundpipe::testing {
+namespace {
+
+// A Qwen3-shaped model whose MLP runs token chunk by token chunk above
+// 1,024 tokens (as 1.7B's above 16,384).
+models::CausalLM small_qwen3() {
+  torch::manual_seed(5);
+  const std::string json = R"({"model_type":"qwen3","vocab_size":1024,"hidden_size":128,
+      "intermediate_size":384,"num_hidden_layers":6,"num_attention_heads":4,
+      "num_key_value_heads":2,"head_dim":32,"tie_word_embeddings":true})";
+  return models::CausalLM(models::CausalLMConfig::from_json_string(json, "config.json"),
+                          models::CausalLMOptions().set_mlp_chunk_tokens(1024));
+}
+
+models::CausalLMInput tokens(int64_t rows, int64_t seq) {
+  models::CausalLMInput in;
+  in.input_ids = at::randint(0, 1024, {rows, seq}, at::detail::createCPUGenerator(6));
+  in.labels = in.input_ids.clone();
+  in.attention_mask = at::ones({rows, seq}, at::kLong);
+  return in;
+}
+
+// `calls` calls of `n` microbatches on `pipe` (no step: the gradients add
+// up), each loss against the oracle's; the oracle's gradients made alike.
+void train_against_oracle(RoundPipe& pipe, models::CausalLM& oracle,
+                          const models::CausalLMInput& in, int n, int calls,
+                          const std::function<void(int)>& before_call = nullptr) {
+  const LossFn loss_of = [n](const c10::IValue& out, const c10::IValue&) {
+    return out.toTensor() / n;  // (each microbatch's mean: the same rows each)
+  };
+  at::Tensor expected;
+  {
+    const auto rows = in.input_ids.size(0);
+    for (int m = 0; m < n; ++m) {
+      auto part = in;
+      part.input_ids = in.input_ids.narrow(0, m * rows / n, rows / n);
+      part.labels = in.labels.narrow(0, m * rows / n, rows / n);
+      part.attention_mask = in.attention_mask.narrow(0, m * rows / n, rows / n);
+      const auto loss = oracle.sequential()->forward<c10::IValue>(part.to_ivalue()).toTensor() / n;
+      expected = expected.defined() ? expected + loss : loss;
+    }
+  }
+  for (int call = 0; call < calls; ++call) {
+    if (before_call) before_call(call);
+    const auto loss = pipe.forward_backward(in.to_ivalue(), c10::IValue(), loss_of, false,
+                                            RunConfig().set_num_microbatch(n))
+                          .loss;
+    pipe.synchronize();
+    EXPECT_TENSOR_NEAR(loss, expected, kTol, "loss of call " << call);
+  }
+  (expected * calls).backward();
+}
+
+int64_t largest_stage_peak(const PlanEstimate& plan) {
+  int64_t peak = 0;
+  for (const auto& stage : plan.stages) peak = std::max(peak, stage.peak_bytes);
+  return peak;
+}
+
+// One row of 4,096 tokens, a call a microbatch, on a simulated device of
+// 80 MiB: one decoder layer keeps ~30 MiB for its backward there, more
+// than half of the plan's limit (90% of the budget) holds, so no plan that
+// holds half back exists (the calls used to fail with "model_memory_limit
+// ... too small" from the third on), while the calls peak at ~62 MiB. They
+// train, without running out of memory, to plain LibTorch's loss and
+// gradients, on a plan within the limit, not half of it.
+TEST(LongMicrobatches, OneMicrobatchACallTrainsWhereNoPlanHoldsHalfTheLimitBack) {
+  auto model = small_qwen3(), oracle = small_qwen3();
+  const int64_t budget = int64_t{80} << 20;
+  RoundPipe pipe(model.sequential(),
+                 RoundPipeOptions().set_devices("sim:1,mem=" + std::to_string(budget)));
+  train_against_oracle(pipe, oracle, tokens(1, 4096), /*n=*/1, /*calls=*/4);
+  expect_same_state(model.sequential(), oracle.sequential(), /*grads=*/true);
+  EXPECT_EQ(pipe.pipeline_stats().out_of_memory_recoveries, 0);
+  EXPECT_LE(pipe.devices().at(0)->memory_stats().peak_bytes, budget);
+  const auto plan = pipe.auto_plan(true, 1, 0, std::nullopt, 1);
+  const auto limit = static_cast<int64_t>(static_cast<double>(budget) * 0.9);
+  EXPECT_GT(largest_stage_peak(plan), limit / 2) << plan.describe();
+  EXPECT_LE(largest_stage_peak(plan), limit) << plan.describe();
+}
+
+// 8 x 512 tokens in 2 microbatches of 2,048 tokens (the MLP token-chunked)
+// on a simulated device of 96 MiB, where the fused tail runs them in
+// chunks of rows below 1,024 tokens: the chunks keep their share of what
+// the whole microbatches were measured to keep, so the measured plans'
+// estimate bounds what the device holds (it fell 40 MB short, and a call
+// ran out of memory, while the chunks' MLP kept its intermediates).
+TEST(LongMicrobatches, ChunksOfRowsOfATokenChunkedMicrobatchKeepTheirShare) {
+  auto model = small_qwen3(), oracle = small_qwen3();
+  const int64_t budget = int64_t{96} << 20;
+  RoundPipe pipe(model.sequential(),
+                 RoundPipeOptions().set_devices("sim:1,mem=" + std::to_string(budget)));
+  train_against_oracle(pipe, oracle, tokens(8, 512), /*n=*/2, /*calls=*/4, [&](int call) {
+    if (call == 2) pipe.devices().at(0)->reset_peak_memory();  // the plans measured
+  });
+  expect_same_state(model.sequential(), oracle.sequential(), /*grads=*/true);
+  EXPECT_GT(pipe.pipeline_stats().tail_microbatches_in_row_chunks, 0);
+  EXPECT_EQ(pipe.pipeline_stats().out_of_memory_recoveries, 0);
+  const auto plan = pipe.auto_plan(true, 2, 0, std::nullopt, 4);
+  EXPECT_LE(pipe.devices().at(0)->memory_stats().peak_bytes, largest_stage_peak(plan))
+      << plan.describe();
+}
+
+}  // namespace
+}  // namespace roundpipe::testing
