@@ -10,7 +10,17 @@
 namespace roundpipe::detail {
 namespace {
 constexpr double kRate = 0.9;
+
+// Keeps in (`bytes`, `at`) the sample with the most bytes per output byte.
+void keep_most_per_output_byte(int64_t& bytes, int64_t& at, int64_t sample, int64_t output) {
+  const auto ratio = [](int64_t b, int64_t o) {
+    return o > 0 ? static_cast<double>(b) / static_cast<double>(o) : 0.0;
+  };
+  if (ratio(sample, output) <= ratio(bytes, at)) return;
+  bytes = sample;
+  at = output;
 }
+}  // namespace
 
 double LayerTimings::Smoothed::value() const {
   const int n = samples - 1;  // the first sample was dropped
@@ -71,13 +81,8 @@ void LayerTimings::add_kept_bytes(int layer, int64_t kept, int64_t peak, int64_t
 }
 
 void LayerTimings::add_working(int layer, int64_t bytes, int64_t output) {
-  const auto ratio = [](int64_t b, int64_t o) {
-    return o > 0 ? static_cast<double>(b) / static_cast<double>(o) : 0.0;
-  };
-  if (ratio(bytes, output) <= ratio(working_sample_bytes_.at(layer), working_sample_output_[layer]))
-    return;
-  working_sample_bytes_[layer] = bytes;
-  working_sample_output_[layer] = output;
+  keep_most_per_output_byte(working_sample_bytes_.at(layer), working_sample_output_[layer], bytes,
+                            output);
 }
 
 bool LayerTimings::wants_backward_bytes(int layer) const {
@@ -142,14 +147,9 @@ void LayerTimings::add_first_backward_bytes(int layer, int64_t peak, int64_t inc
   const int64_t output = output_bytes_.at(layer);
   if (first_backward_samples_.at(layer)++ == 0 || output <= 0) return;
   ++first_backward_recorded_.at(layer);
-  peak += incoming_grad + (layer > 0 ? output_bytes_[layer - 1] : 0);
-  auto& bytes = first_backward_bytes_[layer];
-  auto& at = first_backward_output_[layer];
-  if (at > 0 && static_cast<double>(peak) / static_cast<double>(output) <=
-                    static_cast<double>(bytes) / static_cast<double>(at))
-    return;
-  bytes = peak;
-  at = output;
+  const int64_t input = layer > 0 ? output_bytes_[layer - 1] : 0;
+  keep_most_per_output_byte(first_backward_bytes_[layer], first_backward_output_[layer],
+                            peak + incoming_grad + input, output);
 }
 
 int64_t LayerTimings::kept_bytes(size_t layer) const {

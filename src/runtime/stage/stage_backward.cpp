@@ -235,16 +235,19 @@ void StageRun::layer_backward(int l, const c10::IValue& y, const std::vector<at:
   where.phase = "backward";
   std::optional<MeterScope> metering;
   bool trainable = false, allocates_gradients = false;
-  if (metered && ctx.layers[l]->meterable()) {
+  // (Asked before the parameters are looked at: once both are measured,
+  // later calls skip that.)
+  const bool meterable = metered && ctx.layers[l]->meterable();
+  const bool wants_later = meterable && ctx.timings.wants_backward_bytes(l);
+  const bool wants_first = meterable && ctx.timings.wants_first_backward_bytes(l);
+  if (wants_later || wants_first) {
     const auto params = binding.instance(l).parameter_leaves();
     trainable = std::any_of(params.begin(), params.end(),
                             [](const at::Tensor& p) { return p.requires_grad(); });
     allocates_gradients = !std::all_of(params.begin(), params.end(), [](const at::Tensor& p) {
       return !p.requires_grad() || p.grad().defined();
     });
-    if (allocates_gradients ? ctx.timings.wants_first_backward_bytes(l)
-                            : ctx.timings.wants_backward_bytes(l))
-      metering.emplace();
+    if (allocates_gradients ? wants_first : wants_later) metering.emplace();
   }
   auto start = timer.mark();
   backward_through(y, grads);
