@@ -80,7 +80,6 @@ TEST(LongMicrobatches, OneMicrobatchACallTrainsWhereNoPlanHoldsHalfTheLimitBack)
   train_against_oracle(pipe, oracle, tokens(1, 4096), /*n=*/1, /*calls=*/4);
   expect_same_state(model.sequential(), oracle.sequential(), /*grads=*/true);
   EXPECT_EQ(pipe.pipeline_stats().out_of_memory_recoveries, 0);
-  EXPECT_LE(pipe.devices().at(0)->memory_stats().peak_bytes, budget);
   const auto plan = pipe.auto_plan(true, 1, 0, std::nullopt, 1);
   const auto limit = static_cast<int64_t>(static_cast<double>(budget) * 0.9);
   EXPECT_GT(largest_stage_peak(plan), limit / 2) << plan.describe();
