@@ -63,6 +63,8 @@ one() {  # impl log args...
   local result; result=$(grep "^RESULT" "$log" | sed 's/^RESULT //')
   [ -z "$result" ] && result="impl=$impl shape=$shape cap=$cap env=$(echo "${*:-none}" | tr ' ' ',') FAILED: $(grep -E "Error|error|terminate" "$log" | tail -2 | cut -c1-300 | tr '\n' ' ')"
   [ "$impl" = base ] && result="[base] $result"
+  # (137: SIGKILL, which here is the kernel's out-of-memory killer: the host ran out, not the GPU.)
+  [ "$rc" = 137 ] && result="$result sigkill=host_out_of_memory_likely"
   echo "$result oom_warnings=$retries unknown_size_warnings=$(grep -c 'unknown size' "$log") exit=$rc (${SECONDS}s)"
   grep -A40 "^  plan:" "$log" | head -40
 }
@@ -82,7 +84,8 @@ time_left() {
 n=0
 if [ -n "${CONCURRENT:-}" ]; then  # each repeat's runs at once, on one GPU: memory and out-of-memory
   # counts hold (each process has its own cap), throughputs do not. The host holds every
-  # process's optimizer state at once: four 3-4B runs overfill 128 GiB and are killed (exit 137)
+  # process's optimizer state at once: four 3-4B runs overfill 128 GiB and are killed (exit 137),
+  # and so did one of two Llama-3B-shape runs in each of two pairs (2026-12-07): pair those with 1.7B.
   # GROUP=N: a repeat's runs go N at a time (default: all at once), e.g. GROUP=2 over four
   # workloads runs two pairs one after the other, each repeat.
   group=${GROUP:-${#list[@]}}

@@ -91,6 +91,10 @@ class AutoPlan {
   // The room the host has for a call's checkpoints (Note [Host room for
   // checkpoints]).
   int64_t host_checkpoint_room() const;
+  // `plan`, packed on `request` with activations unmeasured, its stages'
+  // memory counting the backwards that allocated the gradients where those
+  // are measured (Note [One microbatch a call]); else `plan` as it is.
+  PlanEstimate counting_first_backwards(PlanEstimate plan, PlanRequest request) const;
   void log(bool fused, int num_microbatches, bool measured, const PlanEstimate& estimate);
 
   const std::string& name_;
