@@ -65,6 +65,33 @@ int64_t largest_stage_peak(const PlanEstimate& plan) {
   return peak;
 }
 
+// Four calls of `in` in `n` microbatches on a simulated device of
+// `budget_mib`, against plain LibTorch (each loss, then the gradients),
+// none running out of memory: the plan the calls run, its limit, and the
+// device's peak over the last two calls (planned on what the first two
+// measured).
+struct PlannedCalls {
+  PlanEstimate plan;
+  int64_t limit = 0;  // the plan's: 90% of the budget
+  int64_t peak = 0;
+  PipelineStats stats;
+};
+PlannedCalls train_on_budget(int64_t budget_mib, const models::CausalLMInput& in, int n) {
+  auto model = small_qwen3(), oracle = small_qwen3();
+  const int64_t budget = budget_mib << 20;
+  RoundPipe pipe(model.sequential(),
+                 RoundPipeOptions().set_devices("sim:1,mem=" + std::to_string(budget)));
+  train_against_oracle(pipe, oracle, in, n, /*calls=*/4, [&](int call) {
+    if (call == 2) pipe.devices().at(0)->reset_peak_memory();
+  });
+  expect_same_state(model.sequential(), oracle.sequential(), /*grads=*/true);
+  PlannedCalls calls{pipe.auto_plan(true, n, 0, std::nullopt, in.input_ids.size(0) / n),
+                     static_cast<int64_t>(static_cast<double>(budget) * 0.9),
+                     pipe.devices().at(0)->memory_stats().peak_bytes, pipe.pipeline_stats()};
+  EXPECT_EQ(calls.stats.out_of_memory_recoveries, 0);
+  return calls;
+}
+
 // One row of 4,096 tokens, a call a microbatch, on a simulated device of
 // 80 MiB: one decoder layer keeps ~30 MiB for its backward there, more
 // than half of the plan's limit (90% of the budget) holds, so no plan that
@@ -73,17 +100,9 @@ int64_t largest_stage_peak(const PlanEstimate& plan) {
 // train, without running out of memory, to plain LibTorch's loss and
 // gradients, on a plan within the limit, not half of it.
 TEST(LongMicrobatches, OneMicrobatchACallTrainsWhereNoPlanHoldsHalfTheLimitBack) {
-  auto model = small_qwen3(), oracle = small_qwen3();
-  const int64_t budget = int64_t{80} << 20;
-  RoundPipe pipe(model.sequential(),
-                 RoundPipeOptions().set_devices("sim:1,mem=" + std::to_string(budget)));
-  train_against_oracle(pipe, oracle, tokens(1, 4096), /*n=*/1, /*calls=*/4);
-  expect_same_state(model.sequential(), oracle.sequential(), /*grads=*/true);
-  EXPECT_EQ(pipe.pipeline_stats().out_of_memory_recoveries, 0);
-  const auto plan = pipe.auto_plan(true, 1, 0, std::nullopt, 1);
-  const auto limit = static_cast<int64_t>(static_cast<double>(budget) * 0.9);
-  EXPECT_GT(largest_stage_peak(plan), limit / 2) << plan.describe();
-  EXPECT_LE(largest_stage_peak(plan), limit) << plan.describe();
+  const auto calls = train_on_budget(80, tokens(1, 4096), /*n=*/1);
+  EXPECT_GT(largest_stage_peak(calls.plan), calls.limit / 2) << calls.plan.describe();
+  EXPECT_LE(largest_stage_peak(calls.plan), calls.limit) << calls.plan.describe();
 }
 
 // The same row at 128 MiB, where a plan holding half the limit back
@@ -96,19 +115,9 @@ TEST(LongMicrobatches, OneMicrobatchACallTrainsWhereNoPlanHoldsHalfTheLimitBack)
 // (32 KiB of int64), which the tail holds on the device through the
 // microbatch so that a retry can run it again.
 TEST(LongMicrobatches, OneMicrobatchACallEstimateBoundsItsPeakWhereHalfIsHeldBack) {
-  auto model = small_qwen3(), oracle = small_qwen3();
-  const int64_t budget = int64_t{128} << 20;
-  RoundPipe pipe(model.sequential(),
-                 RoundPipeOptions().set_devices("sim:1,mem=" + std::to_string(budget)));
-  train_against_oracle(pipe, oracle, tokens(1, 4096), /*n=*/1, /*calls=*/4, [&](int call) {
-    if (call == 2) pipe.devices().at(0)->reset_peak_memory();  // the planned calls
-  });
-  expect_same_state(model.sequential(), oracle.sequential(), /*grads=*/true);
-  EXPECT_EQ(pipe.pipeline_stats().out_of_memory_recoveries, 0);
-  const auto plan = pipe.auto_plan(true, 1, 0, std::nullopt, 1);
+  const auto calls = train_on_budget(128, tokens(1, 4096), /*n=*/1);
   const int64_t tail_input = int64_t{4096} * 128 * 4 + int64_t{4096} * 8;
-  EXPECT_LE(pipe.devices().at(0)->memory_stats().peak_bytes, largest_stage_peak(plan) + tail_input)
-      << plan.describe();
+  EXPECT_LE(calls.peak, largest_stage_peak(calls.plan) + tail_input) << calls.plan.describe();
 }
 
 // 8 x 512 tokens in 2 microbatches of 2,048 tokens (the MLP token-chunked)
@@ -118,19 +127,9 @@ TEST(LongMicrobatches, OneMicrobatchACallEstimateBoundsItsPeakWhereHalfIsHeldBac
 // estimate bounds what the device holds (it fell 40 MB short, and a call
 // ran out of memory, while the chunks' MLP kept its intermediates).
 TEST(LongMicrobatches, ChunksOfRowsOfATokenChunkedMicrobatchKeepTheirShare) {
-  auto model = small_qwen3(), oracle = small_qwen3();
-  const int64_t budget = int64_t{96} << 20;
-  RoundPipe pipe(model.sequential(),
-                 RoundPipeOptions().set_devices("sim:1,mem=" + std::to_string(budget)));
-  train_against_oracle(pipe, oracle, tokens(8, 512), /*n=*/2, /*calls=*/4, [&](int call) {
-    if (call == 2) pipe.devices().at(0)->reset_peak_memory();  // the plans measured
-  });
-  expect_same_state(model.sequential(), oracle.sequential(), /*grads=*/true);
-  EXPECT_GT(pipe.pipeline_stats().tail_microbatches_in_row_chunks, 0);
-  EXPECT_EQ(pipe.pipeline_stats().out_of_memory_recoveries, 0);
-  const auto plan = pipe.auto_plan(true, 2, 0, std::nullopt, 4);
-  EXPECT_LE(pipe.devices().at(0)->memory_stats().peak_bytes, largest_stage_peak(plan))
-      << plan.describe();
+  const auto calls = train_on_budget(96, tokens(8, 512), /*n=*/2);
+  EXPECT_GT(calls.stats.tail_microbatches_in_row_chunks, 0);
+  EXPECT_LE(calls.peak, largest_stage_peak(calls.plan)) << calls.plan.describe();
 }
 
 }  // namespace
