@@ -228,6 +228,11 @@ peak_used = 0
 # which call set the run's peak, the first (planned before its working
 # memory is measured) or a later one (the plan the prediction describes).
 peaks_by_call = []
+# The plan's prediction for each call as it ran (the largest stage's
+# estimate, GiB; pipeline_stats' last_call_planned_peak_bytes): `predicted`
+# below is the plan a query returns after the calls, which another
+# process's use of the host (the room for checkpoints) can change.
+planned_by_call = []
 
 
 def device_used():
@@ -238,6 +243,13 @@ def device_used():
         s = torch.cuda.memory_stats()
         peaks_by_call.append(f"{s.get('allocated_bytes.all.peak', 0) / 2**30:.2f}/"
                              f"{s.get('reserved_bytes.all.peak', 0) / 2**30:.2f}")
+    planned = engine_stats().get("last_call_planned_peak_bytes")
+    if planned is not None:
+        planned_by_call.append(f"{planned / 2**30:.2f}")
+
+
+def engine_stats():
+    return model.pipeline_stats() if impl == "ours" and hasattr(model, "pipeline_stats") else {}
 
 
 for i in range(warmup):
@@ -245,10 +257,6 @@ for i in range(warmup):
     train_iter()
     device_used()
     print(f"  warm-up {i + 1}: {time.perf_counter() - t:.2f} s, loss {losses[-1]:.4f}", flush=True)
-def engine_stats():
-    return model.pipeline_stats() if impl == "ours" and hasattr(model, "pipeline_stats") else {}
-
-
 stats_before = engine_stats()
 start = time.perf_counter()
 for i in range(timed):
@@ -307,6 +315,7 @@ print(f"RESULT impl={impl}{fused_step} shape={shape} lora={lora_rank}{' ' + qlor
       f"device_used={peak_used / gib:.2f} alloc_retries={stats.get('num_alloc_retries', 0)} "
       f"ooms={stats.get('num_ooms', 0)} expandable_segments={expandable}/{len(segments)}{step_times} "
       f"tails_in_row_chunks={pipeline.get('tail_microbatches_in_row_chunks', '-')} "
-      f"peaks_by_call={','.join(peaks_by_call) or '-'} losses={','.join(f'{x:.4f}' for x in losses)}", flush=True)
+      f"peaks_by_call={','.join(peaks_by_call) or '-'} planned_by_call={','.join(planned_by_call) or '-'} "
+      f"thin_calls={pipeline.get('calls_with_thin_checkpoints', '-')} losses={','.join(f'{x:.4f}' for x in losses)}", flush=True)
 if os.environ.get("PLAN"):
     print("  plan: " + described.replace("\n", "\n  "))

@@ -426,6 +426,7 @@ PYBIND11_MODULE(_C, m) {
              d["tail_microbatches_in_row_chunks"] = s.tail_microbatches_in_row_chunks;
              d["calls_redone_for_the_loss_check"] = s.calls_redone_for_the_loss_check;
              d["calls_with_thin_checkpoints"] = s.calls_with_thin_checkpoints;
+             d["last_call_planned_peak_bytes"] = s.last_call_planned_peak_bytes;
              d["upload_out_of_memory_retries"] = s.upload_out_of_memory_retries;
              d["out_of_memory_recoveries"] = s.out_of_memory_recoveries;
              return d;

@@ -89,6 +89,8 @@ PlannedCalls train_on_budget(int64_t budget_mib, const models::CausalLMInput& in
                      static_cast<int64_t>(static_cast<double>(budget) * 0.9),
                      pipe.devices().at(0)->memory_stats().peak_bytes, pipe.pipeline_stats()};
   EXPECT_EQ(calls.stats.out_of_memory_recoveries, 0);
+  // What the latest call reports it planned is that plan's estimate.
+  EXPECT_EQ(calls.stats.last_call_planned_peak_bytes, largest_stage_peak(calls.plan));
   return calls;
 }
 

@@ -36,6 +36,8 @@ def test_a_host_without_room_for_layer_grains_checkpoints_trains_the_same(limit,
     count = pipe.pipeline_stats()["calls_with_thin_checkpoints"]
     # The first calls measure the layers in layer grain.
     assert (0 < count < calls) if thin else count == 0
+    # The latest call's plan, as it ran: within the device limit it was made for.
+    assert 0 < pipe.pipeline_stats()["last_call_planned_peak_bytes"] <= 2e4
 
 def test_a_non_positive_host_checkpoint_limit_is_refused():
     with pytest.raises(Exception, match="host_checkpoint_limit must be positive"):

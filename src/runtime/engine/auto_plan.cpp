@@ -341,6 +341,8 @@ AutoPlan::CallPlan AutoPlan::for_call(bool fused, int n, std::optional<Recompute
   if (options_.verbose) log(fused, n, measured, plan);
   CallPlan call{plan.plan, chosen};
   call.rerun_inputs_on_device = plan.rerun_inputs_on_device;
+  for (const auto& stage : plan.stages)
+    call.predicted_peak_bytes = std::max(call.predicted_peak_bytes, stage.peak_bytes);
   if (!fused || plan.stages.empty()) return call;
   const auto& tail = plan.stages.at(plan.plan.forward.size());
   call.tail_layers_with_grad = tail.layers_with_grad;

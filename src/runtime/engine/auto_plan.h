@@ -64,6 +64,7 @@ class AutoPlan {
     int tail_layers_with_grad = 0;        // Note [Tail grain]; 0: one, in layer grain
     int tail_row_chunks = 1;              // Note [Tail row chunks]
     bool rerun_inputs_on_device = false;  // PlanEstimate::rerun_inputs_on_device
+    int64_t predicted_peak_bytes = 0;     // its largest stage's StageEstimate::peak_bytes
   };
   CallPlan for_call(bool fused, int num_microbatches, std::optional<RecomputeGrain> grain,
                     TailRows tail_rows = {});

@@ -233,6 +233,8 @@ std::shared_ptr<CallState> Engine::start_call(const c10::IValue& input, const Ru
     call->tail_row_chunks = chosen.tail_row_chunks;
     call->rerun_inputs_on_device = chosen.rerun_inputs_on_device;
     call->config.recompute_grain = chosen.grain;
+    if (call->training)
+      stats_.set(&PipelineStats::last_call_planned_peak_bytes, chosen.predicted_peak_bytes);
   }
   call->plan.validate(num_layers(), call->fused);
   if (call->training && call->grain == RecomputeGrain::kLayerFromStage)

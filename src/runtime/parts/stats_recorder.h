@@ -27,6 +27,11 @@ class StatsRecorder {
     ++(stats_.*field);
   }
   void count_update() { count(&PipelineStats::optimizer_updates); }
+  // Sets a field that describes the latest call.
+  void set(int64_t PipelineStats::*field, int64_t value) {
+    std::lock_guard<std::mutex> lock(mu_);
+    stats_.*field = value;
+  }
   PipelineStats snapshot() const {
     std::lock_guard<std::mutex> lock(mu_);
     return stats_;
