@@ -160,10 +160,11 @@ struct PipelineStats {
   // (layer-from-stage grain, asked for or chosen where the host is short:
   // Note [Host room for checkpoints]).
   int64_t calls_with_thin_checkpoints = 0;
-  // The plan the latest training call chose (no execute_plan of its own):
-  // its largest stage's predicted memory with the next stage's parameters
-  // (PlanEstimate's peak_bytes), beside which the device's peak is read; 0
-  // before such a call.
+  // The plan the latest training call without an execute_plan of its own
+  // chose (a call with one leaves it as it was): its largest stage's
+  // predicted memory with the next stage's parameters (PlanEstimate's
+  // peak_bytes), beside which the device's peak is read; 0 before such a
+  // call.
   int64_t last_call_planned_peak_bytes = 0;
 };
 

@@ -143,14 +143,17 @@ PlanEstimate AutoPlan::estimate(bool fused, int num_microbatches, int min_stages
   if (fused && still_measuring && request.memory_limit_bytes > 0 && !callers_question) {
     // Note [First training call]
     request.unmeasured_activation_share = 0.75;
+    std::optional<PlanEstimate> packed;
     try {
-      return counting_first_backwards(plan_stages(costs, request), request);
+      packed = plan_stages(costs, request);
     } catch (const c10::Error&) {
       request.unmeasured_activation_share = 0.5;  // no such plan: as any unmeasured call
     }
+    if (packed) return counting_first_backwards(std::move(*packed), request);
   }
+  std::optional<PlanEstimate> packed;
   try {
-    return counting_first_backwards(plan_stages(costs, request), request);
+    packed = plan_stages(costs, request);
   } catch (const c10::Error&) {
     // Note [One microbatch a call]: no plan holds half the limit back, and
     // only backwards that allocated the gradients were measured: plan on
@@ -159,6 +162,7 @@ PlanEstimate AutoPlan::estimate(bool fused, int num_microbatches, int min_stages
                           timings_.memory_measured(true);
     if (!stand_in) throw;
   }
+  if (packed) return counting_first_backwards(std::move(*packed), request);
   request.activations_unmeasured = false;
   request.rerun_inputs_on_device = request.rerun_from_stage_input;
   return plan_stages(timings_.costs(bytes, grad_bytes, /*first_backwards_stand_in=*/true), request);
