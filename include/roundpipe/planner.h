@@ -118,6 +118,8 @@ struct PlanEstimate {
   bool rerun_inputs_on_device = false;
   // One line per stage (layers, compute, upload, memory) and the totals.
   std::string describe() const;
+  // The largest stage's peak_bytes: the plan's predicted device peak.
+  int64_t largest_peak_bytes() const;
 };
 
 // The cheapest plan whose every stage's peak_bytes fits the memory limit

@@ -59,12 +59,6 @@ void train_against_oracle(RoundPipe& pipe, models::CausalLM& oracle,
   (expected * calls).backward();
 }
 
-int64_t largest_stage_peak(const PlanEstimate& plan) {
-  int64_t peak = 0;
-  for (const auto& stage : plan.stages) peak = std::max(peak, stage.peak_bytes);
-  return peak;
-}
-
 // Four calls of `in` in `n` microbatches on a simulated device of
 // `budget_mib`, against plain LibTorch (each loss, then the gradients),
 // none running out of memory: the plan the calls run, its limit, and the
@@ -106,7 +100,7 @@ TEST(LongMicrobatches, OneMicrobatchACallTrainsWhereNoPlanHoldsHalfTheLimitBack)
   const auto calls = train_on_budget(80, tokens(1, 4096), /*n=*/1);
   // (Training at all is the check: from the third call on, the plan threw.
   // Its estimate exceeds half the limit, as a half-held plan's now may too.)
-  EXPECT_LE(largest_stage_peak(calls.plan), calls.limit) << calls.plan.describe();
+  EXPECT_LE(calls.plan.largest_peak_bytes(), calls.limit) << calls.plan.describe();
 }
 
 // The same row at 128 MiB, where a plan holding half the limit back
@@ -125,7 +119,7 @@ TEST(LongMicrobatches, OneMicrobatchACallEstimateBoundsItsPeakWhereHalfIsHeldBac
   // (here the peak was within 4 KB of the estimate and the input; the
   // estimate without the backwards measured fell 9 MB short).
   const int64_t tail_input = int64_t{4096} * 128 * 4 + int64_t{4096} * 8;
-  EXPECT_LE(calls.peak, largest_stage_peak(calls.plan) + 2 * tail_input) << calls.plan.describe();
+  EXPECT_LE(calls.peak, calls.plan.largest_peak_bytes() + 2 * tail_input) << calls.plan.describe();
 }
 
 // 8 x 512 tokens in 2 microbatches of 2,048 tokens (the MLP token-chunked)
@@ -137,7 +131,7 @@ TEST(LongMicrobatches, OneMicrobatchACallEstimateBoundsItsPeakWhereHalfIsHeldBac
 TEST(LongMicrobatches, ChunksOfRowsOfATokenChunkedMicrobatchKeepTheirShare) {
   const auto calls = train_on_budget(96, tokens(8, 512), /*n=*/2);
   EXPECT_GT(calls.stats.tail_microbatches_in_row_chunks, 0);
-  EXPECT_LE(calls.peak, largest_stage_peak(calls.plan)) << calls.plan.describe();
+  EXPECT_LE(calls.peak, calls.plan.largest_peak_bytes()) << calls.plan.describe();
 }
 
 }  // namespace

@@ -176,8 +176,7 @@ TEST(TailRowChunks, WhatALayerKeepsWhateverItsRowsIsCountedWholeInEachChunk) {
     EXPECT_GT(pipe.pipeline_stats().tail_microbatches_in_row_chunks, 0);
     const auto plan = pipe.auto_plan(true, RowChunksCase::kMicrobatches, 0, std::nullopt,
                                      RowChunksCase::kRows / RowChunksCase::kMicrobatches);
-    int64_t predicted = 0;
-    for (const auto& stage : plan.stages) predicted = std::max(predicted, stage.peak_bytes);
+    const int64_t predicted = plan.largest_peak_bytes();
     const int64_t peak = pipe.devices().at(0)->memory_stats().peak_bytes;
     if (tells) {
       EXPECT_EQ(pipe.pipeline_stats().out_of_memory_recoveries, 0);

@@ -158,9 +158,7 @@ PlanEstimate AutoPlan::estimate(bool fused, int num_microbatches, int min_stages
     // Note [One microbatch a call]: no plan holds half the limit back, and
     // only backwards that allocated the gradients were measured: plan on
     // them, within the whole limit.
-    const bool stand_in = measured && request.activations_unmeasured && all_layers_meterable_ &&
-                          timings_.memory_measured(true);
-    if (!stand_in) throw;
+    if (!first_backwards_stand_in(request)) throw;
   }
   if (packed) return counting_first_backwards(std::move(*packed), request);
   request.activations_unmeasured = false;
@@ -176,14 +174,18 @@ PlanEstimate AutoPlan::estimate(bool fused, int num_microbatches, int min_stages
 // backward's working memory it left out, where it fell short by 1.65-4.63
 // GiB on an H100 (one row of 65,536 or 131,072 tokens: its stage memory
 // counted the forward's working memory alone), and the user reading it
-// sees what the calls take rather than what the plan was packed on. (Left to the tenth of the
-// budget held back, as in measured plans: the fused tail's input, which it
-// holds on the device through the microbatch for a retry; one row's hidden
-// state, 0.25 GiB at 65,536 tokens of a 2,048-wide model in 16 bits.)
+// sees what the calls take rather than what the plan was packed on. (Left
+// to the tenth of the budget held back, as in measured plans: the fused
+// tail's input, which it holds on the device through the microbatch for a
+// retry; one row's hidden state, 0.25 GiB at 65,536 tokens of a
+// 2,048-wide model in 16 bits.)
+bool AutoPlan::first_backwards_stand_in(const PlanRequest& request) const {
+  return request.activations_unmeasured && all_layers_meterable_ && timings_.complete() &&
+         timings_.memory_measured(/*first_backwards_stand_in=*/true);
+}
+
 PlanEstimate AutoPlan::counting_first_backwards(PlanEstimate plan, PlanRequest request) const {
-  if (!request.activations_unmeasured || !all_layers_meterable_ || !timings_.complete() ||
-      !timings_.memory_measured(true))
-    return plan;
+  if (!first_backwards_stand_in(request)) return plan;
   request.activations_unmeasured = false;
   request.incumbent = nullptr;
   const auto counted =
@@ -345,8 +347,7 @@ AutoPlan::CallPlan AutoPlan::for_call(bool fused, int n, std::optional<Recompute
   if (options_.verbose) log(fused, n, measured, plan);
   CallPlan call{plan.plan, chosen};
   call.rerun_inputs_on_device = plan.rerun_inputs_on_device;
-  for (const auto& stage : plan.stages)
-    call.predicted_peak_bytes = std::max(call.predicted_peak_bytes, stage.peak_bytes);
+  call.predicted_peak_bytes = plan.largest_peak_bytes();
   if (!fused || plan.stages.empty()) return call;
   const auto& tail = plan.stages.at(plan.plan.forward.size());
   call.tail_layers_with_grad = tail.layers_with_grad;

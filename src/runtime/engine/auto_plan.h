@@ -64,7 +64,7 @@ class AutoPlan {
     int tail_layers_with_grad = 0;        // Note [Tail grain]; 0: one, in layer grain
     int tail_row_chunks = 1;              // Note [Tail row chunks]
     bool rerun_inputs_on_device = false;  // PlanEstimate::rerun_inputs_on_device
-    int64_t predicted_peak_bytes = 0;     // its largest stage's StageEstimate::peak_bytes
+    int64_t predicted_peak_bytes = 0;     // PlanEstimate::largest_peak_bytes
   };
   CallPlan for_call(bool fused, int num_microbatches, std::optional<RecomputeGrain> grain,
                     TailRows tail_rows = {});
@@ -96,6 +96,10 @@ class AutoPlan {
   // memory counting the backwards that allocated the gradients where those
   // are measured (Note [One microbatch a call]); else `plan` as it is.
   PlanEstimate counting_first_backwards(PlanEstimate plan, PlanRequest request) const;
+  // Activations are unmeasured for `request` (or some layer cannot be
+  // metered: then no), and the backwards that allocated the gradients are
+  // measured: they may stand in (Note [One microbatch a call]).
+  bool first_backwards_stand_in(const PlanRequest& request) const;
   void log(bool fused, int num_microbatches, bool measured, const PlanEstimate& estimate);
 
   const std::string& name_;

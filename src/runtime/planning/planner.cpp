@@ -515,6 +515,12 @@ PlanEstimate estimate_plan(const std::vector<LayerCost>& layers, const ExecutePl
   return e;
 }
 
+int64_t PlanEstimate::largest_peak_bytes() const {
+  int64_t peak = 0;
+  for (const auto& s : stages) peak = std::max(peak, s.peak_bytes);
+  return peak;
+}
+
 std::string PlanEstimate::describe() const {
   std::ostringstream out;
   char line[200];

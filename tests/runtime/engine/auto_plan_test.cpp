@@ -73,12 +73,6 @@ int stage_count(const ExecutePlan& plan) {
   return static_cast<int>(plan.forward.size() + plan.backward.size());
 }
 
-int64_t largest_peak(const PlanEstimate& estimate) {
-  int64_t peak = 0;
-  for (const auto& stage : estimate.stages) peak = std::max(peak, stage.peak_bytes);
-  return peak;
-}
-
 // About `bytes`, rounded down to a multiple of 36 (= 4 x 9: the limit a
 // sim device of 10/9 that size leaves, and three quarters of it, are exact).
 int64_t round_limit(int64_t bytes) {
@@ -108,7 +102,7 @@ TEST(AutoPlan, ASimulatedDevicesBudgetLimitsThePlanWhichFitsItByItsOwnEstimate) 
   const auto free = unlimited.estimate();
   const int64_t limit = round_limit(unlimited.smallest_feasible_limit() * 3 / 2);
   // The limit binds: the plan without one does not fit it.
-  ASSERT_GT(2 * largest_peak(free), limit) << free.describe();
+  ASSERT_GT(2 * free.largest_peak_bytes(), limit) << free.describe();
   const Planning limited(sim_with_limit(limit));
   ASSERT_EQ(limited.pool.at(0)->memory_stats().in_use_bytes, 0);
   const auto tight = limited.estimate();
@@ -134,7 +128,7 @@ TEST(AutoPlan, BeforeMeasurementAForwardBackwardUnderALimitKeepsThreeQuartersFor
   const auto asked = unlimited.plan.estimate(
       true, kMicrobatches, 0, static_cast<double>(limit) / (1 << 30), RecomputeGrain::kLayer);
   expect_fits(asked, limit, "a caller's limit", /*fused=*/true);
-  ASSERT_GT(4 * largest_peak(asked), limit) << "the quarter would change nothing";
+  ASSERT_GT(4 * asked.largest_peak_bytes(), limit) << "the quarter would change nothing";
   EXPECT_GT(stage_count(first.plan), stage_count(asked.plan)) << first.describe() << "\n"
                                                               << asked.describe();
   // Where a quarter holds no plan (one layer per stage needs more than
@@ -153,7 +147,7 @@ TEST(AutoPlan, AfterRunningOutOfMemoryThePlansFitThreeQuartersOfTheLimit) {
   Planning planning(sim_with_limit(limit));
   const auto before = planning.estimate();
   expect_fits(before, limit, "before");
-  ASSERT_GT(2 * largest_peak(before), limit * 3 / 4) << "the shrink would change nothing";
+  ASSERT_GT(2 * before.largest_peak_bytes(), limit * 3 / 4) << "the shrink would change nothing";
   const auto failed = planning.plan.for_call(false, kMicrobatches, RecomputeGrain::kLayer).plan;
   EXPECT_EQ(failed.to_string(), before.plan.to_string());
   // The caller chose the grain: it stays, the limit shrinks.
