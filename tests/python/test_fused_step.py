@@ -108,6 +108,10 @@ def test_a_failing_update_reaches_the_caller_and_the_weights_are_the_masters(mon
 
     call()
     pipe.step(optimizer, is_async=is_async)
+    # An async step runs on the optimizer thread: it must have read the real
+    # _C before the patch, or this first update is the one that fails (at the
+    # next call, outside the check below).
+    pipe.synchronize()
 
     class Failing:
         def __getattr__(self, name):
