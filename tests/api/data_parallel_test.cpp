@@ -362,7 +362,10 @@ TEST_P(DataParallelFailureTest, ARankThatFailsMakesTheOthersFailInsteadOfHanging
   const bool shard = GetParam();
   const auto start = std::chrono::steady_clock::now();
   const auto models = models_for(2);
-  const auto errors = run_ranks(2, std::chrono::seconds(5), [&](int rank, const auto& group) {
+  // (The group's timeout bounds every collective, the rendezvous and step 0's
+  // averaging too: 10 s, so that a rank starved on a loaded machine does not
+  // fail before the step meant to.)
+  const auto errors = run_ranks(2, std::chrono::seconds(10), [&](int rank, const auto& group) {
     RoundPipe pipe(models[rank], RoundPipeOptions().set_devices("sim:1").set_data_parallel(
                                      DataParallelOptions(group).set_shard_optimizer_state(shard)));
     optim::Adam adam(pipe.optim_parameters(), adam_config());

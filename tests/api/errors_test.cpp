@@ -338,15 +338,15 @@ TEST(Errors, SimulatedOutOfMemoryThenASmallerPlanFits) {
 // Note [Upload out of memory]: a stage's parameters that find no room
 // while the stage before it still runs are uploaded again once it has
 // left the device. One device fits one stage of two 64x64 linears (33 KB
-// and its compute), not two; the first stage holds the device for 400 ms
-// (a slow last layer), so the second stage's upload, which the uploader starts
-// at once, runs out of memory; the forward still gives plain LibTorch's
-// output, and the retry is counted. Before the retry the call failed with
-// phase "parameter upload" (SimulatedOutOfMemoryThenASmallerPlanFits).
+// and its compute), not two; the first stage holds the device for 1 s (a
+// slow last layer, long enough for a starved uploader thread), so the second
+// stage's upload, which the uploader starts at once, runs out of memory; the forward still gives
+// plain LibTorch's output, and the retry is counted. Before the retry the call failed with phase
+// "parameter upload" (SimulatedOutOfMemoryThenASmallerPlanFits).
 struct SlowImpl : torch::nn::Cloneable<SlowImpl> {
   void reset() override {}
   at::Tensor forward(const at::Tensor& x) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(400));
+    std::this_thread::sleep_for(std::chrono::seconds(1));
     return x;
   }
 };

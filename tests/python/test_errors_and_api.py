@@ -1,6 +1,7 @@
 """Errors raised in layers and loss functions, bad input, attribute
 pass-through, OptimizerCtx, recompute helpers, and GradScaler."""
 import copy
+import threading
 
 import pytest
 import torch
@@ -66,11 +67,13 @@ def test_an_out_of_memory_error_raised_in_python_is_recovered_from(devices):
     plain = copy.deepcopy(model)
     pipe = RoundPipe(model, devices=devices, model_run_config=RoundPipeRunConfig(num_microbatch=2))
     x, y = torch.randn(6, 4), torch.randn(6, 2)
-    raised = []
+    raised, raised_lock = [], threading.Lock()
 
     def loss_fn(out, label):
-        if not raised:
+        with raised_lock:  # (two devices' threads may run it at once)
+            first = not raised
             raised.append(1)
+        if first:
             raise torch.OutOfMemoryError("CUDA out of memory (raised by the test)")
         return mse(out, label)
 

@@ -75,6 +75,9 @@ void HostTasks::loop() {
       std::lock_guard<std::mutex> lock(mu_);
       if (!error_) error_ = std::current_exception();
     }
+    // The task's captures (tensors, events) go before it counts as done:
+    // drain() returning means they are freed, not merely run.
+    task = {};
     std::lock_guard<std::mutex> lock(mu_);
     --running_;
     cv_.notify_all();
