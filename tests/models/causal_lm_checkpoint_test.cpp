@@ -93,7 +93,9 @@ TEST(CausalLMCheckpoint, MappedWeightsAreTheFilesPagesNotACopy) {
     copied_logits = copied.sequential()->forward<c10::IValue>(c10::IValue(ids)).toTensor();
     EXPECT_GT(anonymous_kib() - before, checkpoint_kib / 2) << "the measure does not see a copy";
   }
-  EXPECT_TRUE(at::equal(mapped_logits, copied_logits));
+  // The same weights; a GEMM may block differently on the mapped pages (the
+  // file aligns tensors to 8 bytes only), so the same sums in another order.
+  EXPECT_TENSOR_NEAR(mapped_logits, copied_logits, 1e-5, "mapped against copied weights");
   fs::remove_all(dir);
 }
 

@@ -212,9 +212,10 @@ TEST(CausalLMLora, ExpertAdaptersGroupedOrLoopedAgree) {
 // factors. Against the same model wholly in float32 the difference is the
 // bf16 model's rounding: 8 bits of mantissa (3.9e-3 per value) compounded
 // through three layers' norms and attention, to 4-14% of the largest
-// gradient measured over runs and thread counts (the bf16 sums' order
-// varies with them); 0.3 leaves room for that and still fails a lost or
-// miscast gradient, off by 100%.
+// gradient measured over runs and thread counts on one CPU (the bf16 sums'
+// order varies with them, and other CPUs take other bf16 GEMM paths): 0.5,
+// half of what a lost or miscast gradient is off by (100%), so the test
+// still fails that and leaves the rounding more than 3 x room.
 TEST(CausalLMLora, AdaptersOnAHalfPrecisionBaseComputeInItsDtype) {
   const auto dir = reference_root() / "qwen3_left_padded";
   const auto ref = safetensors::load_file((dir / "reference.safetensors").string());
@@ -248,7 +249,7 @@ TEST(CausalLMLora, AdaptersOnAHalfPrecisionBaseComputeInItsDtype) {
     ++adapters;
     ASSERT_TRUE(ours[i].second.grad().defined()) << ours[i].first;
     EXPECT_EQ(ours[i].second.grad().scalar_type(), at::kFloat) << ours[i].first;
-    EXPECT_TENSOR_NEAR(ours[i].second.grad(), theirs[i].second.grad(), 0.3,
+    EXPECT_TENSOR_NEAR(ours[i].second.grad(), theirs[i].second.grad(), 0.5,
                        "gradient of " << ours[i].first);
   }
   EXPECT_EQ(adapters, 2 * 7 * 3);

@@ -7,6 +7,14 @@ import pytest
 import torch
 from torch import nn
 
+# LibTorch's CPU kernels on two threads, the CI machine's count, on any
+# machine: a simulated device charges what CPU kernels allocate on its
+# worker threads, and some allocate scratch for each thread (CPU flash
+# attention), so the tests' budgets would mean less with more cores (at 64
+# threads test_loss_fn_row_chunks's 1.5 MB device ran out of memory on that
+# scratch). tests/test_main.cpp does the same for the C++ tests.
+torch.set_num_threads(2)
+
 BACKENDS = ["sim:1", "sim:2", "sim:3,jitter_us=200,chunk=16KiB"]
 if torch.cuda.is_available():
     BACKENDS.append("cuda")
