@@ -11,6 +11,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <exception>
 #include <memory>
 
 namespace roundpipe::detail {
@@ -140,27 +141,28 @@ PlanEstimate AutoPlan::estimate(bool fused, int num_microbatches, int min_stages
     request.memory_limit_bytes =
         std::max(shrunk, std::min(unshrunk_limit, smallest_feasible_memory_limit(costs, request)));
   }
+  // The plan on `request` as it stands, or none where none fits (the
+  // planner's error kept to rethrow).
+  std::exception_ptr no_plan;
+  auto pack = [&]() -> std::optional<PlanEstimate> {
+    try {
+      return plan_stages(costs, request);
+    } catch (const c10::Error&) {
+      no_plan = std::current_exception();
+      return std::nullopt;
+    }
+  };
   if (fused && still_measuring && request.memory_limit_bytes > 0 && !callers_question) {
     // Note [First training call]
     request.unmeasured_activation_share = 0.75;
-    std::optional<PlanEstimate> packed;
-    try {
-      packed = plan_stages(costs, request);
-    } catch (const c10::Error&) {
-      request.unmeasured_activation_share = 0.5;  // no such plan: as any unmeasured call
-    }
-    if (packed) return counting_first_backwards(std::move(*packed), request);
+    if (auto packed = pack()) return counting_first_backwards(std::move(*packed), request);
+    request.unmeasured_activation_share = 0.5;  // no such plan: as any unmeasured call
   }
-  std::optional<PlanEstimate> packed;
-  try {
-    packed = plan_stages(costs, request);
-  } catch (const c10::Error&) {
-    // Note [One microbatch a call]: no plan holds half the limit back, and
-    // only backwards that allocated the gradients were measured: plan on
-    // them, within the whole limit.
-    if (!first_backwards_stand_in(request)) throw;
-  }
-  if (packed) return counting_first_backwards(std::move(*packed), request);
+  if (auto packed = pack()) return counting_first_backwards(std::move(*packed), request);
+  // Note [One microbatch a call]: no plan holds half the limit back, and
+  // only backwards that allocated the gradients were measured: plan on
+  // them, within the whole limit.
+  if (!first_backwards_stand_in(request)) std::rethrow_exception(no_plan);
   request.activations_unmeasured = false;
   request.rerun_inputs_on_device = request.rerun_from_stage_input;
   return plan_stages(timings_.costs(bytes, grad_bytes, /*first_backwards_stand_in=*/true), request);
