@@ -10,6 +10,8 @@ from conftest import mse
 from roundpipe import RoundPipe, RoundPipeRunConfig
 from torch import nn
 
+DEVICE_LIMIT = 2e4  # bytes: a few layers' parameters, so several backward stages
+
 def model():
     torch.manual_seed(4)
     layers = []
@@ -20,8 +22,7 @@ def model():
 @pytest.mark.parametrize("limit,thin", [(1e-9, True), (64.0, False)])
 def test_a_host_without_room_for_layer_grains_checkpoints_trains_the_same(limit, thin):
     ours, oracle = model(), model()
-    # A device limit of a few layers' parameters: several backward stages.
-    pipe = RoundPipe(ours, devices="sim:1", model_memory_limit=2e4 / 2**30, host_checkpoint_limit=limit,
+    pipe = RoundPipe(ours, devices="sim:1", model_memory_limit=DEVICE_LIMIT / 2**30, host_checkpoint_limit=limit,
                      model_run_config=RoundPipeRunConfig(num_microbatch=2))
     x, y = torch.randn(64, 16), torch.randn(64, 2)
     calls = 4
@@ -37,7 +38,7 @@ def test_a_host_without_room_for_layer_grains_checkpoints_trains_the_same(limit,
     # The first calls measure the layers in layer grain.
     assert (0 < count < calls) if thin else count == 0
     # The latest call's plan, as it ran: within the device limit it was made for.
-    assert 0 < pipe.pipeline_stats()["last_call_planned_peak_bytes"] <= 2e4
+    assert 0 < pipe.pipeline_stats()["last_call_planned_peak_bytes"] <= DEVICE_LIMIT
 
 def test_a_non_positive_host_checkpoint_limit_is_refused():
     with pytest.raises(Exception, match="host_checkpoint_limit must be positive"):
