@@ -370,6 +370,13 @@ class RoundPipe(PassThroughToModel, nn.Module):
         a short memory budget where the model's loss adds up over rows)."""
         return dict(self._engine.pipeline_stats())
 
+    def host_memory_stats(self) -> dict:
+        """The host memory this RoundPipe holds in its arena (pin_model="alloc":
+        the weights, the fused step's staging copies, downloads), in bytes:
+        reserved, pinned, allocated and its peak, and the model's own weights
+        (model_state_bytes)."""
+        return dict(self._engine.host_memory_stats())
+
     def optim_parameters(self):
         """An iterator over the optimizer's master copies (optim_dtype) of the
         trainable parameters, created on first use (as the original, an

@@ -431,6 +431,19 @@ PYBIND11_MODULE(_C, m) {
              d["out_of_memory_recoveries"] = s.out_of_memory_recoveries;
              return d;
            })
+      .def("host_memory_stats",
+           [](RoundPipe& self) {
+             const auto s = self.host_memory_stats();
+             py::dict d;
+             d["model_state_bytes"] = s.model_state_bytes;
+             d["arena_reserved_bytes"] = s.arena.reserved_bytes;
+             d["arena_pinned_bytes"] = s.arena.pinned_bytes;
+             d["arena_allocated_bytes"] = s.arena.allocated_bytes;
+             d["arena_peak_allocated_bytes"] = s.arena.peak_allocated_bytes;
+             d["arena_live_blocks"] = s.arena.live_blocks;
+             d["arena_chunks"] = s.arena.chunks;
+             return d;
+           })
       .def("measure_weight_upload_rate", &RoundPipe::measure_weight_upload_rate,
            py::call_guard<py::gil_scoped_release>())
       .def("default_plan",
