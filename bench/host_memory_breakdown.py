@@ -7,7 +7,7 @@ wrap, and after each step, as bytes per trainable parameter above the made
 model, and the tensors the engine and the optimizer hold, by kind.
 
   host_memory_breakdown.py [--idiom step_fn|fused] [--steps N] [--layers L]
-                           [--hidden H] [--optim adam|adamw8bit|...]
+                           [--hidden H] [--optim adam|adamw|another class of roundpipe.optim]
 """
 import argparse
 import ctypes
