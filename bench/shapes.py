@@ -1,5 +1,5 @@
 """The model shapes the GPU benchmarks use (random weights, no downloads):
-the configurations of Qwen3-1.7B/4B/8B and the Llama-3.2-3B shape, and a
+the configurations of Qwen3-1.7B/4B/8B, the Llama-3.2-3B and Llama-3.1-8B shapes, and a
 tiny Qwen3 for the CPU. One place, so that every script measures the same
 models.
 
@@ -28,6 +28,10 @@ SHAPES = {
     "8B": ("qwen3", dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288,
                          num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
                          head_dim=128, tie_word_embeddings=False), QWEN_TOKENIZER_VOCAB),
+    "llama3-8B": ("llama", dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                                num_hidden_layers=32, num_attention_heads=32,
+                                num_key_value_heads=8, head_dim=128,
+                                tie_word_embeddings=False), LLAMA3_TOKENIZER_VOCAB),
     "llama3-3B": ("llama", dict(vocab_size=128256, hidden_size=3072, intermediate_size=8192,
                                 num_hidden_layers=28, num_attention_heads=24,
                                 num_key_value_heads=8, head_dim=128, tie_word_embeddings=True),

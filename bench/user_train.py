@@ -5,7 +5,7 @@ environment. One configuration per process, since the memory cap must be
 set before anything touches CUDA.
 
   user_train.py SHAPE CAP_GIB BATCH SEQ [TIMED [WARMUP]]
-    SHAPE: 1.7B | 4B | 8B | llama3-3B | tiny;  CAP_GIB: 0 = no cap
+    SHAPE: 1.7B | 4B | 8B | llama3-3B | llama3-8B | tiny;  CAP_GIB: 0 = no cap
   LORA=16 (environment): peft LoRA of that rank on every linear layer, the
   model inside peft.LoraModel as the original's train_lora.py wraps it.
   LOSS=default: no loss_fn (the default), else `o.loss / num_microbatch`.
@@ -21,6 +21,8 @@ set before anything touches CUDA.
   (short first batches, then the full length).
   STEP=optimizer: model.step(optim), our opt-in fused step (Note [A fused
   step from Python]), instead of the original's step function (ours only).
+  OPTIM=Adam8bit (or another class of roundpipe.optim): the optimizer
+  instead of roundpipe.optim.Adam (ours only).
 
 What it does, as the original's benchmark/train.py does: caps the device
 with torch.cuda.set_per_process_memory_fraction (nothing touched CUDA
@@ -189,7 +191,8 @@ else:
     model = wrap_model_to_roundpipe(
         hf_model, optim_dtype=torch.float32, use_sequential_preset=True,
         model_run_config=RoundPipeRunConfig(num_microbatch=num_microbatch))
-    optim = Adam(model.optim_parameters(), lr=1e-5)
+    optim_class = getattr(roundpipe.optim, os.environ.get("OPTIM", "Adam"))
+    optim = optim_class(model.optim_parameters(), lr=1e-5)
 # (Setup is not timed in tokens/s, but it is most of a short run's wall time.)
 print(f"  wrapped in {time.perf_counter() - wrapped:.1f} s ({time.perf_counter() - process_start:.1f} s"
       " since the process started)", flush=True)
@@ -309,8 +312,12 @@ if impl == "ours":  # the plan's predicted peak: its largest stage with the next
                       f",chunks={chunks.group(1) if chunks else 1}")
 pipeline = stats_after
 fused_step = " step=optimizer" if os.environ.get("STEP") == "optimizer" else ""
+if os.environ.get("OPTIM"):
+    fused_step += f" optim={os.environ['OPTIM']}"
+with open("/proc/self/status") as status:  # the process's peak resident host memory
+    peak_rss = next(int(line.split()[1]) for line in status if line.startswith("VmHWM")) / 2**20
 print(f"RESULT impl={impl}{fused_step} shape={shape} lora={lora_rank}{' ' + qlora if qlora else ''} cap={cap_gib:g} tokens={batch}x{seq} "
-      f"tok_s={rate:.0f}{plan_shape} peak_alloc={stats.get('allocated_bytes.all.peak', 0) / gib:.2f} "
+      f"tok_s={rate:.0f}{plan_shape} peak_rss={peak_rss:.1f} peak_alloc={stats.get('allocated_bytes.all.peak', 0) / gib:.2f} "
       f"peak_reserved={stats.get('reserved_bytes.all.peak', 0) / gib:.2f} predicted={predicted:.2f} "
       f"device_used={peak_used / gib:.2f} alloc_retries={stats.get('num_alloc_retries', 0)} "
       f"ooms={stats.get('num_ooms', 0)} expandable_segments={expandable}/{len(segments)}{step_times} "

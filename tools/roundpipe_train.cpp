@@ -34,6 +34,9 @@ int main(int argc, char** argv) {
   app.add_option("--microbatches", a.microbatches, "microbatches per step (default: devices + 1)");
   app.add_option("--lr", a.lr, "learning rate (AdamW)");
   app.add_option("--weight-decay", a.weight_decay, "decoupled weight decay");
+  app.add_option("--optim", a.optim,
+                 "adamw (float32 moments, 8 bytes a parameter) or adamw8bit (bitsandbytes' "
+                 "blockwise 8-bit moments, 2 bytes a parameter)");
   app.add_option("--eval-data", a.eval_data,
                  "held-out data (as --data) whose loss and perplexity are measured at the end "
                  "and every --eval-every steps");

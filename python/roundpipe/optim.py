@@ -57,6 +57,7 @@ class Adam(torch.optim.Optimizer):
         fused = getattr(_fused_batches, "by_optimizer", {}).get(id(self))  # (_fused_update)
         for group in self.param_groups:
             params, grads, exp_avgs, exp_avg_sqs, max_sqs, steps, outs = [], [], [], [], [], [], []
+            absmaxes, sq_absmaxes = [], []
             for p in group["params"]:
                 grad, out = p.grad, None
                 if fused is not None:
@@ -78,27 +79,41 @@ class Adam(torch.optim.Optimizer):
                                        "(build it on RoundPipe.optim_parameters())")
                 state = self.state[p]
                 if not state:
-                    state["step"] = torch.tensor(0.0)
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
-                    if group["amsgrad"]:
-                        state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+                    self._init_state(p, group, state)
                 state["step"] += 1
+                m, v, vmax, m_absmax, v_absmax = self._moments(state)
                 params.append(p)
                 grads.append(grad)
-                exp_avgs.append(state["exp_avg"])
-                exp_avg_sqs.append(state["exp_avg_sq"])
-                max_sqs.append(state.get("max_exp_avg_sq"))
-                steps.append(int(state["step"].item()))
+                exp_avgs.append(m)
+                exp_avg_sqs.append(v)
+                max_sqs.append(vmax)
+                absmaxes.append(m_absmax)
+                sq_absmaxes.append(v_absmax)
+                steps.append(int(state["step"]))
                 outs.append(out)
             if not params:
                 continue
             beta1, beta2 = group["betas"]
+            quantized = any(a is not None for a in absmaxes)
             _C.adam_update(params, grads, exp_avgs, exp_avg_sqs, max_sqs, steps, float(group["lr"]),
                            float(beta1), float(beta2), float(group["eps"]), float(group["weight_decay"]),
                            bool(group["amsgrad"]), bool(group["maximize"]),
-                           bool(group["decoupled_weight_decay"]), outs if fused is not None else None)
+                           bool(group["decoupled_weight_decay"]), outs if fused is not None else None,
+                           absmaxes if quantized else None, sq_absmaxes if quantized else None)
         return loss
+
+    def _init_state(self, p, group, state):
+        """A new parameter's state, as torch.optim.Adam makes it."""
+        state["step"] = torch.tensor(0.0)
+        state["exp_avg"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+        state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+        if group["amsgrad"]:
+            state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+
+    def _moments(self, state):
+        """(exp_avg, exp_avg_sq, max_exp_avg_sq, and for 8-bit moments
+        their absmax tensors) of a parameter's state, as the kernel reads them."""
+        return state["exp_avg"], state["exp_avg_sq"], state.get("max_exp_avg_sq"), None, None
 
     # Note [A fused step from Python]
     # The original's idiom, model.step(lambda: (optimizer.step(),
@@ -191,3 +206,101 @@ class AdamW(Adam):
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, foreach=foreach,
                          maximize=maximize, capturable=capturable, differentiable=differentiable,
                          fused=fused, decoupled_weight_decay=True)
+
+
+class Adam8bit(Adam):
+    """bitsandbytes' ``Adam8bit`` on the CPU: both moments of every parameter
+    of at least ``min_8bit_size`` elements stored in its blockwise 8-bit
+    format (one byte a value, one float32 scale a block of 256, dynamic
+    quantization maps), 2 bytes a parameter instead of 8; smaller parameters
+    keep float32 moments. The update is bitsandbytes' (weight decay, as
+    there, is decoupled), in the same vectorised pass as :class:`Adam`, and
+    ``model.step(optimizer)`` fuses it the same way. The state is
+    bitsandbytes' too (``state1``/``state2`` codes, ``absmax1``/``absmax2``,
+    ``qmap1``/``qmap2``, ``step``), so its ``state_dict()`` loads into a
+    bitsandbytes optimizer and back."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
+                 amsgrad=False, optim_bits=32, args=None, min_8bit_size=4096, is_paged=False):
+        # bitsandbytes' signature: optim_bits stays at its default (the state
+        # is 8-bit whatever it says), args is its global override mechanism
+        # and is_paged its GPU paging (no meaning on the CPU).
+        if amsgrad:
+            raise ValueError(f"{type(self).__name__} does not support amsgrad=True (as in bitsandbytes)")
+        if optim_bits != 32:
+            raise ValueError(f"{type(self).__name__} keeps 8-bit state; leave optim_bits at its default")
+        if args is not None:
+            raise ValueError(f"{type(self).__name__}: bitsandbytes' args override is not supported; "
+                             "pass the hyperparameters as arguments")
+        if min_8bit_size < 0:
+            raise ValueError(f"Invalid min_8bit_size: {min_8bit_size}")
+        super().__init__(params, lr, betas, eps, weight_decay, decoupled_weight_decay=True)
+        self.min_8bit_size = int(min_8bit_size)
+
+    def _init_state(self, p, group, state):
+        state["step"] = 0
+        if p.numel() >= self.min_8bit_size:
+            blocks = (p.numel() + 255) // 256
+            state["state1"] = torch.zeros_like(p, dtype=torch.uint8, memory_format=torch.contiguous_format)
+            state["qmap1"] = _C.dynamic_map(signed=True)
+            state["state2"] = torch.zeros_like(p, dtype=torch.uint8, memory_format=torch.contiguous_format)
+            state["qmap2"] = _C.dynamic_map(signed=False)
+            state["absmax1"] = torch.zeros(blocks, dtype=torch.float32, device=p.device)
+            state["absmax2"] = torch.zeros(blocks, dtype=torch.float32, device=p.device)
+        else:
+            state["state1"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
+            state["state2"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
+
+    def _moments(self, state):
+        return state["state1"], state["state2"], None, state.get("absmax1"), state.get("absmax2")
+
+    # bitsandbytes' state_dict() nests these under one key (its FSDP
+    # compatibility), and its load_state_dict() takes either form.
+    _QUANT_STATE_KEY = "__bnb_optimizer_quant_state__"
+    _QUANT_STATE = ("state1", "state2", "qmap1", "qmap2", "absmax1", "absmax2")
+
+    def state_dict(self):
+        """As bitsandbytes' state_dict(): torch's, the quantization state of each
+        parameter nested under ``"__bnb_optimizer_quant_state__"``."""
+        state_dict = super().state_dict()
+        nested = {}
+        for key, param_state in state_dict["state"].items():
+            param_state = dict(param_state)
+            quant = {k: param_state.pop(k) for k in self._QUANT_STATE if k in param_state}
+            if quant:
+                param_state[self._QUANT_STATE_KEY] = quant
+            nested[key] = param_state
+        state_dict["state"] = nested
+        return state_dict
+
+    def load_state_dict(self, state_dict):
+        """As torch's (either state_dict form), except that the 8-bit scales and
+        maps stay float32 (torch casts floating state to the parameter's dtype)
+        and float32 moments of small parameters too, as bitsandbytes keeps them."""
+        flat = {}
+        for key, param_state in state_dict["state"].items():
+            param_state = dict(param_state)
+            param_state.update(param_state.pop(self._QUANT_STATE_KEY, {}))
+            flat[key] = param_state
+        state_dict = {**state_dict, "state": flat}
+        super().load_state_dict(state_dict)
+        saved_ids = [i for group in state_dict["param_groups"] for i in group["params"]]
+        params = [p for group in self.param_groups for p in group["params"]]
+        for saved_id, p in zip(saved_ids, params):
+            saved = state_dict["state"].get(saved_id)
+            if saved is None:
+                continue
+            for key in self._QUANT_STATE:
+                if key in saved and torch.is_tensor(saved[key]):
+                    self.state[p][key] = saved[key].to(device=p.device, copy=True)
+            self.state[p]["step"] = int(saved["step"])
+
+
+class AdamW8bit(Adam8bit):
+    """bitsandbytes' ``AdamW8bit``: :class:`Adam8bit` with weight decay 0.01
+    by default."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
+                 amsgrad=False, optim_bits=32, args=None, min_8bit_size=4096, is_paged=False):
+        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, optim_bits, args, min_8bit_size,
+                         is_paged)

@@ -34,6 +34,12 @@ from .run_config import default_num_microbatch
 from .token_file import Example, TokenFile
 
 
+# TrainingArguments.optim: transformers' names (and roundpipe-train's) of
+# each optimizer class of roundpipe.optim.
+_OPTIMIZERS = {"adamw": "AdamW", "adamw_torch": "AdamW", "adamw_torch_fused": "AdamW",
+               "adamw8bit": "AdamW8bit", "adamw_8bit": "AdamW8bit", "adamw_bnb_8bit": "AdamW8bit"}
+
+
 @dataclass
 class TrainingArguments:
     output_dir: str = "roundpipe-out"
@@ -47,6 +53,7 @@ class TrainingArguments:
     warmup_ratio: float = 0.0         # instead of warmup_steps
     weight_decay: float = 0.0         # on matrices; never on norms nor biases
     adam_epsilon: float = 1e-8        # AdamW's eps (transformers' name)
+    optim: str = "adamw"              # or "adamw_8bit": bitsandbytes' AdamW8bit (transformers' names)
     max_grad_norm: float = 1.0        # 0: measure the norm, clip nothing
     seq_len: int = 2048               # tokens per example (cut) and per packed row
     packing: bool = True              # pack examples into rows (position_ids), else pad
@@ -76,6 +83,8 @@ class TrainingArguments:
         need(0 <= self.warmup_ratio < 1, f"warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
         need(not (self.warmup_steps and self.warmup_ratio), "give warmup_steps or warmup_ratio, not both")
         need(self.max_grad_norm >= 0, f"max_grad_norm must be >= 0 (0: no clipping), got {self.max_grad_norm}")
+        need(self.optim in _OPTIMIZERS,
+             f"optim must be one of {', '.join(sorted(_OPTIMIZERS))}, got {self.optim!r}")
         need(self.seq_len >= 2, f"seq_len must be at least 2, got {self.seq_len}")
         need(self.log_every >= 1, f"log_every must be at least 1, got {self.log_every}")
         need(self.eval_every >= 0, f"eval_every must be >= 0 (0: at the end only), got {self.eval_every}")
@@ -232,7 +241,7 @@ def train(model, data, args: Optional[TrainingArguments] = None, **kwargs) -> Tr
         (decayed if weight_decay_applies(name) else not_decayed).append(p)
     groups = [g for g in (dict(params=decayed, weight_decay=args.weight_decay),
                           dict(params=not_decayed, weight_decay=0.0)) if g["params"]]
-    optimizer = rp_optim.AdamW(groups, lr=args.lr, eps=args.adam_epsilon)
+    optimizer = getattr(rp_optim, _OPTIMIZERS[args.optim])(groups, lr=args.lr, eps=args.adam_epsilon)
     steps = step_data(data, args, rows_at_least, rank, world)
     total_steps = args.max_steps or args.num_epochs * steps.steps_per_epoch()
     # transformers' schedules (get_scheduler's), roundpipe-train's code.

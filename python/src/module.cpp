@@ -12,6 +12,7 @@
 #include <mutex>
 #include <thread>
 
+#include "optim/dynamic_map.h"
 #include "process_group.h"
 #include "py_layer.h"
 #include "pytree.h"
@@ -474,17 +475,25 @@ PYBIND11_MODULE(_C, m) {
          std::vector<std::optional<at::Tensor>> max_exp_avg_sqs, std::vector<int64_t> steps,
          double lr, double beta1, double beta2, double eps, double weight_decay, bool amsgrad,
          bool maximize, bool decoupled_weight_decay,
-         std::optional<std::vector<std::optional<at::Tensor>>> outs) {
+         std::optional<std::vector<std::optional<at::Tensor>>> outs,
+         std::optional<std::vector<std::optional<at::Tensor>>> exp_avg_absmaxes,
+         std::optional<std::vector<std::optional<at::Tensor>>> exp_avg_sq_absmaxes) {
         const size_t n = params.size();
         TORCH_CHECK(grads.size() == n && exp_avgs.size() == n && exp_avg_sqs.size() == n &&
                         max_exp_avg_sqs.size() == n && steps.size() == n &&
-                        (!outs || outs->size() == n),
+                        (!outs || outs->size() == n) &&
+                        (!exp_avg_absmaxes || exp_avg_absmaxes->size() == n) &&
+                        (!exp_avg_sq_absmaxes || exp_avg_sq_absmaxes->size() == n),
                     "adam_update: the lists differ in length");
+        const auto entry = [](const auto& list, size_t i) {
+          return list ? (*list)[i].value_or(at::Tensor()) : at::Tensor();
+        };
         std::vector<optim::AdamTensors> tensors;
         for (size_t i = 0; i < n; ++i) {
-          const auto out = outs ? (*outs)[i].value_or(at::Tensor()) : at::Tensor();
           tensors.push_back({params[i], grads[i], exp_avgs[i], exp_avg_sqs[i],
-                             max_exp_avg_sqs[i].value_or(at::Tensor()), out, steps[i]});
+                             max_exp_avg_sqs[i].value_or(at::Tensor()), entry(outs, i), steps[i]});
+          tensors.back().exp_avg_absmax = entry(exp_avg_absmaxes, i);
+          tensors.back().exp_avg_sq_absmax = entry(exp_avg_sq_absmaxes, i);
         }
         optim::AdamConfig config;
         config.set_lr(lr)
@@ -500,7 +509,10 @@ PYBIND11_MODULE(_C, m) {
       py::arg("params"), py::arg("grads"), py::arg("exp_avgs"), py::arg("exp_avg_sqs"),
       py::arg("max_exp_avg_sqs"), py::arg("steps"), py::arg("lr"), py::arg("beta1"),
       py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"), py::arg("amsgrad"),
-      py::arg("maximize"), py::arg("decoupled_weight_decay"), py::arg("outs") = py::none());
+      py::arg("maximize"), py::arg("decoupled_weight_decay"), py::arg("outs") = py::none(),
+      py::arg("exp_avg_absmaxes") = py::none(), py::arg("exp_avg_sq_absmaxes") = py::none());
+  m.def("dynamic_map", &optim::dynamic_map_tensor, py::arg("signed"),
+        "the 256 codes of blockwise 8-bit optimizer state (bitsandbytes' create_dynamic_map)");
 
   py::class_<optim::GradScaler>(m, "GradScaler")
       .def(py::init([](double init_scale, double growth_factor, double backoff_factor,

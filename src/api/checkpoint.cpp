@@ -100,14 +100,19 @@ void restore(const Saved& saved, const std::vector<std::pair<std::string, at::Te
   }
 }
 
-torch::optim::AdamParamState& adam_state(optim::Adam& adam, const at::Tensor& master) {
+// The Adam state of `master` to restore into: 8-bit when the checkpoint's
+// moments are codes (`quantized`), float32 otherwise.
+torch::optim::AdamParamState& adam_state(optim::Adam& adam, const at::Tensor& master,
+                                         bool quantized) {
   auto& states = adam.state();
-  auto key = master.unsafeGetTensorImpl();
-  auto it = states.find(key);
-  if (it == states.end()) {
-    it = states.emplace(key, std::make_unique<torch::optim::AdamParamState>()).first;
+  const auto key = master.unsafeGetTensorImpl();
+  auto& slot = states[key];
+  if (quantized) {
+    slot = std::make_unique<optim::QuantizedAdamParamState>();
+  } else {
+    slot = std::make_unique<torch::optim::AdamParamState>();
   }
-  return static_cast<torch::optim::AdamParamState&>(*it->second);
+  return static_cast<torch::optim::AdamParamState&>(*slot);
 }
 
 // checkpoint.json of the checkpoint in `dir`, its format checked.
@@ -159,6 +164,10 @@ nlohmann::json write_optimizer_state(const fs::path& dir, const std::string& mas
     moments.emplace_back(name + ".exp_avg_sq", s.exp_avg_sq());
     if (s.max_exp_avg_sq().defined())
       moments.emplace_back(name + ".max_exp_avg_sq", s.max_exp_avg_sq());
+    if (const auto* q = dynamic_cast<const optim::QuantizedAdamParamState*>(&s)) {
+      moments.emplace_back(name + ".exp_avg_absmax", q->exp_avg_absmax);
+      moments.emplace_back(name + ".exp_avg_sq_absmax", q->exp_avg_sq_absmax);
+    }
   }
   safetensors::save_file((dir / optimizer_file).string(), moments);
   return steps;
@@ -181,6 +190,7 @@ void write_common_files(const fs::path& dir, RoundPipe& pipe, optim::Adam* adam,
     meta["adam"]["amsgrad"] = c.amsgrad;
     meta["adam"]["maximize"] = c.maximize;
     meta["adam"]["decoupled_weight_decay"] = c.decoupled_weight_decay;
+    meta["adam"]["optim_bits"] = c.optim_bits;
   }
   if (scaler) meta["grad_scaler"] = scaler->state_dict();
   {
@@ -304,6 +314,12 @@ std::map<std::string, std::string> load_checkpoint(const std::string& dir, Round
                 dir,
                 ": the Adam options (amsgrad, decoupled_weight_decay, maximize) differ from "
                 "the checkpoint's");
+    // Checkpoints from before 8-bit state hold float32 moments.
+    const int saved_bits = a.value("optim_bits", 32);
+    TORCH_CHECK(saved_bits == c.optim_bits, dir, ": the checkpoint's optimizer state is ",
+                saved_bits, "-bit and this optimizer's ", c.optim_bits,
+                "-bit; resume with the optimizer it was saved with (",
+                saved_bits == 8 ? "Adam8bit / --optim adamw8bit" : "Adam / --optim adamw", ")");
     adam->set_lr(a["lr"].get<double>());
     nlohmann::json steps = shards == 0 ? a["steps"] : nlohmann::json::object();
     for (int r = 0; r < shards; ++r)
@@ -311,11 +327,18 @@ std::map<std::string, std::string> load_checkpoint(const std::string& dir, Round
     const auto moments = load_saved(source, "optimizer", shards);
     for (const auto& [name, master] : pipe.optim_named_parameters()) {
       if (!steps.contains(name)) continue;
-      auto& s = adam_state(*adam, master);
+      auto exp_avg = moments.get(name + ".exp_avg").clone();
+      const bool quantized = exp_avg.scalar_type() == at::kByte;
+      auto& s = adam_state(*adam, master, quantized);
       s.step(steps[name].get<int64_t>());
-      s.exp_avg(moments.get(name + ".exp_avg").clone());
+      s.exp_avg(exp_avg);
       s.exp_avg_sq(moments.get(name + ".exp_avg_sq").clone());
       if (c.amsgrad) s.max_exp_avg_sq(moments.get(name + ".max_exp_avg_sq").clone());
+      if (quantized) {
+        auto& q = static_cast<optim::QuantizedAdamParamState&>(s);
+        q.exp_avg_absmax = moments.get(name + ".exp_avg_absmax").clone();
+        q.exp_avg_sq_absmax = moments.get(name + ".exp_avg_sq_absmax").clone();
+      }
     }
   }
   if (scaler) {

@@ -30,6 +30,26 @@ void adam_f16(float* param, const c10::Half* grad, float* exp_avg, float* exp_av
 void adam_bf16(float* param, const c10::BFloat16* grad, float* exp_avg, float* exp_avg_sq,
                float* max_exp_avg_sq, c10::BFloat16* out, int64_t n, const AdamScalars& s);
 
+// Blockwise 8-bit moments (bitsandbytes' layout): exp_avg as codes of the
+// signed dynamic map, exp_avg_sq of the unsigned one, each with one absmax
+// per kQuantBlock elements. The pointers start at a block boundary.
+struct QuantizedMoments {
+  uint8_t* exp_avg;
+  float* exp_avg_absmax;
+  uint8_t* exp_avg_sq;
+  float* exp_avg_sq_absmax;
+};
+
+// The update of Adam8bit: the moments of each block are decoded, updated
+// as adam_f32's are, used for the parameter's step, and stored again as the
+// nearest codes under the block's new absmax. No amsgrad.
+void adam8bit_f32(float* param, const float* grad, const QuantizedMoments& q, int64_t n,
+                  const AdamScalars& s);
+void adam8bit_f16(float* param, const c10::Half* grad, const QuantizedMoments& q, c10::Half* out,
+                  int64_t n, const AdamScalars& s);
+void adam8bit_bf16(float* param, const c10::BFloat16* grad, const QuantizedMoments& q,
+                   c10::BFloat16* out, int64_t n, const AdamScalars& s);
+
 // The sum of the squares of g[0..n), each partial sum in float (the
 // gradient norm of clipping).
 double sum_of_squares(const float* g, int64_t n);

@@ -20,6 +20,15 @@ void check(bool ok, const char* option, const std::string& accepted, const std::
 
 }  // namespace
 
+int optim_bits_of(const std::string& optim) {
+  if (optim == "adamw") return 32;
+  if (optim == "adamw8bit" || optim == "adamw_8bit" || optim == "adamw_bnb_8bit") return 8;
+  TORCH_CHECK(false,
+              "--optim: expected adamw (float32 moments) or adamw8bit (blockwise 8-bit "
+              "moments, as bitsandbytes' AdamW8bit), got '",
+              optim, "'");
+}
+
 // The sizes against the data (before the model loads): a step needs
 // batch-size x grad-accum examples, and a microbatch at least one row of
 // each process's share of a batch.
@@ -85,6 +94,7 @@ void validate(const TrainOptions& a) {
         "--warmup-ratio", "in [0, 1)", text(a.warmup_ratio));
   check(a.warmup_steps == 0 || a.warmup_ratio == 0, "--warmup-steps",
         "0 when --warmup-ratio is given (one or the other)", text(a.warmup_steps));
+  optim_bits_of(a.optim);  // (names the choices)
   check(std::isfinite(a.weight_decay) && a.weight_decay >= 0, "--weight-decay", ">= 0",
         text(a.weight_decay));
   check(std::isfinite(a.max_grad_norm) && a.max_grad_norm >= 0, "--max-grad-norm",

@@ -17,4 +17,8 @@ void check_sizes(const TrainOptions& options, int64_t train_examples, int proces
 // half-precision base, as peft keeps them) and a 4-bit base.
 models::CausalLMOptions model_options(const TrainOptions& options, c10::ScalarType dtype);
 
+// AdamConfig::optim_bits of --optim (32 for adamw, 8 for adamw8bit); any
+// other name is an error that lists the choices.
+int optim_bits_of(const std::string& optim);
+
 }  // namespace roundpipe::train

@@ -7,6 +7,8 @@
 #include <set>
 #include <sstream>
 
+#include "train/option_checks.h"
+
 namespace roundpipe::train {
 namespace {
 
@@ -29,6 +31,7 @@ json fixed_settings(const TrainOptions& a) {
           {"seq-len", a.seq_len},
           {"packing", a.packing},
           {"dtype", a.dtype},
+          {"optim", optim_bits_of(a.optim) == 8 ? "adamw8bit" : "adamw"},  // (its spellings alike)
           {"lora-rank", a.lora_rank},
           {"lora-alpha", a.lora_alpha},
           {"lora-dropout", a.lora_dropout},

@@ -272,7 +272,8 @@ TrainSummary run_training(const TrainOptions& given) {
   const auto adam_config = roundpipe::optim::AdamConfig()
                                .set_lr(args.lr)
                                .set_weight_decay(args.weight_decay)
-                               .set_decoupled_weight_decay(true);
+                               .set_decoupled_weight_decay(true)
+                               .set_optim_bits(roundpipe::train::optim_bits_of(args.optim));
   std::vector<at::Tensor> decayed, not_decayed;
   for (const auto& [name, master] : pipe.optim_named_parameters())
     (weight_decay_applies(name) ? decayed : not_decayed).push_back(master);

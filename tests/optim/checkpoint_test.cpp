@@ -18,12 +18,12 @@ struct Trainer {
   std::unique_ptr<RoundPipe> pipe;
   std::unique_ptr<optim::Adam> adam;
   std::unique_ptr<optim::GradScaler> scaler;
-  Trainer(uint64_t seed, const std::string& backend, RunConfig run_config = {})
+  Trainer(uint64_t seed, const std::string& backend, RunConfig run_config = {},
+          optim::AdamConfig adam_config = optim::AdamConfig().set_lr(1e-2).set_amsgrad(true))
       : model(make_model(ModelKind::kBatchNorm, seed)) {
     pipe = std::make_unique<RoundPipe>(
         model, RoundPipeOptions().set_devices(backend).set_model_run_config(run_config));
-    adam = std::make_unique<optim::Adam>(pipe->optim_parameters(),
-                                         optim::AdamConfig().set_lr(1e-2).set_amsgrad(true));
+    adam = std::make_unique<optim::Adam>(pipe->optim_parameters(), adam_config);
     scaler = std::make_unique<optim::GradScaler>(optim::GradScalerOptions().set_growth_interval(2));
   }
   double train_step(int step) {
@@ -68,6 +68,41 @@ TEST_P(CheckpointTest, ResumingGivesTheSameNextLosses) {
   for (size_t i = 0; i < a.size(); ++i) EXPECT_TENSOR_NEAR(b[i], a[i], 1e-6, "weight " << i);
   auto c = first.model->buffers(), d = resumed.model->buffers();
   for (size_t i = 0; i < c.size(); ++i) EXPECT_TRUE(at::equal(c[i], d[i])) << "buffer " << i;
+}
+
+// 8-bit state (every parameter of the small model quantized:
+// min_8bit_size 0) saves its codes and scales and resumes exactly; an
+// optimizer of the other state format refuses the checkpoint.
+TEST_P(CheckpointTest, EightBitStateResumesExactly) {
+  const auto dir = test_dir("ckpt_8bit");
+  std::filesystem::remove_all(dir);
+  const auto eight_bit = optim::AdamConfig().set_lr(1e-2).set_optim_bits(8).set_min_8bit_size(0);
+  Trainer first(1, GetParam(), {}, eight_bit);
+  for (int step = 0; step < 3; ++step) first.train_step(step);
+  save_checkpoint(dir, *first.pipe, first.adam.get(), first.scaler.get());
+  std::vector<double> continued;
+  for (int step = 3; step < 6; ++step) continued.push_back(first.train_step(step));
+
+  Trainer resumed(99, GetParam(), {}, eight_bit);
+  load_checkpoint(dir, *resumed.pipe, resumed.adam.get(), resumed.scaler.get());
+  for (const auto& [key, state] : resumed.adam->state()) {
+    const auto& s = static_cast<const torch::optim::AdamParamState&>(*state);
+    EXPECT_EQ(s.exp_avg().scalar_type(), at::kByte);
+    EXPECT_NE(dynamic_cast<const optim::QuantizedAdamParamState*>(state.get()), nullptr);
+  }
+  for (int step = 3; step < 6; ++step) {
+    EXPECT_NEAR(resumed.train_step(step), continued[step - 3], 1e-6 * std::abs(continued[step - 3]))
+        << "step " << step;
+  }
+  first.pipe->synchronize();
+  resumed.pipe->synchronize();
+  auto a = first.model->parameters(), b = resumed.model->parameters();
+  for (size_t i = 0; i < a.size(); ++i) EXPECT_TENSOR_NEAR(b[i], a[i], 1e-6, "weight " << i);
+
+  Trainer float32(2, GetParam(), {}, optim::AdamConfig().set_lr(1e-2));
+  const auto error = message_of(
+      [&] { load_checkpoint(dir, *float32.pipe, float32.adam.get(), float32.scaler.get()); });
+  EXPECT_HAS(error, "8-bit and this optimizer's 32-bit");
 }
 
 // A checkpoint is taken without publishing the pending async update

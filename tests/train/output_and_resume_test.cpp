@@ -109,7 +109,8 @@ TEST(Trainer, ResumeRefusesChangedSettingsAndAllowsTheSafeOnesWhenAsked) {
   // What decides the examples or the model: refused, named, no override.
   for (auto change : {+[](train::TrainOptions& o) { o.batch_size = 8; },
                       +[](train::TrainOptions& o) { o.seed = 7; },
-                      +[](train::TrainOptions& o) { o.task = "reverse"; }}) {
+                      +[](train::TrainOptions& o) { o.task = "reverse"; },
+                      +[](train::TrainOptions& o) { o.optim = "adamw_8bit"; }}) {
     auto changed = run;
     change(changed);
     changed.allow_resume_change = "steps,lr";

@@ -44,21 +44,44 @@ TEST(Trainer, LearnsTheReverseTask) {
   EXPECT_EQ(model.config().model_type, "qwen3");
 }
 
-TEST(Trainer, ResumingContinuesExactly) {
-  auto through = tiny("through");
-  through.steps = 20;
-  through.checkpoint_every = 10;  // saved at step 10, the run goes on
-  train::run_training(through);
-  auto resumed = tiny("resumed");
-  resumed.steps = 20;
-  resumed.resume = true;
-  resumed.checkpoint_dir = through.output + ".ckpt";  // the step-10 checkpoint
-  train::run_training(resumed);
-  auto a = models::CausalLM::from_pretrained(through.output).hf_state_dict();
-  auto b = models::CausalLM::from_pretrained(resumed.output).hf_state_dict();
-  ASSERT_EQ(a.size(), b.size());
-  for (size_t i = 0; i < a.size(); ++i)
-    EXPECT_TENSOR_NEAR(b[i].second, a[i].second, 1e-6, a[i].first);
+// With float32 moments and with 8-bit ones (--optim adamw8bit). A resumed
+// run's automatic plan may sum a gradient in another order (a few ulps):
+// float32 state carries that on as such, 8-bit state where a moment lies
+// that close to the midpoint of two codes stores the other one, and that
+// element's later updates differ by up to about lr each (bias-corrected
+// m / sqrt(v) is about 1). Such elements are rare.
+TEST(Trainer, ResumingContinuesAsIfNeverStopped) {
+  for (const std::string optim : {"adamw", "adamw8bit"}) {
+    SCOPED_TRACE(optim);
+    auto through = tiny("through_" + optim);
+    through.steps = 20;
+    through.optim = optim;
+    through.checkpoint_every = 10;  // saved at step 10, the run goes on
+    train::run_training(through);
+    auto resumed = tiny("resumed_" + optim);
+    resumed.steps = 20;
+    resumed.optim = optim;
+    resumed.resume = true;
+    resumed.checkpoint_dir = through.output + ".ckpt";  // the step-10 checkpoint
+    train::run_training(resumed);
+    auto a = models::CausalLM::from_pretrained(through.output).hf_state_dict();
+    auto b = models::CausalLM::from_pretrained(resumed.output).hf_state_dict();
+    ASSERT_EQ(a.size(), b.size());
+    int64_t elements = 0, apart = 0;
+    for (size_t i = 0; i < a.size(); ++i) {
+      const auto& [name, want] = a[i];
+      const auto& got = b[i].second;
+      if (optim == "adamw") {
+        EXPECT_TENSOR_NEAR(got, want, 1e-6, name);
+        continue;
+      }
+      EXPECT_TENSOR_ABS_NEAR(got, want, 10 * through.lr, name);  // 10 updates after the resume
+      const auto beyond = (got - want).abs() > 1e-6 * want.abs().max();
+      apart += beyond.sum().item<int64_t>();
+      elements += want.numel();
+    }
+    EXPECT_LE(apart, elements / 100) << "elements apart by more than float32's rounding";
+  }
 }
 
 std::vector<std::pair<std::string, at::Tensor>> trained_weights(const std::string& output) {
@@ -130,6 +153,7 @@ TEST(Trainer, EveryOptionIsValidatedBeforeTraining) {
   expect_rejected([](auto& o) { o.epochs = -1; }, "--epochs must be >= 0");
   expect_rejected([](auto& o) { o.lr = -1; }, "--lr must be a positive number");
   expect_rejected([](auto& o) { o.lr = std::nan(""); }, "--lr must be a positive number");
+  expect_rejected([](auto& o) { o.optim = "adam8"; }, "--optim: expected adamw");
   expect_rejected([](auto& o) { o.digits = 40; }, "--digits must be between 1 and 9");
   expect_rejected([](auto& o) { o.loss_chunk = 0; }, "--loss-chunk must be at least 1");
   expect_rejected([](auto& o) { o.recompute = "block"; },

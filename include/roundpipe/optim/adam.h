@@ -1,7 +1,9 @@
 // A fast Adam/AdamW for CPU tensors: one vectorised, multithreaded pass over
 // all parameters at once (AVX-512 / AVX2 / baseline clones chosen at load time
 // by the CPU). Numerically it follows torch::optim::Adam (and AdamW with
-// decoupled weight decay) operation by operation.
+// decoupled weight decay) operation by operation. With optim_bits = 8 it is
+// bitsandbytes' blockwise 8-bit Adam: both moments stored in one byte an
+// element, a quarter of the float32 state.
 #pragma once
 
 #include <torch/optim/adam.h>
@@ -21,6 +23,12 @@ struct AdamConfig {
   bool amsgrad = false;
   bool maximize = false;
   bool decoupled_weight_decay = false;  // true: AdamW
+  // 8: both moments in bitsandbytes' blockwise 8-bit format (its Adam8bit:
+  // one code a byte, one float32 scale a block of 256) for parameters of at
+  // least min_8bit_size elements; smaller ones keep float32 moments, as
+  // there. 32: float32 moments.
+  int optim_bits = 32;
+  int64_t min_8bit_size = 4096;
 
   AdamConfig& set_lr(double v) {
     lr = v;
@@ -51,25 +59,48 @@ struct AdamConfig {
     decoupled_weight_decay = v;
     return *this;
   }
+  AdamConfig& set_optim_bits(int v) {
+    optim_bits = v;
+    return *this;
+  }
+  AdamConfig& set_min_8bit_size(int64_t v) {
+    min_8bit_size = v;
+    return *this;
+  }
+};
+
+// The state of a parameter with 8-bit moments: exp_avg and exp_avg_sq hold
+// the codes (uint8, the parameter's shape), these the absmax of each block
+// of 256 elements (float32, one a block).
+struct QuantizedAdamParamState : torch::optim::AdamParamState {
+  at::Tensor exp_avg_absmax;
+  at::Tensor exp_avg_sq_absmax;
+  std::unique_ptr<torch::optim::OptimizerParamState> clone() const override {
+    return std::make_unique<QuantizedAdamParamState>(*this);
+  }
 };
 
 // One parameter's share of an Adam update, its state held by the caller.
 struct AdamTensors {
   at::Tensor param;                    // updated in place
   at::Tensor grad;                     // same dtype as param, or fp16/bf16 for an fp32 param
-  at::Tensor exp_avg;                  // same shape and dtype as param
-  at::Tensor exp_avg_sq;               // same shape and dtype as param
+  at::Tensor exp_avg;                  // same shape and dtype as param, or 8-bit codes (uint8)
+  at::Tensor exp_avg_sq;               // the same
   at::Tensor max_exp_avg_sq;           // amsgrad only
   at::Tensor low_precision_out;        // optional: written with the updated value
   int64_t step = 1;                    // the step number of this update (1 for the first)
   std::optional<double> weight_decay;  // its param group's (default: the config's)
   // The gradient is read times this (gradient clipping's coefficient).
   double grad_multiplier = 1.0;
+  // 8-bit moments only: the float32 absmax of each block of 256.
+  at::Tensor exp_avg_absmax;
+  at::Tensor exp_avg_sq_absmax;
 };
 
 // One Adam/AdamW update of every entry with `config`'s hyperparameters, in
 // one parallel pass: fp32 contiguous CPU parameters take the vectorised
 // kernel, anything else the plain ATen composition (as torch does it).
+// Entries whose moments are uint8 take the 8-bit kernel.
 void adam_update(const std::vector<AdamTensors>& tensors, const AdamConfig& config);
 
 // A fused optimizer pass (RoundPipe::step(FusedUpdate)): updates each fp32

@@ -36,6 +36,9 @@ struct TrainOptions {
   // is that of one batch of grad_accum x batch_size examples.
   int64_t grad_accum = 1;
   double lr = 3e-4, weight_decay = 0.01;
+  // "adamw" (float32 moments) or "adamw8bit" (bitsandbytes' blockwise 8-bit
+  // moments, a quarter of the memory; also spelled adamw_8bit, adamw_bnb_8bit).
+  std::string optim = "adamw";
   // Gradients are clipped to this global L2 norm before each update
   // (clip_grad_norm_, transformers' default 1.0); 0 only measures it. The
   // norm of every step is reported either way.

@@ -144,6 +144,9 @@ void OptimizerStream::step(std::vector<std::shared_ptr<CallState>> calls,
           } else {
             grad.add_(g.to(grad.scalar_type()));
           }
+          // In .grad now: the step's low-precision sum goes back before the
+          // function runs, for the next call's gradients to take its place.
+          g = at::Tensor();
         }
         const double cast_ms = ms_since(start);
         step_fn();
@@ -389,7 +392,7 @@ void OptimizerStream::update_as_gradients_arrive(std::vector<std::shared_ptr<Cal
     std::map<int, at::Tensor> batch;
     for (int id : ids) {
       left.erase(id);
-      at::Tensor sum = grads_.sum(call_grads, id);
+      at::Tensor sum = grads_.take_sum(call_grads, id);
       // The previous update's weights go live first (once the calls that
       // read the older ones have uploaded them): the update writes over
       // the storage they leave.

@@ -61,14 +61,17 @@ std::vector<int> GradientLedger::wait_final(const std::vector<CallGradients*>& c
   return ready;
 }
 
-at::Tensor GradientLedger::sum(const std::vector<CallGradients*>& calls, int id) {
+at::Tensor GradientLedger::take_sum(const std::vector<CallGradients*>& calls, int id) {
   at::Tensor total;
   for (auto* call : calls) {
     at::Tensor g;
     {
       std::lock_guard<std::mutex> lock(mu_);
       const auto it = call->sums.find(id);
-      if (it != call->sums.end()) g = it->second;
+      if (it != call->sums.end()) {
+        g = std::move(it->second);
+        call->sums.erase(it);
+      }
     }
     if (g.defined()) total = total.defined() ? total.add_(g) : g;
   }

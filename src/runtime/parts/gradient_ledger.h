@@ -42,8 +42,10 @@ class GradientLedger {
                               const std::set<int>& candidates,
                               const std::function<bool()>& cancelled);
   // Parameter `id`'s gradient summed over `calls` in their order
-  // (undefined when none has one).
-  at::Tensor sum(const std::vector<CallGradients*>& calls, int id);
+  // (undefined when none has one), taken out of them: the calls keep no
+  // part of it, so its memory goes as soon as the caller drops the sum
+  // (a step frees each gradient once it is applied, not at its end).
+  at::Tensor take_sum(const std::vector<CallGradients*>& calls, int id);
   // Takes the call's sums (the call keeps none).
   std::map<int, at::Tensor> take(CallGradients& call);
   // Wakes the waits so that they look at their cancellation again

@@ -62,8 +62,10 @@ TEST(GradientLedger, AParameterIsFinalOnceEveryDeliveryIsIn) {
   ledger.delivered(first, {1});
   waiter.join();
   EXPECT_EQ(ready, std::vector<int>{1});
-  EXPECT_TRUE(at::equal(ledger.sum(calls, 1), at::full({2}, 2.0f)));
-  EXPECT_FALSE(ledger.sum(calls, 0).defined());  // delivered with no gradient
+  EXPECT_TRUE(at::equal(ledger.take_sum(calls, 1), at::full({2}, 2.0f)));
+  EXPECT_FALSE(ledger.take_sum(calls, 0).defined());  // delivered with no gradient
+  EXPECT_TRUE(first.sums.empty());                    // taken: the calls keep none of it
+  EXPECT_FALSE(ledger.take_sum(calls, 1).defined());
 }
 
 TEST(GradientLedger, ACancelledWaitReturnsNothing) {
