@@ -112,7 +112,9 @@ void roundpipe_adam(benchmark::State& state) {
   set_rates(state, total_params(), 28);
 }
 
-void roundpipe_fused(benchmark::State& state) {
+// The fused pass over bf16 gradients and weights with `config`'s state.
+void fused_pass(benchmark::State& state, roundpipe::optim::AdamConfig config,
+                double bytes_per_param) {
   auto masters = make_tensors(at::kFloat, 1);
   std::vector<at::Tensor> grads, weights;
   for (const auto& m : masters) {
@@ -120,27 +122,17 @@ void roundpipe_fused(benchmark::State& state) {
     weights.push_back(at::empty_like(m, at::TensorOptions().dtype(at::kBFloat16)));
   }
   roundpipe::optim::Adam adam(
-      masters,
-      roundpipe::optim::AdamConfig().set_lr(1e-4).set_weight_decay(0.01).set_decoupled_weight_decay(
-          true));
+      masters, config.set_lr(1e-4).set_weight_decay(0.01).set_decoupled_weight_decay(true));
   for (auto _ : state) adam.fused_step(masters, grads, weights);
-  set_rates(state, total_params(), 28);
+  set_rates(state, total_params(), bytes_per_param);
+}
+
+void roundpipe_fused(benchmark::State& state) {
+  fused_pass(state, roundpipe::optim::AdamConfig(), 28);
 }
 
 void roundpipe_fused_8bit(benchmark::State& state) {
-  auto masters = make_tensors(at::kFloat, 1);
-  std::vector<at::Tensor> grads, weights;
-  for (const auto& m : masters) {
-    grads.push_back((at::randn_like(m) * 1e-3).to(at::kBFloat16));
-    weights.push_back(at::empty_like(m, at::TensorOptions().dtype(at::kBFloat16)));
-  }
-  roundpipe::optim::Adam adam(masters, roundpipe::optim::AdamConfig()
-                                           .set_lr(1e-4)
-                                           .set_weight_decay(0.01)
-                                           .set_decoupled_weight_decay(true)
-                                           .set_optim_bits(8));
-  for (auto _ : state) adam.fused_step(masters, grads, weights);
-  set_rates(state, total_params(), 16);
+  fused_pass(state, roundpipe::optim::AdamConfig().set_optim_bits(8), 16);
 }
 
 void torch_adamw(benchmark::State& state) {

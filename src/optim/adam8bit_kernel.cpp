@@ -19,16 +19,6 @@
 namespace roundpipe::optim::kernel {
 namespace {
 
-inline float to_float(float x) {
-  return x;
-}
-inline float to_float(c10::Half x) {
-  return static_cast<float>(x);
-}
-inline float to_float(c10::BFloat16 x) {
-  return static_cast<float>(x);
-}
-
 // The largest of x[0..n), all >= 0 (or NaN, which wins): non-negative
 // floats order as their bit patterns, and an integer maximum vectorises
 // where a float one (NaN rules) does not.

@@ -13,16 +13,6 @@
 namespace roundpipe::optim::kernel {
 namespace {
 
-inline float to_float(float x) {
-  return x;
-}
-inline float to_float(c10::Half x) {
-  return static_cast<float>(x);
-}
-inline float to_float(c10::BFloat16 x) {
-  return static_cast<float>(x);
-}
-
 template <bool kAmsgrad, typename Grad, typename Out>
 __attribute__((always_inline)) inline void adam_loop(float* __restrict p,
                                                      const Grad* __restrict grad,

@@ -9,6 +9,17 @@
 
 namespace roundpipe::optim::kernel {
 
+// A gradient element as float (the kernels' inputs are fp32, fp16 or bf16).
+inline float to_float(float x) {
+  return x;
+}
+inline float to_float(c10::Half x) {
+  return static_cast<float>(x);
+}
+inline float to_float(c10::BFloat16 x) {
+  return static_cast<float>(x);
+}
+
 // Per-tensor scalars, all as the float values torch's composition uses.
 struct AdamScalars {
   float beta1, one_minus_beta1;
