@@ -175,15 +175,16 @@ def _examples(n, seed=0):
     return out
 
 
-def _plain_oracle(model, data, args, total_steps):
-    """The same steps in plain transformers + torch: AdamW with the same
-    param groups, transformers' schedule, clip_grad_norm_, synchronous."""
+def _plain_oracle(model, data, args, total_steps, optimizer_class=torch.optim.AdamW):
+    """The same steps in plain transformers + torch: AdamW (or
+    `optimizer_class`) with the same param groups, transformers' schedule,
+    clip_grad_norm_, synchronous."""
     from transformers import get_scheduler
     named = list(model.named_parameters())
     groups = [dict(params=[p for n, p in named if not n.endswith(".bias") and "norm" not in n],
                    weight_decay=args.weight_decay),
               dict(params=[p for n, p in named if n.endswith(".bias") or "norm" in n], weight_decay=0.0)]
-    opt = torch.optim.AdamW([g for g in groups if g["params"]], lr=args.lr, eps=args.adam_epsilon)
+    opt = optimizer_class([g for g in groups if g["params"]], lr=args.lr, eps=args.adam_epsilon)
     warmup = math.ceil(args.warmup_ratio * total_steps)
     sched = get_scheduler(args.lr_schedule, opt, num_warmup_steps=warmup, num_training_steps=total_steps)
     losses, norms, lrs = [], [], []
@@ -201,7 +202,7 @@ def _plain_oracle(model, data, args, total_steps):
         sched.step()
         opt.zero_grad()
         losses.append(loss)
-    return losses, norms, lrs
+    return losses, norms, lrs, opt
 
 
 def test_train_matches_plain_transformers_with_clipping_schedule_and_accumulation(tmp_path):
@@ -217,7 +218,7 @@ def test_train_matches_plain_transformers_with_clipping_schedule_and_accumulatio
     model = tiny_qwen3()
     oracle = copy.deepcopy(model)
     result = train(model, data, args)
-    losses, norms, lrs = _plain_oracle(oracle, data, args, 5)
+    losses, norms, lrs, _ = _plain_oracle(oracle, data, args, 5)
     assert result.losses == pytest.approx(losses, rel=1e-4)
     assert result.grad_norms == pytest.approx(norms, rel=1e-4)
     assert all(n > args.max_grad_norm for n in norms), "clipping never bound: the test shows nothing"
